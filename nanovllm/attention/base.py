@@ -1,0 +1,34 @@
+"""The one interface every attention backend implements.
+
+Shapes (flash-attn's conventions): q [num_tokens, num_heads, head_dim], k/v
+[num_tokens, num_kv_heads, head_dim] (often strided views of the fused qkv output), and the
+paged cache k_cache/v_cache [num_blocks, block_size, num_kv_heads, head_dim]. Causal masks are
+bottom-right aligned: query i of a sequence with Lq new and Lk total tokens sees key j iff
+j <= i + Lk - Lq, which is what makes a cached prefix (and a chunked prefill) work.
+"""
+from abc import ABC, abstractmethod
+
+import torch
+
+from nanovllm.utils.context import AttentionMetadata
+
+
+class AttentionBackend(ABC):
+    name: str
+
+    @abstractmethod
+    def store_kv(self, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                 slot_mapping: torch.Tensor) -> None:
+        """Write each new token's K/V to its cache slot; slot -1 means skip (a padding row)."""
+
+    @abstractmethod
+    def prefill(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+                v_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        """Varlen causal attention of the new tokens over each sequence's keys: the contiguous
+        k/v when meta.block_tables is None (no cached prefix), else the cache via the block table."""
+
+    @abstractmethod
+    def decode(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
+               scale: float) -> torch.Tensor:
+        """One query token per sequence over its meta.context_lens cached keys (the new one
+        included); a row with context length 0 outputs zeros."""

@@ -1,0 +1,189 @@
+"""Turns scheduled sequences into tensors, runs the model and samples the next tokens.
+
+Owns the model, the attention backend, the KV cache (one tensor, sliced per layer) and the
+per-step inputs: token ids, positions, slot mappings and block tables. It is the only part of
+the engine that touches tensors; it knows nothing of queues or finishing rules.
+"""
+import logging
+
+import torch
+
+from nanovllm.attention import create_backend
+from nanovllm.config import Config
+from nanovllm.engine.sequence import Sequence
+from nanovllm.layers.attention import Attention
+from nanovllm.layers.sampler import Sampler
+from nanovllm.models.qwen3 import MODELS
+from nanovllm.sampling_params import SamplingParams
+from nanovllm.utils.context import AttentionMetadata, forward_context
+from nanovllm.utils.loader import load_model
+
+logger = logging.getLogger("nanovllm")
+
+GIB = 1 << 30
+# On CPU the warm-up only checks the forward pass runs; a full max_num_batched_tokens prefill
+# (done on CUDA to measure peak memory) would take minutes on a few cores.
+CPU_WARMUP_TOKENS = 64
+
+
+class ModelRunner:
+
+    def __init__(self, config: Config):
+        self.config = config
+        hf_config = config.hf_config
+        self.device = torch.device(config.device)
+        self.block_size = config.kvcache_block_size
+        self.num_layers = hf_config.num_hidden_layers
+        self.num_kv_heads = hf_config.num_key_value_heads
+        self.head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // hf_config.num_attention_heads
+        default_dtype = torch.get_default_dtype()
+        torch.set_default_dtype(config.dtype)
+        try:
+            with self.device:
+                self.model = MODELS[config.architecture](hf_config)
+        finally:
+            torch.set_default_dtype(default_dtype)
+        load_model(self.model, config.model)
+        self.backend = create_backend(config.attention_backend, config.device, self.block_size)
+        self.attention_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
+        for layer in self.attention_layers:
+            layer.backend = self.backend
+        self.sampler = Sampler()
+        self.warmup_model()
+        self.num_kvcache_blocks = self.allocate_kv_cache()
+        logger.info("device %s, dtype %s, attention %s, CUDA graphs off, KV cache %d blocks x %d tokens = %d tokens",
+                    config.device, config.dtype, self.backend.name, self.num_kvcache_blocks, self.block_size,
+                    self.num_kvcache_blocks * self.block_size)
+
+    def exit(self) -> None:
+        for layer in self.attention_layers:
+            layer.k_cache = layer.v_cache = torch.tensor([])
+        self.kv_cache = None
+        if self.device.type == "cuda":
+            torch.cuda.synchronize()
+            torch.cuda.empty_cache()
+
+    @torch.inference_mode()
+    def warmup_model(self) -> None:
+        config = self.config
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+            torch.cuda.reset_peak_memory_stats()
+            seq_len = min(config.max_num_batched_tokens, config.max_model_len)
+            num_seqs = max(1, min(config.max_num_batched_tokens // seq_len, config.max_num_seqs))
+        else:
+            seq_len, num_seqs = min(CPU_WARMUP_TOKENS, config.max_model_len), 1
+        seqs = [Sequence(-1, [0] * seq_len, SamplingParams(), self.block_size) for _ in range(num_seqs)]
+        for seq in seqs:
+            seq.num_scheduled_tokens = seq_len
+        self.run(seqs, True)
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+
+    def _kv_block_bytes(self) -> int:
+        return 2 * self.num_layers * self.block_size * self.num_kv_heads * self.head_dim * self.config.dtype.itemsize
+
+    def _num_blocks_from_memory(self) -> int:
+        config, block_bytes = self.config, self._kv_block_bytes()
+        blocks_per_seq = (config.max_model_len + self.block_size - 1) // self.block_size
+        if self.device.type == "cuda":
+            free, total = torch.cuda.mem_get_info()
+            stats = torch.cuda.memory_stats()
+            peak, current = stats["allocated_bytes.all.peak"], stats["allocated_bytes.all.current"]
+            budget = int(total * config.gpu_memory_utilization) - (total - free) - peak + current
+            where = f"gpu_memory_utilization={config.gpu_memory_utilization} of {total / GIB:.1f} GiB"
+        else:
+            budget = int(config.cpu_kvcache_space_gib * GIB)
+            where = f"cpu_kvcache_space_gib={config.cpu_kvcache_space_gib}"
+        # More blocks than max_num_seqs full-length sequences can use would be wasted memory.
+        num_blocks = min(max(budget, 0) // block_bytes, config.max_num_seqs * blocks_per_seq)
+        if num_blocks < blocks_per_seq:
+            raise ValueError(f"the KV cache fits {num_blocks} blocks of {self.block_size} tokens under {where}, "
+                             f"fewer than one sequence of max_model_len={config.max_model_len} needs "
+                             f"({blocks_per_seq}); lower max_model_len or give the cache more memory")
+        return num_blocks
+
+    def allocate_kv_cache(self) -> int:
+        n = self.config.num_kvcache_blocks
+        num_blocks = n if n > 0 else self._num_blocks_from_memory()
+        # [k|v, layer, block, slot in block, kv head, head_dim]: one tensor, a slice per layer
+        self.kv_cache = torch.zeros(2, self.num_layers, num_blocks, self.block_size, self.num_kv_heads,
+                                    self.head_dim, dtype=self.config.dtype, device=self.device)
+        for i, layer in enumerate(self.attention_layers):
+            layer.k_cache, layer.v_cache = self.kv_cache[0, i], self.kv_cache[1, i]
+        return num_blocks
+
+    def _to_device(self, data: list, dtype: torch.dtype) -> torch.Tensor:
+        if self.device.type == "cpu":
+            return torch.tensor(data, dtype=dtype)
+        return torch.tensor(data, dtype=dtype, pin_memory=True).to(self.device, non_blocking=True)
+
+    def _block_tables(self, seqs: list[Sequence]) -> torch.Tensor:
+        width = max(len(seq.block_table) for seq in seqs)
+        return self._to_device([seq.block_table + [-1] * (width - len(seq.block_table)) for seq in seqs], torch.int32)
+
+    def _slots(self, seq: Sequence, start: int, end: int) -> list[int]:
+        """Flat cache slots of the sequence's token positions start..end-1."""
+        bs, slots = self.block_size, []
+        for i in range(start // bs, (end + bs - 1) // bs):
+            base = seq.block_table[i] * bs
+            slots.extend(range(base + max(start - i * bs, 0), base + min(end - i * bs, bs)))
+        return slots
+
+    def prepare_prefill(self, seqs: list[Sequence]) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor]:
+        input_ids, positions, slot_mapping = [], [], []
+        seqlens_q, seqlens_k = [], []
+        for seq in seqs:
+            start, end = seq.num_computed_tokens, seq.num_computed_tokens + seq.num_scheduled_tokens
+            input_ids.extend(seq.token_ids[start:end])
+            positions.extend(range(start, end))
+            seqlens_q.append(end - start)
+            seqlens_k.append(end)
+            if seq.block_table:  # the warm-up has no cache
+                slot_mapping.extend(self._slots(seq, start, end))
+        cu_q = [0]
+        cu_k = [0]
+        for lq, lk in zip(seqlens_q, seqlens_k):
+            cu_q.append(cu_q[-1] + lq)
+            cu_k.append(cu_k[-1] + lk)
+        has_prefix = cu_k[-1] > cu_q[-1]
+        meta = AttentionMetadata(
+            is_prefill=True,
+            slot_mapping=self._to_device(slot_mapping, torch.int64),
+            cu_seqlens_q=self._to_device(cu_q, torch.int32),
+            cu_seqlens_k=self._to_device(cu_k, torch.int32),
+            max_seqlen_q=max(seqlens_q),
+            max_seqlen_k=max(seqlens_k),
+            block_tables=self._block_tables(seqs) if has_prefix else None,
+            seqlens_q=seqlens_q,
+            seqlens_k=seqlens_k,
+        )
+        last_rows = self._to_device([c - 1 for c in cu_q[1:]], torch.int64)  # each sequence's last new token
+        return self._to_device(input_ids, torch.int64), self._to_device(positions, torch.int64), meta, last_rows
+
+    def prepare_decode(self, seqs: list[Sequence]) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+        input_ids = [seq.last_token for seq in seqs]
+        positions = [len(seq) - 1 for seq in seqs]
+        bs = self.block_size
+        slot_mapping = [seq.block_table[p // bs] * bs + p % bs for seq, p in zip(seqs, positions)]
+        meta = AttentionMetadata(
+            is_prefill=False,
+            slot_mapping=self._to_device(slot_mapping, torch.int64),
+            context_lens=self._to_device([len(seq) for seq in seqs], torch.int32),
+            block_tables=self._block_tables(seqs),
+        )
+        return self._to_device(input_ids, torch.int64), self._to_device(positions, torch.int64), meta
+
+    @torch.inference_mode()
+    def run(self, seqs: list[Sequence], is_prefill: bool) -> list[int]:
+        if is_prefill:
+            input_ids, positions, meta, last_rows = self.prepare_prefill(seqs)
+        else:
+            (input_ids, positions, meta), last_rows = self.prepare_decode(seqs), None
+        temperatures = self._to_device([seq.temperature for seq in seqs], torch.float32)
+        with forward_context(meta):
+            hidden_states = self.model(input_ids, positions)  # [num_tokens, hidden]
+        if last_rows is not None:
+            hidden_states = hidden_states[last_rows]
+        logits = self.model.compute_logits(hidden_states)  # [num_seqs, vocab]
+        return self.sampler(logits, temperatures).tolist()

@@ -1,0 +1,112 @@
+"""Continuous batching: decides which sequences run in the next step, and how many tokens each.
+
+Prefill first (as nano-vllm): waiting sequences are admitted in order within
+max_num_batched_tokens; the first one that does not fit is chunked, and stays at the head of
+the queue until its prompt is done. Otherwise every running sequence decodes one token;
+when the KV cache runs out, the newest running sequences are preempted (their blocks freed,
+to be recomputed later). Plain Python: no tensors.
+"""
+from collections import deque
+from typing import NamedTuple
+
+from nanovllm.engine.block_manager import BlockManager
+from nanovllm.engine.sequence import Sequence, SequenceStatus
+
+
+class ScheduledBatch(NamedTuple):
+    seqs: list[Sequence]
+    is_prefill: bool
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(seq.num_scheduled_tokens for seq in self.seqs)
+
+
+class Scheduler:
+
+    def __init__(self, max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int, eos: int,
+                 block_manager: BlockManager):
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_model_len = max_model_len
+        self.eos = eos
+        self.block_manager = block_manager
+        self.waiting: deque[Sequence] = deque()
+        self.running: deque[Sequence] = deque()
+
+    def is_finished(self) -> bool:
+        return not self.waiting and not self.running
+
+    def add(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+
+    def schedule(self) -> ScheduledBatch:
+        batch = self._schedule_prefill()
+        return batch if batch.seqs else self._schedule_decode()
+
+    def _schedule_prefill(self) -> ScheduledBatch:
+        scheduled: list[Sequence] = []
+        budget = self.max_num_batched_tokens
+        # A chunked sequence ends the loop, so every admitted one is already counted in running.
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            seq = self.waiting[0]
+            if not seq.block_table and not self.block_manager.allocate(seq):
+                break
+            remaining = len(seq) - seq.num_computed_tokens
+            seq.num_scheduled_tokens = min(remaining, budget)
+            budget -= seq.num_scheduled_tokens
+            scheduled.append(seq)
+            if seq.num_scheduled_tokens < remaining:  # chunked: it stays at the head of the queue
+                break
+            self.waiting.popleft()
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+        return ScheduledBatch(scheduled, True)
+
+    def _schedule_decode(self) -> ScheduledBatch:
+        scheduled: list[Sequence] = []
+        while self.running and len(scheduled) < self.max_num_seqs:
+            seq = self.running.popleft()
+            while not self.block_manager.can_append(seq):
+                if self.running:
+                    self.preempt(self.running.pop())
+                else:
+                    self.preempt(seq)
+                    break
+            else:
+                self.block_manager.may_append(seq)
+                seq.num_scheduled_tokens = 1
+                scheduled.append(seq)
+        assert scheduled or self.waiting, "nothing to schedule"
+        self.running.extendleft(reversed(scheduled))
+        return ScheduledBatch(scheduled, False)
+
+    def preempt(self, seq: Sequence) -> None:
+        seq.status = SequenceStatus.WAITING
+        self.block_manager.deallocate(seq)
+        self.waiting.appendleft(seq)
+
+    def postprocess(self, batch: ScheduledBatch, token_ids: list[int]) -> list[Sequence]:
+        """Advance each scheduled sequence by its computed tokens and its sampled token (a
+        prefill chunk that does not finish the prompt samples nothing). Returns the finished."""
+        finished = []
+        for seq, token_id in zip(batch.seqs, token_ids):
+            first_block = seq.num_computed_tokens // self.block_manager.block_size
+            seq.num_computed_tokens += seq.num_scheduled_tokens
+            seq.num_scheduled_tokens = 0
+            self.block_manager.cache_blocks(seq, first_block, seq.num_computed_tokens // self.block_manager.block_size)
+            if seq.num_computed_tokens < len(seq):
+                continue
+            seq.append_token(token_id)
+            if not seq.ignore_eos and token_id == self.eos:
+                seq.finish_reason = "stop"
+            elif seq.num_completion_tokens >= seq.max_tokens or len(seq) >= self.max_model_len:
+                seq.finish_reason = "length"
+            else:
+                continue
+            seq.status = SequenceStatus.FINISHED
+            self.block_manager.deallocate(seq)
+            finished.append(seq)
+        if finished:  # one O(n) rebuild instead of an O(n) deque.remove per finished sequence
+            self.running = deque(seq for seq in self.running if not seq.is_finished)
+        return finished
