@@ -26,6 +26,21 @@ GIB = 1 << 30
 CPU_WARMUP_TOKENS = 64
 
 
+def token_slots(block_table: list[int], block_size: int, start: int, end: int) -> list[int]:
+    """Flat cache slots (block_id * block_size + offset) of token positions start..end-1."""
+    slots = []
+    for i in range(start // block_size, (end + block_size - 1) // block_size):
+        base = block_table[i] * block_size
+        slots.extend(range(base + max(start - i * block_size, 0), base + min(end - i * block_size, block_size)))
+    return slots
+
+
+def decode_slot(block_table: list[int], block_size: int, num_tokens: int) -> int:
+    """Slot of a decoding sequence's newest token, the one at position num_tokens - 1."""
+    position = num_tokens - 1
+    return block_table[position // block_size] * block_size + position % block_size
+
+
 class ModelRunner:
 
     def __init__(self, config: Config):
@@ -122,14 +137,6 @@ class ModelRunner:
         width = max(len(seq.block_table) for seq in seqs)
         return self._to_device([seq.block_table + [-1] * (width - len(seq.block_table)) for seq in seqs], torch.int32)
 
-    def _slots(self, seq: Sequence, start: int, end: int) -> list[int]:
-        """Flat cache slots of the sequence's token positions start..end-1."""
-        bs, slots = self.block_size, []
-        for i in range(start // bs, (end + bs - 1) // bs):
-            base = seq.block_table[i] * bs
-            slots.extend(range(base + max(start - i * bs, 0), base + min(end - i * bs, bs)))
-        return slots
-
     def prepare_prefill(self, seqs: list[Sequence]) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor]:
         input_ids, positions, slot_mapping = [], [], []
         seqlens_q, seqlens_k = [], []
@@ -140,7 +147,7 @@ class ModelRunner:
             seqlens_q.append(end - start)
             seqlens_k.append(end)
             if seq.block_table:  # the warm-up has no cache
-                slot_mapping.extend(self._slots(seq, start, end))
+                slot_mapping.extend(token_slots(seq.block_table, self.block_size, start, end))
         cu_q = [0]
         cu_k = [0]
         for lq, lk in zip(seqlens_q, seqlens_k):
@@ -164,8 +171,7 @@ class ModelRunner:
     def prepare_decode(self, seqs: list[Sequence]) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
         input_ids = [seq.last_token for seq in seqs]
         positions = [len(seq) - 1 for seq in seqs]
-        bs = self.block_size
-        slot_mapping = [seq.block_table[p // bs] * bs + p % bs for seq, p in zip(seqs, positions)]
+        slot_mapping = [decode_slot(seq.block_table, self.block_size, len(seq)) for seq in seqs]
         meta = AttentionMetadata(
             is_prefill=False,
             slot_mapping=self._to_device(slot_mapping, torch.int64),

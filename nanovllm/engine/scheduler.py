@@ -33,6 +33,7 @@ class Scheduler:
         self.block_manager = block_manager
         self.waiting: deque[Sequence] = deque()
         self.running: deque[Sequence] = deque()
+        self.num_preemptions = 0  # since start; a sign the KV cache is too small for the load
 
     def is_finished(self) -> bool:
         return not self.waiting and not self.running
@@ -83,6 +84,7 @@ class Scheduler:
 
     def preempt(self, seq: Sequence) -> None:
         seq.status = SequenceStatus.WAITING
+        self.num_preemptions += 1
         self.block_manager.deallocate(seq)
         self.waiting.appendleft(seq)
 

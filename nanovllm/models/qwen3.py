@@ -111,6 +111,8 @@ class Qwen3ForCausalLM(nn.Module):
 
     def __init__(self, config: PretrainedConfig):
         super().__init__()
+        if getattr(config, "use_sliding_window", False):
+            raise ValueError("use_sliding_window=True is not supported; every layer must use full attention")
         qkv_bias = self.qkv_bias or getattr(config, "attention_bias", False)
         self.model = Qwen3Model(config, self.qk_norm, qkv_bias)
         self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size)
