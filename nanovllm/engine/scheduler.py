@@ -43,7 +43,11 @@ class Scheduler:
 
     def schedule(self) -> ScheduledBatch:
         batch = self._schedule_prefill()
-        return batch if batch.seqs else self._schedule_decode()
+        if batch.seqs:
+            return batch
+        # Requests are refused up front if they could never fit, so an idle engine always admits one.
+        assert self.running, f"waiting request cannot be admitted with {self.block_manager.num_free_blocks} free blocks"
+        return self._schedule_decode()
 
     def _schedule_prefill(self) -> ScheduledBatch:
         scheduled: list[Sequence] = []
@@ -78,7 +82,6 @@ class Scheduler:
                 self.block_manager.may_append(seq)
                 seq.num_scheduled_tokens = 1
                 scheduled.append(seq)
-        assert scheduled or self.waiting, "nothing to schedule"
         self.running.extendleft(reversed(scheduled))
         return ScheduledBatch(scheduled, False)
 
