@@ -1,29 +1,87 @@
-"""Per-request sampling settings, validated when they are made.
+"""Per-request sampling settings with vLLM's names and defaults, validated when they are made.
 
-temperature 0 means greedy (argmax); nano-vllm forbids it, vLLM users expect it.
+temperature 0 means greedy (argmax); nano-vllm forbids it, vLLM users expect it. The order
+the sampler applies them in (as vLLM): penalties, temperature, min_p, top_k, top_p.
 """
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+
+# vLLM's limits: penalties beyond +-2 make no useful distribution; 20 top logprobs is what
+# the OpenAI API allows and what the sampler is sized for.
+MAX_ABS_PENALTY = 2.0
+MAX_LOGPROBS = 20
+
+
+def _is_int(x) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _is_number(x) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+
+
+def _check(ok: bool, name: str, value, allowed: str) -> None:
+    if not ok:
+        raise ValueError(f"{name}={value!r} is not allowed; {name} must be {allowed}")
 
 
 @dataclass
 class SamplingParams:
+    n: int = 1
     temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 or -1: off
+    min_p: float = 0.0
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    include_stop_str_in_output: bool = False
+    min_tokens: int = 0
     max_tokens: int = 64
     ignore_eos: bool = False
+    logprobs: int | None = None  # top-N logprobs per generated token (the chosen token's too)
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    skip_special_tokens: bool = True
+    stop_strings: tuple[str, ...] = field(init=False, repr=False, default=())
 
     def __post_init__(self) -> None:
-        t = self.temperature
-        if isinstance(t, bool) or not isinstance(t, (int, float)) or not math.isfinite(t) or t < 0:
-            raise ValueError(f"temperature={t!r} is not allowed; temperature must be a finite number >= 0 "
-                             "(0 means greedy)")
-        m = self.max_tokens
-        if isinstance(m, bool) or not isinstance(m, int) or m < 1:
-            raise ValueError(f"max_tokens={m!r} is not allowed; max_tokens must be an integer >= 1")
-        if not isinstance(self.ignore_eos, bool):
-            raise ValueError(f"ignore_eos={self.ignore_eos!r} is not allowed; ignore_eos must be True or False")
-        self.temperature = float(t)
+        _check(_is_int(self.n) and self.n >= 1, "n", self.n, "an integer >= 1")
+        _check(_is_number(self.temperature) and self.temperature >= 0, "temperature", self.temperature,
+               "a finite number >= 0 (0 means greedy)")
+        _check(_is_number(self.top_p) and 0 < self.top_p <= 1, "top_p", self.top_p, "in (0, 1]")
+        _check(_is_int(self.top_k) and (self.top_k >= 0 or self.top_k == -1), "top_k", self.top_k,
+               "an integer >= 1, or 0 or -1 for off")
+        _check(_is_number(self.min_p) and 0 <= self.min_p <= 1, "min_p", self.min_p, "in [0, 1]")
+        _check(self.seed is None or _is_int(self.seed), "seed", self.seed, "None or an integer")
+        stop = [self.stop] if isinstance(self.stop, str) else self.stop
+        _check(stop is None or (isinstance(stop, (list, tuple)) and all(isinstance(s, str) and s for s in stop)),
+               "stop", self.stop, "None, a non-empty string or a list of non-empty strings")
+        self.stop_strings = tuple(stop or ())
+        ids = self.stop_token_ids
+        _check(ids is None or (isinstance(ids, (list, tuple)) and all(_is_int(t) and t >= 0 for t in ids)),
+               "stop_token_ids", ids, "None or a list of token ids >= 0")
+        self.stop_token_ids = list(ids or [])
+        _check(_is_int(self.max_tokens) and self.max_tokens >= 1, "max_tokens", self.max_tokens, "an integer >= 1")
+        _check(_is_int(self.min_tokens) and 0 <= self.min_tokens <= self.max_tokens, "min_tokens", self.min_tokens,
+               f"an integer in [0, max_tokens={self.max_tokens}]")
+        _check(self.logprobs is None or (_is_int(self.logprobs) and 0 <= self.logprobs <= MAX_LOGPROBS),
+               "logprobs", self.logprobs, f"None or an integer in [0, {MAX_LOGPROBS}]")
+        _check(_is_number(self.repetition_penalty) and self.repetition_penalty > 0, "repetition_penalty",
+               self.repetition_penalty, "a number > 0 (1 = off)")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            _check(_is_number(value) and abs(value) <= MAX_ABS_PENALTY, name, value,
+                   f"a number in [-{MAX_ABS_PENALTY}, {MAX_ABS_PENALTY}] (0 = off)")
+        for name in ("include_stop_str_in_output", "ignore_eos", "skip_special_tokens"):
+            _check(isinstance(getattr(self, name), bool), name, getattr(self, name), "True or False")
+        self.temperature = float(self.temperature)
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    @property
+    def has_penalties(self) -> bool:
+        return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0

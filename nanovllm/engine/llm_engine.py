@@ -6,20 +6,51 @@ raises a clear error and leaves the engine as it was.
 """
 import atexit
 import logging
+from dataclasses import dataclass
 from itertools import count
 from time import perf_counter
+from typing import Iterator, NamedTuple
 
 from tqdm.auto import tqdm
 from transformers import AutoTokenizer
 
 from nanovllm.config import Config
 from nanovllm.engine.block_manager import BlockManager
+from nanovllm.engine.detokenizer import Detokenizer
 from nanovllm.engine.model_runner import ModelRunner
 from nanovllm.engine.scheduler import Scheduler
 from nanovllm.engine.sequence import Sequence
+from nanovllm.layers.sampler import TokenLogprobs
 from nanovllm.sampling_params import SamplingParams
 
 logger = logging.getLogger("nanovllm")
+
+Prompt = str | list[int]
+
+
+class StreamOutput(NamedTuple):
+    index: int  # which prompt of the call
+    sample: int  # which of its n samples
+    text: str  # text new since this sample's previous output
+    token_ids: list[int]  # token ids new since then
+    finished: bool
+    finish_reason: str | None
+
+
+class StepOutput(NamedTuple):
+    advanced: list[Sequence]  # sequences that got a new token in this step
+    finished: list[Sequence]  # those among them that finished
+    num_tokens: int  # tokens the model computed
+    is_prefill: bool
+
+
+@dataclass
+class Request:
+    """One prompt of a call and its n samples (sample i is seqs[i])."""
+    index: int
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    seqs: list[Sequence]
 
 
 class LLMEngine:
@@ -47,10 +78,10 @@ class LLMEngine:
         atexit.unregister(self.exit)
         self.model_runner.exit()
 
-    def _make_sequence(self, prompt: str | list[int], sampling_params: SamplingParams) -> Sequence:
-        """Validate one request and build its sequence; nothing is queued here."""
-        if not isinstance(sampling_params, SamplingParams):
-            raise ValueError(f"sampling_params={sampling_params!r} is not allowed; it must be a SamplingParams")
+    def _make_request(self, index: int, prompt: Prompt, params: SamplingParams, stream: bool = False) -> Request:
+        """Validate one prompt and build its sequences; nothing is queued here."""
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"sampling_params={params!r} is not allowed; it must be a SamplingParams")
         if isinstance(prompt, str):
             token_ids = self.tokenizer.encode(prompt)
         elif isinstance(prompt, (list, tuple)) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
@@ -63,51 +94,32 @@ class LLMEngine:
         bad = next((t for t in token_ids if not 0 <= t < vocab_size), None)
         if bad is not None:
             raise ValueError(f"prompt token id {bad} is outside the vocabulary; token ids must be in [0, {vocab_size})")
+        bad = next((t for t in params.stop_token_ids if t >= vocab_size), None)
+        if bad is not None:
+            raise ValueError(f"stop_token_ids has {bad}, outside the vocabulary; ids must be in [0, {vocab_size})")
         max_len = self.config.max_model_len
         if len(token_ids) > max_len:
             raise ValueError(f"prompt length {len(token_ids)} is longer than max_model_len={max_len}")
         # The longest this sequence can grow must fit in the whole cache, or it could never run.
         bs = self.config.kvcache_block_size
-        longest = min(len(token_ids) + sampling_params.max_tokens, max_len)
+        longest = min(len(token_ids) + params.max_tokens, max_len)
         needed = (longest + bs - 1) // bs
         if needed > self.block_manager.num_blocks:
-            raise ValueError(f"a request of {len(token_ids)} prompt tokens and max_tokens={sampling_params.max_tokens} "
+            raise ValueError(f"a request of {len(token_ids)} prompt tokens and max_tokens={params.max_tokens} "
                              f"needs {needed} KV blocks of {bs} tokens, more than the whole cache "
                              f"({self.block_manager.num_blocks} blocks); shorten it or enlarge the cache")
-        return Sequence(next(self._seq_ids), token_ids, sampling_params, bs)
+        seqs = []
+        for i in range(params.n):
+            seq = Sequence(next(self._seq_ids), token_ids, params, bs)
+            seq.seed = None if params.seed is None else params.seed + i
+            if stream or params.stop_strings:
+                seq.detokenizer = Detokenizer(self.tokenizer, params)
+            seqs.append(seq)
+        return Request(index, token_ids, params, seqs)
 
-    def add_request(self, prompt: str | list[int], sampling_params: SamplingParams) -> int:
-        """Queue one request; returns its id (the seq_id step() reports)."""
-        seq = self._make_sequence(prompt, sampling_params)
-        self.scheduler.add(seq)
-        return seq.seq_id
-
-    def step(self) -> tuple[list[Sequence], int, bool]:
-        """Run one scheduled batch. Returns (sequences finished in it, tokens computed, is_prefill)."""
-        batch = self.scheduler.schedule()
-        if not batch.seqs:  # everything was preempted; the next step prefills again
-            return [], 0, True
-        token_ids = self.model_runner.run(batch.seqs, batch.is_prefill)
-        finished = self.scheduler.postprocess(batch, token_ids)
-        return finished, batch.num_tokens, batch.is_prefill
-
-    def is_finished(self) -> bool:
-        return self.scheduler.is_finished()
-
-    def _output(self, seq: Sequence) -> dict:
-        return {
-            "text": self.tokenizer.decode(seq.completion_token_ids, skip_special_tokens=True),
-            "token_ids": seq.completion_token_ids,
-            "finish_reason": seq.finish_reason,
-            "num_cached_tokens": seq.num_cached_tokens,
-        }
-
-    def generate(
-        self,
-        prompts: list[str] | list[list[int]],
-        sampling_params: SamplingParams | list[SamplingParams],
-        use_tqdm: bool = True,
-    ) -> list[dict]:
+    def _make_requests(self, prompts: list[Prompt], sampling_params: SamplingParams | list[SamplingParams],
+                       stream: bool = False) -> list[Request]:
+        """Validate a whole call before any of it is queued."""
         if not isinstance(prompts, (list, tuple)):
             raise ValueError(f"prompts={prompts!r:.80} is not allowed; prompts must be a list of str or of token-id lists")
         if isinstance(sampling_params, (list, tuple)):
@@ -116,25 +128,147 @@ class LLMEngine:
                                  "give one per prompt or a single SamplingParams")
         else:
             sampling_params = [sampling_params] * len(prompts)
-        seqs = [self._make_sequence(p, sp) for p, sp in zip(prompts, sampling_params)]
-        for seq in seqs:
-            self.scheduler.add(seq)
+        return [self._make_request(i, p, sp, stream) for i, (p, sp) in enumerate(zip(prompts, sampling_params))]
+
+    def _queue(self, request: Request) -> None:
+        first, *others = request.seqs
+        self.scheduler.add(first)
+        if self.config.enable_prefix_caching:  # the other samples follow once the prompt is cached
+            first.pending_siblings = others
+        else:
+            for seq in others:
+                self.scheduler.add(seq)
+
+    def add_request(self, prompt: Prompt, sampling_params: SamplingParams) -> list[int]:
+        """Queue one prompt; returns the seq_ids of its samples (as step() reports them)."""
+        request = self._make_request(0, prompt, sampling_params)
+        self._queue(request)
+        return [seq.seq_id for seq in request.seqs]
+
+    def step(self) -> StepOutput:
+        """Run one scheduled batch and apply the stopping rules to its new tokens."""
+        batch = self.scheduler.schedule()
+        if not batch.seqs:  # everything was preempted; the next step prefills again
+            return StepOutput([], [], 0, True)
+        out = self.model_runner.run(batch.seqs, batch.is_prefill)
+        advanced = self.scheduler.postprocess(batch, out.token_ids)
+        logprobs = {seq.seq_id: lp for seq, lp in zip(batch.seqs, out.logprobs)}
+        for seq in advanced:
+            params = seq.sampling_params
+            if params.logprobs is not None:
+                lp = logprobs[seq.seq_id]
+                seq.logprobs.append(lp._replace(top_logprobs=dict(list(lp.top_logprobs.items())[:params.logprobs])))
+            if seq.detokenizer is None:
+                continue
+            # A stop token ends a sequence before any stop string; min_tokens delays both.
+            check = seq.finish_reason != "stop" and seq.num_completion_tokens >= params.min_tokens
+            stop = seq.detokenizer.add_token(seq.last_token, check)
+            if stop is not None and seq.is_finished:  # the last allowed token completed a stop string
+                seq.finish_reason, seq.stop_reason = "stop", stop
+            elif stop is not None:
+                self.scheduler.finish(seq, "stop", stop)
+        self.scheduler.drop_finished()
+        return StepOutput(advanced, [seq for seq in advanced if seq.is_finished], batch.num_tokens, batch.is_prefill)
+
+    def is_finished(self) -> bool:
+        return self.scheduler.is_finished()
+
+    def _drive(self, requests: list[Request], use_tqdm: bool) -> Iterator[StepOutput]:
+        """Queue the requests and step until all of them finish, yielding each step. If the
+        caller stops early (or a step raises), the unfinished ones are dropped, freeing their blocks."""
+        seqs = [seq for r in requests for seq in r.seqs]
         ours = {seq.seq_id for seq in seqs}
-        outputs: dict[int, dict] = {}
+        for request in requests:
+            self._queue(request)
+        remaining = len(seqs)
         pbar = tqdm(total=len(seqs), desc="Generating", dynamic_ncols=True, disable=not use_tqdm)
         prefill_tps = decode_tps = 0.0
-        while not self.is_finished():
-            t = perf_counter()
-            finished, num_tokens, is_prefill = self.step()
-            tps = num_tokens / max(perf_counter() - t, 1e-9)
-            if is_prefill:
-                prefill_tps = tps
-            else:
-                decode_tps = tps
-            pbar.set_postfix({"Prefill": f"{int(prefill_tps)}tok/s", "Decode": f"{int(decode_tps)}tok/s"})
-            for seq in finished:
-                if seq.seq_id in ours:
-                    outputs[seq.seq_id] = self._output(seq)
-                    pbar.update(1)
-        pbar.close()
-        return [outputs[seq.seq_id] for seq in seqs]
+        try:
+            while remaining:
+                t = perf_counter()
+                step = self.step()
+                tps = step.num_tokens / max(perf_counter() - t, 1e-9)
+                if step.is_prefill:
+                    prefill_tps = tps
+                else:
+                    decode_tps = tps
+                pbar.set_postfix({"Prefill": f"{int(prefill_tps)}tok/s", "Decode": f"{int(decode_tps)}tok/s"})
+                done = sum(seq.seq_id in ours for seq in step.finished)
+                remaining -= done
+                pbar.update(done)
+                yield step
+        finally:
+            pbar.close()
+            self.scheduler.abort([seq for seq in seqs if not seq.is_finished])
+
+    def _sample_output(self, seq: Sequence) -> dict:
+        params = seq.sampling_params
+        if seq.detokenizer is not None:
+            text = seq.detokenizer.final_text()
+        else:
+            text = self.tokenizer.decode(seq.completion_token_ids, skip_special_tokens=params.skip_special_tokens)
+        out = {
+            "text": text,
+            "token_ids": seq.completion_token_ids,
+            "finish_reason": seq.finish_reason,
+            "stop_reason": seq.stop_reason,
+            "num_cached_tokens": seq.num_cached_tokens,
+        }
+        if params.logprobs is not None:
+            out["logprobs"] = [lp._asdict() for lp in seq.logprobs]
+        return out
+
+    def _output(self, request: Request) -> dict:
+        samples = [self._sample_output(seq) for seq in request.seqs]
+        out = {**samples[0], "prompt_token_ids": request.prompt_token_ids}
+        if len(samples) > 1:
+            out["outputs"] = samples
+        return out
+
+    def generate(
+        self,
+        prompts: list[Prompt],
+        sampling_params: SamplingParams | list[SamplingParams],
+        use_tqdm: bool = True,
+    ) -> list[dict]:
+        """One output dict per prompt, in input order: "text", "token_ids", "finish_reason",
+        "stop_reason", "prompt_token_ids", "num_cached_tokens", "logprobs" when asked, and for
+        n > 1 every sample under "outputs" (the top-level fields are sample 0's)."""
+        requests = self._make_requests(prompts, sampling_params)
+        for _ in self._drive(requests, use_tqdm):
+            pass
+        return [self._output(r) for r in requests]
+
+    def stream(self, prompts: list[Prompt], sampling_params: SamplingParams | list[SamplingParams]
+               ) -> Iterator[StreamOutput]:
+        """Yield each sample's new text and token ids as they are produced; the concatenated
+        text of a sample equals what generate() returns for it."""
+        requests = self._make_requests(prompts, sampling_params, stream=True)
+        where = {seq.seq_id: (r.index, i) for r in requests for i, seq in enumerate(r.seqs)}
+        for step in self._drive(requests, use_tqdm=False):
+            for seq in step.advanced:
+                if seq.seq_id in where:
+                    index, sample = where[seq.seq_id]
+                    yield StreamOutput(index, sample, seq.detokenizer.stream_delta(seq.is_finished), [seq.last_token],
+                                       seq.is_finished, seq.finish_reason)
+
+    def chat(self, messages: list[dict] | list[list[dict]], sampling_params: SamplingParams | None = None,
+             use_tqdm: bool = True, add_generation_prompt: bool = True, **template_kwargs) -> list[dict]:
+        """generate() over conversations rendered by the tokenizer's chat template; takes one
+        conversation (a list of {"role", "content"} dicts) or a list of them."""
+        if not isinstance(messages, list) or not messages:
+            raise ValueError("messages must be a non-empty list of {'role', 'content'} dicts, or a list of such lists")
+        conversations = [messages] if isinstance(messages[0], dict) else messages
+        for conversation in conversations:
+            if not isinstance(conversation, list) or not all(
+                    isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
+                    for m in conversation):
+                raise ValueError(f"conversation {conversation!r:.80} is not allowed; "
+                                 "it must be a list of {'role': str, 'content': str} dicts")
+        if not getattr(self.tokenizer, "chat_template", None):
+            raise ValueError(f"the tokenizer of {self.config.model!r} has no chat_template; use generate()")
+        texts = [self.tokenizer.apply_chat_template(c, tokenize=False, add_generation_prompt=add_generation_prompt,
+                                                    **template_kwargs) for c in conversations]
+        # The template already holds any special tokens, so none are added again.
+        prompts = [self.tokenizer.encode(text, add_special_tokens=False) for text in texts]
+        return self.generate(prompts, sampling_params or SamplingParams(), use_tqdm=use_tqdm)

@@ -12,7 +12,7 @@ from nanovllm.attention import create_backend
 from nanovllm.config import Config
 from nanovllm.engine.sequence import Sequence
 from nanovllm.layers.attention import Attention
-from nanovllm.layers.sampler import Sampler
+from nanovllm.layers.sampler import Sampler, SamplerOutput, prepare_sampling
 from nanovllm.models.qwen3 import MODELS
 from nanovllm.sampling_params import SamplingParams
 from nanovllm.utils.context import AttentionMetadata, forward_context
@@ -181,15 +181,30 @@ class ModelRunner:
         return self._to_device(input_ids, torch.int64), self._to_device(positions, torch.int64), meta
 
     @torch.inference_mode()
-    def run(self, seqs: list[Sequence], is_prefill: bool) -> list[int]:
+    def run(self, seqs: list[Sequence], is_prefill: bool) -> SamplerOutput:
+        """One forward pass; samples a token for each sequence whose prompt (or decode) completes
+        in it. A prefill chunk that leaves part of its prompt gets token -1 and no sampling, so
+        a seeded generator never advances on it."""
         if is_prefill:
             input_ids, positions, meta, last_rows = self.prepare_prefill(seqs)
         else:
             (input_ids, positions, meta), last_rows = self.prepare_decode(seqs), None
-        temperatures = self._to_device([seq.temperature for seq in seqs], torch.float32)
         with forward_context(meta):
             hidden_states = self.model(input_ids, positions)  # [num_tokens, hidden]
+        completing = [i for i, seq in enumerate(seqs) if seq.num_computed_tokens + seq.num_scheduled_tokens >= len(seq)]
+        if not completing:
+            return SamplerOutput([-1] * len(seqs), [None] * len(seqs))
         if last_rows is not None:
             hidden_states = hidden_states[last_rows]
-        logits = self.model.compute_logits(hidden_states)  # [num_seqs, vocab]
-        return self.sampler(logits, temperatures).tolist()
+        if len(completing) < len(seqs):
+            hidden_states = hidden_states[self._to_device(completing, torch.int64)]
+        sampled = [seqs[i] for i in completing]
+        logits = self.model.compute_logits(hidden_states)  # [num_sampled, vocab]
+        tensors = prepare_sampling(sampled, logits.size(-1), self.config.eos, self.device)
+        out = self.sampler(logits, tensors)
+        if len(completing) == len(seqs):
+            return out
+        token_ids, logprobs = [-1] * len(seqs), [None] * len(seqs)
+        for j, i in enumerate(completing):
+            token_ids[i], logprobs[i] = out.token_ids[j], out.logprobs[j]
+        return SamplerOutput(token_ids, logprobs)

@@ -93,25 +93,53 @@ class Scheduler:
 
     def postprocess(self, batch: ScheduledBatch, token_ids: list[int]) -> list[Sequence]:
         """Advance each scheduled sequence by its computed tokens and its sampled token (a
-        prefill chunk that does not finish the prompt samples nothing). Returns the finished."""
-        finished = []
+        prefill chunk that does not finish the prompt samples nothing) and apply the stopping
+        rules. Returns the sequences that got a new token; the finished ones among them are
+        finished and their blocks freed."""
+        bs = self.block_manager.block_size
+        advanced = []
         for seq, token_id in zip(batch.seqs, token_ids):
-            first_block = seq.num_computed_tokens // self.block_manager.block_size
+            first_block = seq.num_computed_tokens // bs
             seq.num_computed_tokens += seq.num_scheduled_tokens
             seq.num_scheduled_tokens = 0
-            self.block_manager.cache_blocks(seq, first_block, seq.num_computed_tokens // self.block_manager.block_size)
+            self.block_manager.cache_blocks(seq, first_block, seq.num_computed_tokens // bs)
             if seq.num_computed_tokens < len(seq):
                 continue
+            if seq.pending_siblings:  # the prompt's blocks are published now: let the other samples in
+                self.waiting.extendleft(reversed(seq.pending_siblings))
+                seq.pending_siblings = []
             seq.append_token(token_id)
-            if not seq.ignore_eos and token_id == self.eos:
-                seq.finish_reason = "stop"
-            elif seq.num_completion_tokens >= seq.max_tokens or len(seq) >= self.max_model_len:
-                seq.finish_reason = "length"
-            else:
-                continue
-            seq.status = SequenceStatus.FINISHED
-            self.block_manager.deallocate(seq)
-            finished.append(seq)
-        if finished:  # one O(n) rebuild instead of an O(n) deque.remove per finished sequence
+            advanced.append(seq)
+            params = seq.sampling_params
+            may_stop = seq.num_completion_tokens > params.min_tokens
+            if may_stop and token_id in params.stop_token_ids:
+                self.finish(seq, "stop", token_id)
+            elif may_stop and not params.ignore_eos and token_id == self.eos:
+                self.finish(seq, "stop", None)
+            elif seq.num_completion_tokens >= params.max_tokens or len(seq) >= self.max_model_len:
+                self.finish(seq, "length", None)
+        self.drop_finished()
+        return advanced
+
+    def finish(self, seq: Sequence, finish_reason: str, stop_reason: int | str | None) -> None:
+        """Mark a sequence finished and free its blocks; it leaves `running` at the next
+        `drop_finished` (one O(n) rebuild per step, not an O(n) deque.remove per sequence)."""
+        seq.status = SequenceStatus.FINISHED
+        seq.finish_reason, seq.stop_reason = finish_reason, stop_reason
+        self.block_manager.deallocate(seq)
+
+    def drop_finished(self) -> None:
+        if any(seq.is_finished for seq in self.running):
             self.running = deque(seq for seq in self.running if not seq.is_finished)
-        return finished
+
+    def abort(self, seqs: list[Sequence]) -> None:
+        """Drop unfinished sequences (a stream its caller stopped reading) and free their blocks."""
+        doomed = {id(s) for seq in seqs for s in [seq, *seq.pending_siblings]}
+        for seq in seqs:
+            seq.pending_siblings = []
+            if not seq.is_finished:
+                seq.status = SequenceStatus.FINISHED
+                if seq.block_table:
+                    self.block_manager.deallocate(seq)
+        self.waiting = deque(seq for seq in self.waiting if id(seq) not in doomed)
+        self.drop_finished()

@@ -32,10 +32,28 @@ class Sequence:
         # Prompt tokens served from the prefix cache at first scheduling (reported to the user).
         self.num_cached_tokens = 0
         self.scheduled_once = False
-        self.finish_reason: str | None = None
-        self.temperature = sampling_params.temperature
-        self.max_tokens = sampling_params.max_tokens
-        self.ignore_eos = sampling_params.ignore_eos
+        self.finish_reason: str | None = None  # "stop" | "length"
+        self.stop_reason: int | str | None = None  # the stop token id or stop string that ended it
+        self.sampling_params = sampling_params
+        self.seed = sampling_params.seed  # this sample's seed (the request's seed + sample index)
+        self.generator = None  # its torch.Generator, made on the sampling device at first use
+        self.logprobs: list = []  # per generated token, when sampling_params.logprobs is set
+        # Other samples of the same prompt (n > 1): queued once this one's prompt is computed,
+        # so they find its prefix blocks in the cache.
+        self.pending_siblings: list["Sequence"] = []
+        self.detokenizer = None  # an engine Detokenizer, for streaming or stop strings
+
+    @property
+    def temperature(self) -> float:
+        return self.sampling_params.temperature
+
+    @property
+    def max_tokens(self) -> int:
+        return self.sampling_params.max_tokens
+
+    @property
+    def ignore_eos(self) -> bool:
+        return self.sampling_params.ignore_eos
 
     def __len__(self) -> int:
         return len(self.token_ids)

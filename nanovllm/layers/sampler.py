@@ -1,17 +1,164 @@
-"""Turns the last position's logits into next tokens: argmax for greedy rows (temperature 0),
-a temperature-scaled softmax sample for the others, in one batched pass on the device."""
+"""Turns each sequence's last logits into its next token, in one batched pass on the device.
+
+Split in two (as mini-sglang): `prepare_sampling` gathers each row's parameters on the host
+into tensors, `Sampler` does the work on the device. Each row has its own parameters, applied
+in vLLM's order: penalties (repetition over prompt and output, presence and frequency over the
+output), min_tokens bans, then for sampled rows temperature, min_p, top_k, top_p. Greedy rows
+(temperature 0) take the argmax and never see the random draw. A row with a seed draws its
+noise from its own generator, so its tokens do not depend on what else is in the batch.
+Logprobs are the model's raw log-softmax, before any of that processing.
+"""
+from typing import NamedTuple
+
 import torch
 from torch import nn
+
+from nanovllm.engine.sequence import Sequence
+
+
+class SamplingTensors(NamedTuple):
+    temperatures: torch.Tensor  # [batch] float32, 0 = greedy
+    all_greedy: bool
+    # Only present when some row needs them (the common case skips the work entirely).
+    top_k: torch.Tensor | None  # [batch] int64, vocab size = off
+    top_p: torch.Tensor | None  # [batch] float32, 1 = off
+    min_p: torch.Tensor | None  # [batch] float32, 0 = off
+    penalties: tuple[torch.Tensor, ...] | None  # repetition, presence, frequency [batch]; prompt mask, output counts [batch, vocab]
+    banned: tuple[torch.Tensor, torch.Tensor] | None  # (rows, token ids) that min_tokens forbids
+    generators: list[tuple[int, torch.Generator]]  # (row, generator) for seeded rows
+    num_logprobs: int  # the largest top-N asked for; -1 = no row wants logprobs
+
+
+class TokenLogprobs(NamedTuple):
+    token_id: int
+    logprob: float
+    top_logprobs: dict[int, float]  # the N most likely tokens -> their logprob
+
+
+class SamplerOutput(NamedTuple):
+    token_ids: list[int]
+    logprobs: list[TokenLogprobs | None]
+
+
+def _token_matrix(rows: list[list[int]], vocab_size: int, device: torch.device) -> torch.Tensor:
+    """[batch, vocab] float32 counts of each token id per row."""
+    width = max(1, max(map(len, rows)))
+    # Pad with an extra column (vocab_size) that is dropped after counting.
+    ids = torch.tensor([r + [vocab_size] * (width - len(r)) for r in rows], dtype=torch.int64)
+    counts = torch.zeros(len(rows), vocab_size + 1, dtype=torch.float32)
+    counts.scatter_add_(1, ids, torch.ones_like(ids, dtype=torch.float32))
+    return counts[:, :vocab_size].to(device, non_blocking=True)
+
+
+def prepare_sampling(seqs: list[Sequence], vocab_size: int, eos: int, device: torch.device) -> SamplingTensors:
+    params = [seq.sampling_params for seq in seqs]
+
+    def column(values: list, dtype: torch.dtype) -> torch.Tensor:
+        return torch.tensor(values, dtype=dtype).to(device, non_blocking=True)
+
+    temperatures = [p.temperature for p in params]
+    sampled = [p for p in params if not p.greedy]
+    top_k = [p.top_k if p.top_k > 0 else vocab_size for p in params]
+    penalties = None
+    if any(p.has_penalties for p in params):
+        penalties = (column([p.repetition_penalty for p in params], torch.float32),
+                     column([p.presence_penalty for p in params], torch.float32),
+                     column([p.frequency_penalty for p in params], torch.float32),
+                     _token_matrix([s.prompt_token_ids for s in seqs], vocab_size, device) > 0,
+                     _token_matrix([s.completion_token_ids for s in seqs], vocab_size, device))
+    banned_rows, banned_ids = [], []
+    for row, (seq, p) in enumerate(zip(seqs, params)):
+        if seq.num_completion_tokens < p.min_tokens:
+            stops = p.stop_token_ids + ([] if p.ignore_eos or eos < 0 else [eos])
+            banned_rows += [row] * len(stops)
+            banned_ids += stops
+    generators = []
+    for row, seq in enumerate(seqs):
+        if seq.sampling_params.seed is not None and not seq.sampling_params.greedy:
+            if seq.generator is None:
+                seq.generator = torch.Generator(device).manual_seed(seq.seed)
+            generators.append((row, seq.generator))
+    return SamplingTensors(
+        temperatures=column(temperatures, torch.float32),
+        all_greedy=not sampled,
+        top_k=column(top_k, torch.int64) if any(p.top_k > 0 for p in sampled) else None,
+        top_p=column([p.top_p for p in params], torch.float32) if any(p.top_p < 1 for p in sampled) else None,
+        min_p=column([p.min_p for p in params], torch.float32) if any(p.min_p > 0 for p in sampled) else None,
+        penalties=penalties,
+        banned=(column(banned_rows, torch.int64), column(banned_ids, torch.int64)) if banned_rows else None,
+        generators=generators,
+        num_logprobs=max((p.logprobs for p in params if p.logprobs is not None), default=-1),
+    )
+
+
+def apply_penalties(logits: torch.Tensor, repetition: torch.Tensor, presence: torch.Tensor, frequency: torch.Tensor,
+                    prompt_mask: torch.Tensor, output_counts: torch.Tensor) -> torch.Tensor:
+    """vLLM's penalties. logits, prompt_mask, output_counts: [batch, vocab]; penalties: [batch]."""
+    seen = prompt_mask | (output_counts > 0)
+    rep = repetition.unsqueeze(1)
+    logits = torch.where(seen, torch.where(logits > 0, logits / rep, logits * rep), logits)
+    logits = logits - frequency.unsqueeze(1) * output_counts
+    return logits - presence.unsqueeze(1) * (output_counts > 0).float()
+
+
+def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
+    """Drop tokens whose probability is below min_p times the most likely token's."""
+    probs = torch.softmax(logits, dim=-1)
+    threshold = probs.amax(dim=-1, keepdim=True) * min_p.unsqueeze(1)
+    return logits.masked_fill(probs < threshold, float("-inf"))
+
+
+def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | None) -> torch.Tensor:
+    """Keep each row's top_k most likely tokens, then the smallest set whose probability reaches
+    top_p (the most likely token always stays)."""
+    sorted_logits, order = logits.sort(dim=-1, descending=True)
+    if top_k is not None:
+        kth = sorted_logits.gather(1, (top_k - 1).clamp(0, logits.size(1) - 1).unsqueeze(1))
+        sorted_logits = sorted_logits.masked_fill(sorted_logits < kth, float("-inf"))
+    if top_p is not None:
+        probs = torch.softmax(sorted_logits, dim=-1)
+        mass_before = probs.cumsum(dim=-1) - probs  # probability of the more likely tokens
+        sorted_logits = sorted_logits.masked_fill(mass_before >= top_p.unsqueeze(1), float("-inf"))
+    return torch.full_like(logits, float("-inf")).scatter_(1, order, sorted_logits)
 
 
 class Sampler(nn.Module):
 
-    def forward(self, logits: torch.Tensor, temperatures: torch.Tensor) -> torch.Tensor:
-        # logits: [batch, vocab]; temperatures: [batch] float32, 0 = greedy
+    def forward(self, logits: torch.Tensor, t: SamplingTensors) -> SamplerOutput:
+        # logits: [batch, vocab]
         logits = logits.float()
-        greedy = logits.argmax(dim=-1)
-        scaled = logits / torch.where(temperatures > 0, temperatures, 1.0).unsqueeze(1)
-        probs = torch.softmax(scaled, dim=-1)
-        # Gumbel-style draw without a host sync: argmax(p / E) with E ~ Exp(1) samples from p.
-        sampled = probs.div_(torch.empty_like(probs).exponential_(1).clamp_min_(1e-10)).argmax(dim=-1)
-        return torch.where(temperatures > 0, sampled, greedy)
+        raw_logits = logits
+        if t.penalties is not None:
+            logits = apply_penalties(logits, *t.penalties)
+        if t.banned is not None:
+            logits = logits.index_put((t.banned[0], t.banned[1]), torch.tensor(float("-inf"), device=logits.device))
+        tokens = logits.argmax(dim=-1)
+        if not t.all_greedy:
+            tokens = torch.where(t.temperatures > 0, self._sample(logits, t), tokens)
+        token_ids = tokens.tolist()  # the step's one host sync
+        return SamplerOutput(token_ids, self._logprobs(raw_logits, tokens, t.num_logprobs))
+
+    @staticmethod
+    def _sample(logits: torch.Tensor, t: SamplingTensors) -> torch.Tensor:
+        logits = logits / torch.where(t.temperatures > 0, t.temperatures, 1.0).unsqueeze(1)
+        if t.min_p is not None:
+            logits = apply_min_p(logits, t.min_p)
+        if t.top_k is not None or t.top_p is not None:
+            logits = apply_top_k_top_p(logits, t.top_k, t.top_p)
+        probs = torch.softmax(logits, dim=-1)
+        # argmax(p / E) with E ~ Exp(1) draws from p, with no host sync (the exponential race).
+        noise = torch.empty_like(probs).exponential_()
+        for row, generator in t.generators:
+            noise[row].exponential_(generator=generator)
+        return probs.div_(noise.clamp_min_(torch.finfo(noise.dtype).tiny)).argmax(dim=-1)
+
+    @staticmethod
+    def _logprobs(raw_logits: torch.Tensor, tokens: torch.Tensor, n: int) -> list[TokenLogprobs | None]:
+        if n < 0:
+            return [None] * tokens.size(0)
+        logprobs = torch.log_softmax(raw_logits, dim=-1)
+        chosen = logprobs.gather(1, tokens.unsqueeze(1)).squeeze(1).tolist()
+        top_values, top_ids = logprobs.topk(max(n, 1), dim=-1)
+        top_values, top_ids = top_values[:, :n].tolist(), top_ids[:, :n].tolist()
+        return [TokenLogprobs(tok, lp, dict(zip(ids, vals)))
+                for tok, lp, ids, vals in zip(tokens.tolist(), chosen, top_ids, top_values)]
