@@ -118,7 +118,9 @@ def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor | None, top_p: t
     if top_p is not None:
         probs = torch.softmax(sorted_logits, dim=-1)
         mass_before = probs.cumsum(dim=-1) - probs  # probability of the more likely tokens
-        sorted_logits = sorted_logits.masked_fill(mass_before >= top_p.unsqueeze(1), float("-inf"))
+        # top_p = 1 keeps everything, even where float rounding takes the running sum to 1.
+        drop = (mass_before >= top_p.unsqueeze(1)) & (top_p < 1).unsqueeze(1)
+        sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
     return torch.full_like(logits, float("-inf")).scatter_(1, order, sorted_logits)
 
 

@@ -114,14 +114,16 @@ def _round_up(n: int, multiple: int) -> int:
 
 
 @torch.no_grad()
-def _randomize(model: nn.Module, std: float) -> None:
-    """Draw every parameter from torch's seeded generator: weights and biases ~ N(0, std^2), norm
-    gains ~ 1 + N(0, NORM_JITTER^2) (all ones would hide a swapped q_norm/k_norm load)."""
+def _randomize(model: nn.Module, std: float, seed: int) -> None:
+    """Draw every parameter from a generator seeded with `seed` (torch's global RNG is left alone):
+    weights and biases ~ N(0, std^2), norm gains ~ 1 + N(0, NORM_JITTER^2) (all ones would hide a
+    swapped q_norm/k_norm load)."""
+    generator = torch.Generator().manual_seed(seed)
     for name, param in model.named_parameters():  # a tied lm_head is the embedding: drawn once
         if name.endswith("norm.weight"):
-            param.normal_(1.0, NORM_JITTER)
+            param.normal_(1.0, NORM_JITTER, generator=generator)
         else:  # [out, in] linear weights, [vocab, hidden] embedding, Qwen2's q/k/v biases
-            param.normal_(0.0, std)
+            param.normal_(0.0, std, generator=generator)
 
 
 def _save_random_model(path: str, model_class: type, config: PretrainedConfig, std: float, seed: int,
@@ -135,8 +137,7 @@ def _save_random_model(path: str, model_class: type, config: PretrainedConfig, s
         model = model_class(config)
     model.to(dtype).to_empty(device="cpu")  # uninitialised storage; every parameter is drawn below
     model.tie_weights()  # to_empty gave a tied lm_head storage of its own: share the embedding again
-    torch.manual_seed(seed)
-    _randomize(model, std)
+    _randomize(model, std, seed)
     # Only the parameters are drawn (non-persistent buffers such as rotary inv_freq are garbage),
     # so the model is saved and dropped, never run; loading the checkpoint rebuilds the buffers.
     model.save_pretrained(path, safe_serialization=True)
