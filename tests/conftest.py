@@ -3,9 +3,18 @@
 Each fixture returns the checkpoint directory as a str. All use GQA with 3 query heads per KV head.
 The greedy reference and prompt helpers live in tests/helpers.py.
 """
-import pytest
+import os
 
-from nanovllm.utils.synthetic import build_checkpoint
+import torch
+
+if not torch.cuda.is_available():
+    # Before anything imports triton (transformers does): without a GPU, Triton kernels run on
+    # CPU tensors in the interpreter, which is how CI tests them.
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+
+from nanovllm.utils.synthetic import build_checkpoint  # noqa: E402
 
 
 @pytest.fixture(scope="session")

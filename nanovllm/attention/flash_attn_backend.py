@@ -1,0 +1,38 @@
+"""flash-attn: nano-vllm's path, used on CUDA when the optional flash-attn package is installed.
+
+Prefill is `flash_attn_varlen_func` (over the paged cache through the block table when a prefix
+is cached), decode is `flash_attn_with_kvcache`. flash-attn's paged KV needs blocks of a
+multiple of 256 tokens (checked when the backend is chosen). K/V are stored with our Triton
+store_kv kernel, as in nano-vllm.
+"""
+import torch
+
+from nanovllm.attention.base import AttentionBackend
+from nanovllm.utils.context import AttentionMetadata
+
+
+class FlashAttnBackend(AttentionBackend):
+    name = "flash_attn"
+
+    def __init__(self) -> None:
+        from flash_attn import flash_attn_varlen_func, flash_attn_with_kvcache
+
+        from nanovllm.kernels.store_kv import store_kv
+        self._varlen = flash_attn_varlen_func
+        self._with_kvcache = flash_attn_with_kvcache
+        self._store_kv = store_kv
+
+    def store_kv(self, k, v, k_cache, v_cache, slot_mapping):
+        self._store_kv(k, v, k_cache, v_cache, slot_mapping)
+
+    def prefill(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale):
+        if meta.block_tables is not None:  # a cached prefix: every key comes from the paged cache
+            k, v = k_cache, v_cache
+        return self._varlen(q, k, v, cu_seqlens_q=meta.cu_seqlens_q, cu_seqlens_k=meta.cu_seqlens_k,
+                            max_seqlen_q=meta.max_seqlen_q, max_seqlen_k=meta.max_seqlen_k, softmax_scale=scale,
+                            causal=True, block_table=meta.block_tables)
+
+    def decode(self, q, k_cache, v_cache, meta: AttentionMetadata, scale):
+        out = self._with_kvcache(q.unsqueeze(1), k_cache, v_cache, cache_seqlens=meta.context_lens,
+                                 block_table=meta.block_tables, softmax_scale=scale, causal=True)
+        return out.squeeze(1)  # [batch, num_heads, head_dim]

@@ -1,0 +1,68 @@
+"""Triton attention: the CUDA backend that needs no flash-attn (runs on CPU under TRITON_INTERPRET=1).
+
+It adapts the AttentionBackend interface to the kernels in nanovllm/kernels and owns the one
+piece of state they need across steps: the fp32 scratch for decode's split-KV partials. It does
+not choose tiles or splits (the kernel modules do) and does not import triton until constructed,
+so importing nanovllm works where triton is absent.
+"""
+import torch
+
+from nanovllm.attention.base import AttentionBackend
+from nanovllm.utils.context import AttentionMetadata
+
+
+class TritonBackend(AttentionBackend):
+    name = "triton"
+
+    def __init__(self) -> None:
+        # Lazy: importing triton is slow, and it must not happen at `import nanovllm` time (tests
+        # set TRITON_INTERPRET=1 before it, and CPU installs may lack triton altogether).
+        from nanovllm.kernels import decode_attention, prefill_attention, store_kv
+        self._store_kv = store_kv.store_kv
+        self._prefill = prefill_attention.prefill_attention
+        self._decode_kernels = decode_attention
+        self._scratch: torch.Tensor | None = None  # flat fp32, grown only when a step needs more
+        # Buffers the scratch outgrew: a CUDA graph captured earlier may still write to one, so
+        # they stay alive for the backend's lifetime rather than return to the allocator.
+        self._retired_scratch: list[torch.Tensor] = []
+
+    def store_kv(self, k, v, k_cache, v_cache, slot_mapping):
+        self._store_kv(k, v, k_cache, v_cache, slot_mapping)
+
+    def prefill(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale):
+        if meta.block_tables is None:  # no cache yet (warm-up): keys are this step's k/v
+            return self._prefill(q, k, v, meta.cu_seqlens_q, meta.cu_seqlens_k, scale)
+        return self._prefill(q, k_cache, v_cache, meta.cu_seqlens_q, meta.cu_seqlens_k, scale,
+                             block_tables=meta.block_tables)
+
+    def decode(self, q, k_cache, v_cache, meta: AttentionMetadata, scale):
+        # Everything below reads shapes only, never tensor values: no host synchronisation, and
+        # the same launch for the same shapes, so a CUDA graph can capture it.
+        kernels = self._decode_kernels
+        batch, num_heads, head_dim = q.shape
+        num_splits = kernels.choose_num_splits(batch, k_cache.size(2), meta.block_tables.size(1),
+                                               k_cache.size(1), kernels.num_sms(q.device))
+        scratch = self._scratch_for(kernels.scratch_numel(batch, num_heads, head_dim, num_splits), q.device)
+        return kernels.decode_attention(q, k_cache, v_cache, meta.block_tables, meta.context_lens, scale,
+                                        num_splits=num_splits, scratch=scratch)
+
+    def reserve_decode_scratch(self, max_batch: int, num_heads: int, num_kv_heads: int, head_dim: int,
+                               max_blocks: int, block_size: int, device: torch.device) -> None:
+        """Allocate, before any CUDA graph capture, the scratch every batch size up to max_batch
+        will need, so capture never allocates and no captured graph points at a retired buffer."""
+        kernels = self._decode_kernels
+        device = torch.empty(0, device=device).device  # "cuda" -> "cuda:0", as tensors report it
+        sms = kernels.num_sms(device)
+        need = max(kernels.scratch_numel(b, num_heads, head_dim,
+                                         kernels.choose_num_splits(b, num_kv_heads, max_blocks, block_size, sms))
+                   for b in range(1, max_batch + 1))
+        self._scratch_for(need, device)
+
+    def _scratch_for(self, numel: int, device: torch.device) -> torch.Tensor | None:
+        if numel == 0:
+            return None
+        if self._scratch is None or self._scratch.numel() < numel or self._scratch.device != device:
+            if self._scratch is not None:
+                self._retired_scratch.append(self._scratch)
+            self._scratch = torch.empty(numel, dtype=torch.float32, device=device)
+        return self._scratch

@@ -1,0 +1,62 @@
+"""Triton kernels for attention on the paged KV cache: store_kv, decode and prefill/extend.
+
+Each kernel lives in its own module next to a wrapper that checks shapes, strides and dtypes.
+This file holds only the checks and tile rules those wrappers share, and imports nothing from
+triton: `import nanovllm` must stay cheap and work where triton is absent, so callers import
+the kernel modules (`nanovllm.kernels.decode_attention`, ...) lazily, where they are used.
+"""
+import torch
+
+SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+INDEX_DTYPES = (torch.int32, torch.int64)
+# tl.dot refuses operands with a dimension below 16, so query rows and head_dim pad up to it.
+MIN_DOT_SIZE = 16
+# Kernels keep [rows, head_dim] fp32 accumulators in registers; beyond 256 they would spill.
+MAX_HEAD_DIM = 256
+
+
+def next_power_of_2(n: int) -> int:
+    return 1 if n <= 1 else 1 << (n - 1).bit_length()
+
+
+def padded_head_dim(head_dim: int) -> int:
+    """tl.arange needs a power of two: head_dim is padded up and the tail masked off."""
+    return max(MIN_DOT_SIZE, next_power_of_2(head_dim))
+
+
+def dot_precision(dtype: torch.dtype) -> str:
+    """fp32 tl.dot defaults to TF32 on NVIDIA (10-bit mantissa); fp32 callers want real fp32.
+    16-bit inputs ignore the setting, so they keep the default."""
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
+def check_tensor(name: str, t: torch.Tensor, ndim: int, dtypes: tuple[torch.dtype, ...],
+                 device: torch.device) -> None:
+    """The rank, dtype and device every kernel argument must have, and a unit last stride
+    (kernels address the last dimension as a dense run; the other strides are passed in)."""
+    if not isinstance(t, torch.Tensor):
+        raise ValueError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if t.dim() != ndim:
+        raise ValueError(f"{name} must have {ndim} dimensions, got shape {tuple(t.shape)}")
+    if t.dtype not in dtypes:
+        raise ValueError(f"{name} has dtype {t.dtype}; allowed: {', '.join(map(str, dtypes))}")
+    if t.device != device:
+        raise ValueError(f"{name} is on {t.device} but the query is on {device}")
+    if t.size(-1) > 1 and t.stride(-1) != 1:
+        raise ValueError(f"{name} must have stride(-1) == 1, got strides {t.stride()}")
+
+
+def check_head_dim(head_dim: int) -> None:
+    if not 1 <= head_dim <= MAX_HEAD_DIM:
+        raise ValueError(f"head_dim={head_dim} is not supported; allowed: 1..{MAX_HEAD_DIM}")
+
+
+def check_paged_cache(k_cache: torch.Tensor, v_cache: torch.Tensor, dtype: torch.dtype,
+                      device: torch.device) -> None:
+    """k_cache and v_cache: [num_blocks, block_size, num_kv_heads, head_dim], one layout for both
+    (the kernels address both with one set of strides)."""
+    check_tensor("k_cache", k_cache, 4, (dtype,), device)
+    check_tensor("v_cache", v_cache, 4, (dtype,), device)
+    if k_cache.shape != v_cache.shape or k_cache.stride() != v_cache.stride():
+        raise ValueError(f"k_cache and v_cache must share shape and strides, got {tuple(k_cache.shape)} "
+                         f"{k_cache.stride()} and {tuple(v_cache.shape)} {v_cache.stride()}")
