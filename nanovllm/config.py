@@ -19,6 +19,8 @@ DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.
 MIN_BLOCK_SIZE = 16
 # Tensor parallelism spans at most one 8-GPU node.
 MAX_TENSOR_PARALLEL_SIZE = 8
+# Model sizes split across tensor-parallel ranks (heads, KV heads, vocabulary, MLP width).
+TENSOR_PARALLEL_DIVIDES = ("num_attention_heads", "num_key_value_heads", "vocab_size", "intermediate_size")
 
 
 def _require(ok: bool, name: str, value, allowed: str) -> None:
@@ -37,7 +39,7 @@ class Config:
     max_num_seqs: int = 512
     max_model_len: int = 4096  # capped by the model's max_position_embeddings
     gpu_memory_utilization: float = 0.9
-    tensor_parallel_size: int = 1
+    tensor_parallel_size: int = 1  # ranks (processes; GPUs on CUDA) the model is sharded over
     enforce_eager: bool = False
     kvcache_block_size: int = 256  # 256 suits flash-attn; the torch/triton backends take any power of two >= 16
     num_kvcache_blocks: int = -1  # -1: size the KV cache from memory; > 0: exactly this many blocks
@@ -46,7 +48,8 @@ class Config:
     attention_backend: str = "auto"
     enable_prefix_caching: bool = True
     # On CPU there is no device to measure, so the KV cache gets this fixed budget (as vLLM's
-    # VLLM_CPU_KVCACHE_SPACE); it is capped by what max_num_seqs sequences of max_model_len need.
+    # VLLM_CPU_KVCACHE_SPACE), per tensor-parallel rank; it is capped by what max_num_seqs sequences
+    # of max_model_len need.
     cpu_kvcache_space_gib: float = 4.0
     hf_config: PretrainedConfig = field(init=False, repr=False)
     eos: int = field(init=False, default=-1)
@@ -66,6 +69,7 @@ class Config:
         self.max_model_len = min(self.max_model_len, self.hf_config.max_position_embeddings)
         self.device = self._resolve_device()
         self.dtype = self._resolve_dtype()
+        self._check_tensor_parallel()
 
     def _check_fields(self) -> None:
         for name in ("max_num_batched_tokens", "max_num_seqs", "max_model_len"):
@@ -76,7 +80,6 @@ class Config:
         tp = self.tensor_parallel_size
         _require(_is_int(tp) and 1 <= tp <= MAX_TENSOR_PARALLEL_SIZE, "tensor_parallel_size", tp,
                  f"an integer in 1..{MAX_TENSOR_PARALLEL_SIZE}")
-        _require(tp == 1, "tensor_parallel_size", tp, "1 (multi-process tensor parallelism is not built yet)")
         bs = self.kvcache_block_size
         _require(_is_int(bs) and bs >= MIN_BLOCK_SIZE and bs & (bs - 1) == 0, "kvcache_block_size", bs,
                  f"a power of two >= {MIN_BLOCK_SIZE}")
@@ -91,6 +94,22 @@ class Config:
                  self.dtype, f"'auto', one of {list(DTYPES)} or the matching torch.dtype")
         g = self.cpu_kvcache_space_gib
         _require(isinstance(g, (int, float)) and g > 0, "cpu_kvcache_space_gib", g, "a number > 0")
+
+    def _check_tensor_parallel(self) -> None:
+        """Each rank holds 1/tensor_parallel_size of these, so each must divide; checked here,
+        before any worker process is spawned."""
+        tp = self.tensor_parallel_size
+        sizes = {name: getattr(self.hf_config, name, None) for name in TENSOR_PARALLEL_DIVIDES}
+        sizes = {name: value for name, value in sizes.items() if value is not None}
+        allowed = [n for n in range(1, MAX_TENSOR_PARALLEL_SIZE + 1) if all(v % n == 0 for v in sizes.values())]
+        for name, value in sizes.items():
+            if value % tp:
+                raise ValueError(f"tensor_parallel_size={tp} is not allowed for this model: its {name}={value} "
+                                 f"does not divide by {tp}; tensor_parallel_size must divide "
+                                 f"{', '.join(f'{n}={v}' for n, v in sizes.items())} (allowed: {allowed})")
+        if self.device == "cuda" and tp > torch.cuda.device_count():
+            raise ValueError(f"tensor_parallel_size={tp} needs {tp} GPUs, one per rank; torch sees "
+                             f"{torch.cuda.device_count()}")
 
     def _load_hf_config(self) -> PretrainedConfig:
         if not isinstance(self.model, (str, os.PathLike)) or not os.path.isdir(self.model):

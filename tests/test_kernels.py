@@ -253,11 +253,15 @@ def test_prefill_with_cached_prefix_matches_torch(dtype, block_size, num_heads, 
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("num_heads,num_kv_heads", HEAD_LAYOUTS)
-def test_prefill_without_cache_matches_torch(dtype, num_heads, num_kv_heads):
-    # Warm-up: no block table, keys are this step's contiguous (strided) k/v, Lk == Lq.
+@pytest.mark.parametrize("rotated_k", [False, True])
+def test_prefill_without_cache_matches_torch(dtype, num_heads, num_kv_heads, rotated_k):
+    # No cached prefix: keys are this step's (strided) k/v, Lk == Lq. In the model k is a fresh
+    # tensor (rotary makes a copy) while v stays a view of qkv, so their strides differ.
     gen = torch.Generator().manual_seed(6)
     meta = prefill_meta([(0, n) for n in PREFILL_LENGTHS], None)
     q, k, v = fused_qkv(sum(PREFILL_LENGTHS), num_heads, num_kv_heads, HEAD_DIM, dtype, gen)
+    if rotated_k:
+        k = k.contiguous()
     expected = TorchBackend().prefill(q.float(), k.float(), v.float(), None, None, meta, SCALE)
     out = torch.full(q.shape, float("nan"), dtype=dtype, device=DEVICE)
     prefill_attention(q, k, v, meta.cu_seqlens_q, meta.cu_seqlens_k, SCALE, out=out)

@@ -17,7 +17,7 @@ from transformers import AutoTokenizer
 from nanovllm.config import Config
 from nanovllm.engine.block_manager import BlockManager
 from nanovllm.engine.detokenizer import Detokenizer
-from nanovllm.engine.model_runner import ModelRunner
+from nanovllm.engine.tensor_parallel import create_model_runner
 from nanovllm.engine.scheduler import Scheduler
 from nanovllm.engine.sequence import Sequence
 from nanovllm.layers.sampler import TokenLogprobs
@@ -62,7 +62,7 @@ class LLMEngine:
         self.tokenizer = AutoTokenizer.from_pretrained(config.model, use_fast=True, trust_remote_code=False)
         eos = self.tokenizer.eos_token_id
         config.eos = eos if eos is not None else getattr(config.hf_config, "eos_token_id", None) or -1
-        self.model_runner = ModelRunner(config)
+        self.model_runner = create_model_runner(config)  # tensor_parallel_size > 1 spawns the other ranks
         self.block_manager = BlockManager(self.model_runner.num_kvcache_blocks, config.kvcache_block_size,
                                           config.enable_prefix_caching)
         self.scheduler = Scheduler(config.max_num_seqs, config.max_num_batched_tokens, config.max_model_len,

@@ -7,6 +7,7 @@ the engine that touches tensors; it knows nothing of queues or finishing rules.
 import logging
 
 import torch
+import torch.distributed as dist
 
 from nanovllm.attention import create_backend
 from nanovllm.config import Config
@@ -17,6 +18,7 @@ from nanovllm.models.qwen3 import MODELS
 from nanovllm.sampling_params import SamplingParams
 from nanovllm.utils.context import AttentionMetadata, forward_context
 from nanovllm.utils.loader import load_model
+from nanovllm.utils.parallel import tp_rank, tp_size
 
 logger = logging.getLogger("nanovllm")
 
@@ -49,7 +51,9 @@ class ModelRunner:
         self.device = torch.device(config.device)
         self.block_size = config.kvcache_block_size
         self.num_layers = hf_config.num_hidden_layers
-        self.num_kv_heads = hf_config.num_key_value_heads
+        # Built inside tensor_parallel_rank(...) for a rank of a tensor-parallel group, else rank 0 of 1.
+        self.rank, self.world_size = tp_rank(), tp_size()
+        self.num_kv_heads = hf_config.num_key_value_heads // self.world_size  # this rank's (Config checks it divides)
         self.head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // hf_config.num_attention_heads
         default_dtype = torch.get_default_dtype()
         torch.set_default_dtype(config.dtype)
@@ -66,9 +70,11 @@ class ModelRunner:
         self.sampler = Sampler()
         self.warmup_model()
         self.num_kvcache_blocks = self.allocate_kv_cache()
-        logger.info("device %s, dtype %s, attention %s, CUDA graphs off, KV cache %d blocks x %d tokens = %d tokens",
-                    config.device, config.dtype, self.backend.name, self.num_kvcache_blocks, self.block_size,
-                    self.num_kvcache_blocks * self.block_size)
+        if self.rank == 0:
+            logger.info("device %s, dtype %s, attention %s, CUDA graphs off, KV cache %d blocks x %d tokens = %d "
+                        "tokens, tensor parallel %d", config.device, config.dtype, self.backend.name,
+                        self.num_kvcache_blocks, self.block_size, self.num_kvcache_blocks * self.block_size,
+                        self.world_size)
 
     def exit(self) -> None:
         for layer in self.attention_layers:
@@ -112,6 +118,10 @@ class ModelRunner:
             where = f"cpu_kvcache_space_gib={config.cpu_kvcache_space_gib}"
         # More blocks than max_num_seqs full-length sequences can use would be wasted memory.
         num_blocks = min(max(budget, 0) // block_bytes, config.max_num_seqs * blocks_per_seq)
+        if self.world_size > 1:  # block ids mean the same on every rank, so all take the smallest cache
+            smallest = torch.tensor([num_blocks], dtype=torch.int64, device=self.device)
+            dist.all_reduce(smallest, op=dist.ReduceOp.MIN)
+            num_blocks = int(smallest.item())
         if num_blocks < blocks_per_seq:
             raise ValueError(f"the KV cache fits {num_blocks} blocks of {self.block_size} tokens under {where}, "
                              f"fewer than one sequence of max_model_len={config.max_model_len} needs "
@@ -199,7 +209,9 @@ class ModelRunner:
         if len(completing) < len(seqs):
             hidden_states = hidden_states[self._to_device(completing, torch.int64)]
         sampled = [seqs[i] for i in completing]
-        logits = self.model.compute_logits(hidden_states)  # [num_sampled, vocab]
+        logits = self.model.compute_logits(hidden_states)  # [num_sampled, vocab] on rank 0, None elsewhere
+        if self.rank != 0:  # only rank 0 samples; a worker never reads sampling fields
+            return SamplerOutput([], [])
         tensors = prepare_sampling(sampled, logits.size(-1), self.config.eos, self.device)
         out = self.sampler(logits, tensors)
         if len(completing) == len(seqs):

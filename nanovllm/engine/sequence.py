@@ -89,3 +89,42 @@ class Sequence:
 
     def append_token(self, token_id: int) -> None:
         self.token_ids.append(token_id)
+
+    def __getstate__(self) -> tuple:
+        """What a tensor-parallel worker's runner reads for this step, and nothing more: the token ids
+        of positions [num_computed_tokens, num_computed_tokens + num_scheduled_tokens) (a prefill
+        chunk, or the last token of a decode), the length, the block table and the two counts. No
+        sampling fields and no other tokens: a decode step costs the same at any sequence length."""
+        start, end = self.num_computed_tokens, self.num_computed_tokens + self.num_scheduled_tokens
+        return self.seq_id, len(self.token_ids), self.block_table, start, self.num_scheduled_tokens, self.token_ids[start:end]
+
+    def __setstate__(self, state: tuple) -> None:
+        self.seq_id, length, self.block_table, self.num_computed_tokens, self.num_scheduled_tokens, ids = state
+        self.token_ids = StepTokens(self.num_computed_tokens, ids, length)
+
+
+class StepTokens:
+    """A worker's stand-in for `Sequence.token_ids`: the sequence's length, and the ids of this step's
+    positions [start, start + len(ids)) only. Reading any other position raises IndexError, so a
+    runner that needs tokens a worker was never sent fails loudly instead of reading wrong ones."""
+    __slots__ = ("start", "ids", "length")
+
+    def __init__(self, start: int, ids: list[int], length: int):
+        self.start, self.ids, self.length = start, ids, length
+
+    def __len__(self) -> int:
+        return self.length
+
+    def __getitem__(self, key: int | slice) -> int | list[int]:
+        end = self.start + len(self.ids)
+        if isinstance(key, slice):
+            first, stop, step = key.indices(self.length)
+            if step == 1 and first >= stop:
+                return []
+            if step != 1 or first < self.start or stop > end:
+                raise IndexError(f"token slice {key} is outside this step's positions [{self.start}, {end})")
+            return self.ids[first - self.start:stop - self.start]
+        position = key + self.length if key < 0 else key
+        if not self.start <= position < end:
+            raise IndexError(f"token position {key} is outside this step's positions [{self.start}, {end})")
+        return self.ids[position - self.start]
