@@ -152,12 +152,13 @@ class LLMEngine:
             return StepOutput([], [], 0, True)
         out = self.model_runner.run(batch.seqs, batch.is_prefill)
         advanced = self.scheduler.postprocess(batch, out.token_ids)
-        logprobs = {seq.seq_id: lp for seq, lp in zip(batch.seqs, out.logprobs)}
+        # The runner returns logprobs exactly for the rows that sampled, which are the advanced ones.
+        for seq, lp in zip(batch.seqs, out.logprobs):
+            n = seq.sampling_params.logprobs
+            if lp is not None and n is not None:
+                seq.logprobs.append(lp._replace(top_logprobs=dict(list(lp.top_logprobs.items())[:n])))
         for seq in advanced:
             params = seq.sampling_params
-            if params.logprobs is not None:
-                lp = logprobs[seq.seq_id]
-                seq.logprobs.append(lp._replace(top_logprobs=dict(list(lp.top_logprobs.items())[:params.logprobs])))
             if seq.detokenizer is None:
                 continue
             # A stop token ends a sequence before any stop string; min_tokens delays both.

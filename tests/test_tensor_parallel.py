@@ -1,0 +1,250 @@
+"""Tensor parallelism across processes, on CPU over gloo: tensor_parallel_size=2 gives exactly the
+greedy tokens of one process and of HF transformers; engines never collide; sizes that do not
+divide are refused before any process starts; a worker that dies is a prompt, clear error."""
+import json
+import multiprocessing
+import os
+import pickle
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from helpers import hf_greedy, random_prompts
+from nanovllm import LLM, SamplingParams
+from nanovllm.engine import tensor_parallel
+from nanovllm.engine.model_runner import ModelRunner
+from nanovllm.engine.sequence import Sequence, StepTokens
+from nanovllm.engine.tensor_parallel import TensorParallelError
+from nanovllm.utils.synthetic import build_checkpoint
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+BLOCK = 16
+MAX_TOKENS = 24
+# A dead worker must surface well within this (gloo reports a lost peer at once).
+FAILURE_DEADLINE_S = 15.0
+
+
+def greedy(max_tokens: int = MAX_TOKENS) -> SamplingParams:
+    return SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+
+
+def engine(path: str, tp: int, **kwargs) -> LLM:
+    return LLM(path, tensor_parallel_size=tp, kvcache_block_size=BLOCK, **kwargs)
+
+
+def pid_gone(pid: int, within_s: float = 5.0) -> bool:
+    deadline = time.monotonic() + within_s
+    while time.monotonic() < deadline:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return True
+        time.sleep(0.05)
+    return False
+
+
+def call_with_deadline(fn, seconds: float):
+    """fn() in a thread: (its result or exception, seconds taken); fails the test if it hangs."""
+    box = {}
+
+    def target():
+        try:
+            box["result"] = fn()
+        except BaseException as error:  # handed to the test, which asserts on it
+            box["error"] = error
+    start = time.monotonic()
+    thread = threading.Thread(target=target, daemon=True)
+    thread.start()
+    thread.join(seconds)
+    assert not thread.is_alive(), f"still running after {seconds} s: hung"
+    return box.get("error", box.get("result")), time.monotonic() - start
+
+
+@pytest.fixture(scope="module")
+def qwen2_tiny_tied(tmp_path_factory) -> str:
+    """Qwen2 (q/k/v bias) with the LM head tied to the embedding; 6 heads / 2 KV heads divide by 2."""
+    return build_checkpoint(str(tmp_path_factory.mktemp("qwen2_tiny_tied")), "qwen2", hidden_size=96,
+                            tie_word_embeddings=True)
+
+
+def test_sequence_pickles_only_what_a_worker_runs():
+    prompt = list(range(1000))
+    seq = Sequence(7, prompt, SamplingParams(temperature=0.5, top_k=5, max_tokens=50), BLOCK)
+    seq.block_table = list(range(63))
+    seq.num_computed_tokens, seq.num_scheduled_tokens = 480, 40  # a prefill chunk
+    chunk = pickle.loads(pickle.dumps(seq))
+    assert isinstance(chunk.token_ids, StepTokens)
+    assert len(chunk) == 1000 and chunk.block_table == seq.block_table and chunk.seq_id == 7
+    assert (chunk.num_computed_tokens, chunk.num_scheduled_tokens) == (480, 40)
+    assert chunk.token_ids[480:520] == prompt[480:520] and chunk.token_ids[500] == 500
+    for outside in (slice(0, 481), slice(479, 500), slice(500, 521)):
+        with pytest.raises(IndexError, match="outside this step"):
+            chunk.token_ids[outside]
+    with pytest.raises(IndexError):
+        chunk.last_token  # not part of this chunk
+    for field in ("sampling_params", "generator", "detokenizer", "status", "block_hashes"):
+        assert not hasattr(chunk, field), f"{field} must stay on rank 0"
+
+    seq.num_computed_tokens, seq.num_scheduled_tokens = 1000, 1  # decode: the sampled token is last
+    seq.append_token(4242)
+    decode = pickle.loads(pickle.dumps(seq))
+    assert decode.last_token == 4242 and len(decode) == 1001 and decode.token_ids[1000:1001] == [4242]
+    # A decode step's size depends on the block table, not on how many tokens the sequence holds.
+    short = Sequence(8, [1, 2], SamplingParams(), BLOCK)
+    short.block_table, short.num_computed_tokens, short.num_scheduled_tokens = list(range(63)), 1, 1
+    assert abs(len(pickle.dumps(seq)) - len(pickle.dumps(short))) <= 8
+
+
+@pytest.mark.parametrize("ckpt", ["qwen3_tiny", "qwen2_tiny_tied"])
+def test_tp2_equals_tp1_and_hf_with_prefix_hits_chunking_and_preemption(ckpt, request):
+    path = request.getfixturevalue(ckpt)
+    shared = random_prompts(200, [48], seed=6)[0]
+    prompts = [shared + tail for tail in random_prompts(200, [3, 17, 30, 1, 12], seed=7)]
+    prompts += random_prompts(200, [5, 40, 64, 15, 16, 17], seed=8)
+    expected = hf_greedy(path, prompts, MAX_TOKENS)
+    # 14 blocks of 16 tokens cannot hold the batch at once: preemption; 40 tokens a step: chunking.
+    small = dict(num_kvcache_blocks=14, max_num_batched_tokens=40)
+    outputs = {}
+    for tp in (1, 2):
+        llm = engine(path, tp, **small)
+        first = llm.generate(prompts, greedy(), use_tqdm=False)
+        second = llm.generate(prompts, greedy(), use_tqdm=False)  # hits the blocks the first call cached
+        assert llm.scheduler.num_preemptions > 0
+        assert sum(o["num_cached_tokens"] for o in first + second) > 0
+        assert llm.block_manager.num_blocks == 14
+        outputs[tp] = [[o["token_ids"] for o in first], [o["token_ids"] for o in second]]
+        llm.exit()
+    assert outputs[2] == outputs[1] == [expected, expected]
+
+
+def test_step_message_larger_than_a_pipe_buffer(qwen3_tiny):
+    """One prefill step of ~30k tokens: its message is far over the OS pipe buffer (64 KiB) and
+    must reach the worker whole."""
+    prompts = random_prompts(600, [1000] * 30, seed=12)
+    config = dict(num_kvcache_blocks=2 * 30 * 64, max_num_batched_tokens=30_000, max_num_seqs=30)
+    llm = engine(qwen3_tiny, 2, **config)
+    sizes = []
+    send_step = llm.model_runner.workers.send_step
+
+    def measuring_send_step(seqs, is_prefill):
+        sizes.append(len(pickle.dumps((seqs, is_prefill))))
+        send_step(seqs, is_prefill)
+    llm.model_runner.workers.send_step = measuring_send_step
+    tp2 = llm.generate(prompts, greedy(2), use_tqdm=False)
+    llm.exit()
+    assert max(sizes) > 64 * 1024
+    tp1 = engine(qwen3_tiny, 1, **config).generate(prompts, greedy(2), use_tqdm=False)
+    assert [o["token_ids"] for o in tp2] == [o["token_ids"] for o in tp1]
+
+
+def test_new_engine_after_exit_in_the_same_process(qwen3_tiny):
+    threads = torch.get_num_threads()
+    prompts = random_prompts(200, [7, 20, 33], seed=13)
+    expected = hf_greedy(qwen3_tiny, prompts, 8)
+    llm = engine(qwen3_tiny, 2, num_kvcache_blocks=64)
+    pids = llm.model_runner.worker_pids
+    assert [o["token_ids"] for o in llm.generate(prompts, greedy(8), use_tqdm=False)] == expected
+    # Beside it: a one-process engine is unaffected by its process group; a second TP engine is refused.
+    single = engine(qwen3_tiny, 1, num_kvcache_blocks=64)
+    assert [o["token_ids"] for o in single.generate(prompts, greedy(8), use_tqdm=False)] == expected
+    with pytest.raises(RuntimeError, match="exit"):
+        engine(qwen3_tiny, 2, num_kvcache_blocks=64)
+    llm.exit()
+    llm.exit()  # idempotent
+    assert all(pid_gone(pid) for pid in pids)
+    assert not dist.is_initialized() and torch.get_num_threads() == threads
+    with pytest.raises(RuntimeError, match="exited"):
+        llm.generate(prompts, greedy(8), use_tqdm=False)
+    again = engine(qwen3_tiny, 2, num_kvcache_blocks=64)
+    assert [o["token_ids"] for o in again.generate(prompts, greedy(8), use_tqdm=False)] == expected
+    again.exit()
+
+
+# Each run of this script is an engine in a process of its own; it prints its tokens and worker pids.
+# One run leaves the engine to interpreter exit (atexit), the other calls exit() itself.
+ENGINE_SCRIPT = """
+import json, sys
+from nanovllm import LLM, SamplingParams
+if __name__ == "__main__":
+    path, prompts, call_exit = sys.argv[1], json.loads(sys.argv[2]), sys.argv[3] == "1"
+    llm = LLM(path, tensor_parallel_size=2, kvcache_block_size=16, num_kvcache_blocks=64)
+    out = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True), use_tqdm=False)
+    print(json.dumps({"tokens": [o["token_ids"] for o in out], "pids": llm.model_runner.worker_pids}))
+    if call_exit:
+        llm.exit()
+"""
+
+
+def test_two_engines_in_two_processes_at_once(qwen3_tiny):
+    prompts = random_prompts(200, [5, 18, 40], seed=14)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO_ROOT), os.environ.get("PYTHONPATH", "")])}
+    runs = [subprocess.Popen([sys.executable, "-c", ENGINE_SCRIPT, qwen3_tiny, json.dumps(prompts), call_exit],
+                             cwd=REPO_ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+            for call_exit in ("1", "0")]
+    reference = engine(qwen3_tiny, 1, num_kvcache_blocks=64).generate(prompts, greedy(12), use_tqdm=False)
+    for run in runs:
+        stdout, stderr = run.communicate(timeout=120)
+        assert run.returncode == 0, stderr[-3000:]
+        result = json.loads(stdout.strip().splitlines()[-1])
+        assert result["tokens"] == [o["token_ids"] for o in reference]
+        assert all(pid_gone(pid) for pid in result["pids"]), "a worker outlived its engine's process"
+
+
+@pytest.mark.parametrize("ckpt, tp, field", [
+    ("qwen3_tiny_tied", 2, "num_attention_heads=9"),  # 9 heads, 3 KV heads
+    ("qwen3_tiny", 4, "num_attention_heads=6"),
+    ("qwen3_tiny", 8, "num_attention_heads=6"),
+])
+def test_indivisible_sizes_refused_before_any_process_starts(ckpt, tp, field, request, monkeypatch):
+    def no_spawning(*args, **kwargs):
+        raise AssertionError("workers were started for a model that cannot be split")
+    monkeypatch.setattr(tensor_parallel.WorkerGroup, "__init__", no_spawning)
+    children = multiprocessing.active_children()
+    with pytest.raises(ValueError, match=f"tensor_parallel_size={tp}.*{field}.*allowed"):
+        LLM(request.getfixturevalue(ckpt), tensor_parallel_size=tp)
+    assert multiprocessing.active_children() == children and not dist.is_initialized()
+
+
+def test_killed_worker_fails_generate_promptly(qwen3_tiny, monkeypatch):
+    """SIGKILL the worker in the middle of a step, while rank 0 is in the step's collectives."""
+    llm = engine(qwen3_tiny, 2, num_kvcache_blocks=64)
+    (pid,) = llm.model_runner.worker_pids
+    prompts = random_prompts(200, [9, 30], seed=15)
+    steps = []
+    run = ModelRunner.run
+
+    def killing_run(self, seqs, is_prefill):
+        steps.append(is_prefill)
+        if len(steps) == 3:  # rank 0 has sent the step; the worker dies before (or while) running it
+            os.kill(pid, signal.SIGKILL)
+        return run(self, seqs, is_prefill)
+    monkeypatch.setattr(ModelRunner, "run", killing_run)
+    error, seconds = call_with_deadline(lambda: llm.generate(prompts, greedy(), use_tqdm=False), FAILURE_DEADLINE_S)
+    assert isinstance(error, TensorParallelError) and isinstance(error, RuntimeError), error
+    assert f"worker rank 1 (pid {pid}) was killed by SIGKILL" in str(error)
+    assert seconds < FAILURE_DEADLINE_S
+    # The group stays stopped: later calls fail at once with the same cause; exit() still cleans up.
+    error, seconds = call_with_deadline(lambda: llm.generate(prompts, greedy(), use_tqdm=False), FAILURE_DEADLINE_S)
+    assert isinstance(error, TensorParallelError) and "SIGKILL" in str(error) and seconds < 1
+    _, seconds = call_with_deadline(llm.exit, FAILURE_DEADLINE_S)
+    assert not dist.is_initialized()
+
+
+def test_worker_exception_reported_with_its_traceback(qwen3_tiny):
+    llm = engine(qwen3_tiny, 2, num_kvcache_blocks=64)
+    prompts = random_prompts(200, [9], seed=16)
+    llm.generate(prompts, greedy(4), use_tqdm=False)
+    (worker,) = llm.model_runner.workers.workers
+    tensor_parallel._send(worker.conn, "no-such-message")  # the worker raises ValueError on it
+    error, _ = call_with_deadline(lambda: llm.generate(prompts, greedy(4), use_tqdm=False), FAILURE_DEADLINE_S)
+    assert isinstance(error, TensorParallelError), error
+    assert "worker rank 1" in str(error) and "Traceback" in str(error)
+    assert "ValueError: unknown step message 'no-such-message'" in str(error)
+    llm.exit()
