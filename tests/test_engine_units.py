@@ -10,7 +10,7 @@ from collections import Counter
 import pytest
 
 from nanovllm.engine.block_manager import BlockManager
-from nanovllm.engine.model_runner import decode_slot, token_slots
+from nanovllm.engine.block_manager import decode_slot, token_slots
 from nanovllm.engine.scheduler import ScheduledBatch, Scheduler
 from nanovllm.engine.sequence import Sequence, SequenceStatus
 from nanovllm.sampling_params import SamplingParams

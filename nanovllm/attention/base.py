@@ -15,6 +15,8 @@ from nanovllm.utils.context import AttentionMetadata
 
 class AttentionBackend(ABC):
     name: str
+    # Whether decode can be captured in a CUDA graph: fixed shapes, no host sync, no allocation.
+    supports_cuda_graphs: bool = False
 
     @abstractmethod
     def store_kv(self, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

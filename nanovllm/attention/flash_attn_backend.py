@@ -13,6 +13,7 @@ from nanovllm.utils.context import AttentionMetadata
 
 class FlashAttnBackend(AttentionBackend):
     name = "flash_attn"
+    supports_cuda_graphs = True
 
     def __init__(self) -> None:
         from flash_attn import flash_attn_varlen_func, flash_attn_with_kvcache

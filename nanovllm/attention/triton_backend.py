@@ -13,6 +13,7 @@ from nanovllm.utils.context import AttentionMetadata
 
 class TritonBackend(AttentionBackend):
     name = "triton"
+    supports_cuda_graphs = True
 
     def __init__(self) -> None:
         # Lazy: importing triton is slow, and it must not happen at `import nanovllm` time (tests

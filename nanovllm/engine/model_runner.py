@@ -11,6 +11,8 @@ import torch.distributed as dist
 
 from nanovllm.attention import create_backend
 from nanovllm.config import Config
+from nanovllm.engine.block_manager import token_slots
+from nanovllm.engine.decode_inputs import DecodeInputs, bucket_for, graph_batch_sizes
 from nanovllm.engine.sequence import Sequence
 from nanovllm.layers.attention import Attention
 from nanovllm.layers.sampler import Sampler, SamplerOutput, prepare_sampling
@@ -28,19 +30,17 @@ GIB = 1 << 30
 CPU_WARMUP_TOKENS = 64
 
 
-def token_slots(block_table: list[int], block_size: int, start: int, end: int) -> list[int]:
-    """Flat cache slots (block_id * block_size + offset) of token positions start..end-1."""
-    slots = []
-    for i in range(start // block_size, (end + block_size - 1) // block_size):
-        base = block_table[i] * block_size
-        slots.extend(range(base + max(start - i * block_size, 0), base + min(end - i * block_size, block_size)))
-    return slots
+def gpu_kv_budget(total: int, free: int, peak: int, current: int, utilization: float) -> int:
+    """Bytes the KV cache may take: `utilization` of the device, less what is in use now (this
+    process's weights and anything else on the device) and less the warm-up's activation peak
+    above what stays allocated."""
+    used = total - free
+    return int(total * utilization) - used - (peak - current)
 
 
-def decode_slot(block_table: list[int], block_size: int, num_tokens: int) -> int:
-    """Slot of a decoding sequence's newest token, the one at position num_tokens - 1."""
-    position = num_tokens - 1
-    return block_table[position // block_size] * block_size + position % block_size
+def blocks_in_budget(budget: int, block_bytes: int, max_num_seqs: int, blocks_per_seq: int) -> int:
+    """KV blocks that fit in `budget` bytes, no more than max_num_seqs full-length sequences use."""
+    return min(max(budget, 0) // block_bytes, max_num_seqs * blocks_per_seq)
 
 
 class ModelRunner:
@@ -68,15 +68,27 @@ class ModelRunner:
         for layer in self.attention_layers:
             layer.backend = self.backend
         self.sampler = Sampler()
+        self.max_blocks_per_seq = (config.max_model_len + self.block_size - 1) // self.block_size
         self.warmup_model()
         self.num_kvcache_blocks = self.allocate_kv_cache()
+        self.decode_inputs = DecodeInputs(config.max_num_seqs, self.max_blocks_per_seq, self.block_size, self.device)
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.graph_batch_sizes: list[int] = []
+        use_graphs = self.device.type == "cuda" and not config.enforce_eager
+        if use_graphs and self.backend.supports_cuda_graphs:
+            self.capture_cudagraphs()
+        elif use_graphs and self.rank == 0:
+            logger.warning("CUDA graphs off: the %s attention backend cannot be captured", self.backend.name)
         if self.rank == 0:
-            logger.info("device %s, dtype %s, attention %s, CUDA graphs off, KV cache %d blocks x %d tokens = %d "
+            logger.info("device %s, dtype %s, attention %s, CUDA graphs %s, KV cache %d blocks x %d tokens = %d "
                         "tokens, tensor parallel %d", config.device, config.dtype, self.backend.name,
+                        f"on ({len(self.graphs)} batch sizes)" if self.graphs else "off",
                         self.num_kvcache_blocks, self.block_size, self.num_kvcache_blocks * self.block_size,
                         self.world_size)
 
     def exit(self) -> None:
+        self.graphs.clear()
+        self.graph_pool = self.graph_hidden = None
         for layer in self.attention_layers:
             layer.k_cache = layer.v_cache = torch.tensor([])
         self.kv_cache = None
@@ -105,27 +117,25 @@ class ModelRunner:
         return 2 * self.num_layers * self.block_size * self.num_kv_heads * self.head_dim * self.config.dtype.itemsize
 
     def _num_blocks_from_memory(self) -> int:
-        config, block_bytes = self.config, self._kv_block_bytes()
-        blocks_per_seq = (config.max_model_len + self.block_size - 1) // self.block_size
+        config = self.config
         if self.device.type == "cuda":
             free, total = torch.cuda.mem_get_info()
             stats = torch.cuda.memory_stats()
-            peak, current = stats["allocated_bytes.all.peak"], stats["allocated_bytes.all.current"]
-            budget = int(total * config.gpu_memory_utilization) - (total - free) - peak + current
+            budget = gpu_kv_budget(total, free, stats["allocated_bytes.all.peak"],
+                                   stats["allocated_bytes.all.current"], config.gpu_memory_utilization)
             where = f"gpu_memory_utilization={config.gpu_memory_utilization} of {total / GIB:.1f} GiB"
         else:
             budget = int(config.cpu_kvcache_space_gib * GIB)
             where = f"cpu_kvcache_space_gib={config.cpu_kvcache_space_gib}"
-        # More blocks than max_num_seqs full-length sequences can use would be wasted memory.
-        num_blocks = min(max(budget, 0) // block_bytes, config.max_num_seqs * blocks_per_seq)
+        num_blocks = blocks_in_budget(budget, self._kv_block_bytes(), config.max_num_seqs, self.max_blocks_per_seq)
         if self.world_size > 1:  # block ids mean the same on every rank, so all take the smallest cache
             smallest = torch.tensor([num_blocks], dtype=torch.int64, device=self.device)
             dist.all_reduce(smallest, op=dist.ReduceOp.MIN)
             num_blocks = int(smallest.item())
-        if num_blocks < blocks_per_seq:
+        if num_blocks < self.max_blocks_per_seq:
             raise ValueError(f"the KV cache fits {num_blocks} blocks of {self.block_size} tokens under {where}, "
                              f"fewer than one sequence of max_model_len={config.max_model_len} needs "
-                             f"({blocks_per_seq}); lower max_model_len or give the cache more memory")
+                             f"({self.max_blocks_per_seq}); lower max_model_len or give the cache more memory")
         return num_blocks
 
     def allocate_kv_cache(self) -> int:
@@ -178,17 +188,37 @@ class ModelRunner:
         last_rows = self._to_device([c - 1 for c in cu_q[1:]], torch.int64)  # each sequence's last new token
         return self._to_device(input_ids, torch.int64), self._to_device(positions, torch.int64), meta, last_rows
 
-    def prepare_decode(self, seqs: list[Sequence]) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
-        input_ids = [seq.last_token for seq in seqs]
-        positions = [len(seq) - 1 for seq in seqs]
-        slot_mapping = [decode_slot(seq.block_table, self.block_size, len(seq)) for seq in seqs]
-        meta = AttentionMetadata(
-            is_prefill=False,
-            slot_mapping=self._to_device(slot_mapping, torch.int64),
-            context_lens=self._to_device([len(seq) for seq in seqs], torch.int32),
-            block_tables=self._block_tables(seqs),
-        )
-        return self._to_device(input_ids, torch.int64), self._to_device(positions, torch.int64), meta
+    def prepare_decode(self, seqs: list[Sequence], padded_batch: int | None = None
+                       ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+        """Decode inputs in the persistent buffers; padded (full-width tables) for a CUDA graph."""
+        graph = padded_batch is not None
+        return self.decode_inputs.fill(seqs, padded_batch if graph else len(seqs), full_width=graph)
+
+    @torch.inference_mode()
+    def capture_cudagraphs(self) -> None:
+        """One CUDA graph per decode batch bucket, largest first, sharing one memory pool. Each
+        reads the persistent decode buffers and writes its hidden states to one output buffer."""
+        config, hf_config = self.config, self.config.hf_config
+        self.graph_batch_sizes = graph_batch_sizes(config.max_num_seqs)
+        max_batch = self.graph_batch_sizes[-1]
+        if hasattr(self.backend, "reserve_decode_scratch"):  # so that capture never allocates
+            self.backend.reserve_decode_scratch(max_batch, hf_config.num_attention_heads // self.world_size,
+                                                self.num_kv_heads, self.head_dim, self.max_blocks_per_seq,
+                                                self.block_size, self.device)
+        self.graph_hidden = torch.zeros(max_batch, hf_config.hidden_size, dtype=config.dtype, device=self.device)
+        self.graph_pool = None
+        for batch in reversed(self.graph_batch_sizes):
+            # All rows are padding (slot -1, context 0): warm-up and capture write no KV.
+            input_ids, positions, meta = self.decode_inputs.fill([], batch, full_width=True)
+            with forward_context(meta):
+                self.graph_hidden[:batch] = self.model(input_ids, positions)  # warm-up (and compile)
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, self.graph_pool):
+                    self.graph_hidden[:batch] = self.model(input_ids, positions)
+            if self.graph_pool is None:
+                self.graph_pool = graph.pool()
+            self.graphs[batch] = graph
+            torch.cuda.synchronize()
 
     @torch.inference_mode()
     def run(self, seqs: list[Sequence], is_prefill: bool) -> SamplerOutput:
@@ -197,10 +227,16 @@ class ModelRunner:
         a seeded generator never advances on it."""
         if is_prefill:
             input_ids, positions, meta, last_rows = self.prepare_prefill(seqs)
+        elif self.graphs:
+            batch = bucket_for(len(seqs), self.graph_batch_sizes)
+            self.prepare_decode(seqs, batch)
+            self.graphs[batch].replay()
+            hidden_states, last_rows, meta = self.graph_hidden[:len(seqs)], None, None
         else:
             (input_ids, positions, meta), last_rows = self.prepare_decode(seqs), None
-        with forward_context(meta):
-            hidden_states = self.model(input_ids, positions)  # [num_tokens, hidden]
+        if meta is not None:
+            with forward_context(meta):
+                hidden_states = self.model(input_ids, positions)  # [num_tokens, hidden]
         completing = [i for i, seq in enumerate(seqs) if seq.num_computed_tokens + seq.num_scheduled_tokens >= len(seq)]
         if not completing:
             return SamplerOutput([-1] * len(seqs), [None] * len(seqs))

@@ -1,0 +1,89 @@
+"""The CUDA path's logic, checked without CUDA: graph buckets, the padded persistent decode
+inputs a graph reads, and the KV-cache sizing arithmetic against a fake device memory report."""
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from nanovllm.engine.block_manager import decode_slot
+from nanovllm.engine.decode_inputs import DecodeInputs, bucket_for, graph_batch_sizes
+from nanovllm.engine.model_runner import GIB, ModelRunner, blocks_in_budget, gpu_kv_budget
+from nanovllm.engine.sequence import Sequence
+from nanovllm.sampling_params import SamplingParams
+
+
+@pytest.mark.parametrize("max_num_seqs", [1, 2, 3, 8, 9, 16, 17, 100, 256, 512, 1000])
+def test_every_batch_size_has_a_bucket(max_num_seqs):
+    sizes = graph_batch_sizes(max_num_seqs)
+    assert sizes == sorted(set(sizes)) and sizes[-1] == max_num_seqs and sizes[0] == 1
+    for batch in range(1, max_num_seqs + 1):
+        bucket = bucket_for(batch, sizes)
+        assert bucket in sizes and bucket >= batch
+        assert bucket - batch < 16, "padding stays under one bucket step"
+    with pytest.raises(ValueError, match="exceeds"):
+        bucket_for(max_num_seqs + 1, sizes)
+
+
+def make_seq(seq_id: int, length: int, block_table: list[int], block_size: int) -> Sequence:
+    seq = Sequence(seq_id, list(range(100 + seq_id, 100 + seq_id + length)), SamplingParams(), block_size)
+    seq.block_table = block_table
+    return seq
+
+
+def test_padded_rows_store_nothing_and_attend_to_nothing():
+    bs = 16
+    inputs = DecodeInputs(max_batch=8, max_blocks_per_seq=4, block_size=bs, device=torch.device("cpu"))
+    long = [make_seq(i, 40 + i, [7 - i, 3, 5], bs) for i in range(6)]
+    inputs.fill(long, 8, full_width=True)  # leaves real values in rows 0..5
+    seqs = [make_seq(0, 16, [2], bs), make_seq(1, 17, [4, 1], bs), make_seq(2, 33, [0, 6, 3], bs)]
+    input_ids, positions, meta = inputs.fill(seqs, 8, full_width=True)
+    assert input_ids.tolist()[:3] == [seq.last_token for seq in seqs]
+    assert positions.tolist()[:3] == [15, 16, 32]
+    assert meta.context_lens.tolist() == [16, 17, 33, 0, 0, 0, 0, 0]
+    assert meta.slot_mapping.tolist() == [decode_slot(s.block_table, bs, len(s)) for s in seqs] + [-1] * 5
+    assert meta.slot_mapping.tolist()[:3] == [2 * bs + 15, 1 * bs + 0, 3 * bs + 0]
+    assert meta.block_tables.shape == (8, 4)  # a graph's shape: full width
+    for row, seq in enumerate(seqs):
+        assert meta.block_tables[row, :len(seq.block_table)].tolist() == seq.block_table
+    assert input_ids.tolist()[3:] == [0] * 5 and positions.tolist()[3:] == [0] * 5
+    # Eager: exactly the batch, tables cut to the longest one.
+    _, _, eager = inputs.fill(seqs[:2], 2, full_width=False)
+    assert eager.block_tables.shape == (2, 2) and eager.context_lens.tolist() == [16, 17]
+
+
+def test_gpu_budget_counts_weights_and_warmup_peak():
+    total, free = 80 * GIB, 70 * GIB  # 10 GiB in use: weights and the CUDA context
+    peak, current = 6 * GIB, 2 * GIB  # the warm-up's activations peaked 4 GiB above what stays
+    budget = gpu_kv_budget(total, free, peak, current, 0.9)
+    assert budget == int(72 * GIB) - 10 * GIB - 4 * GIB
+    assert blocks_in_budget(budget, 64 * 1024 * 1024, max_num_seqs=10_000, blocks_per_seq=16) == budget // (64 << 20)
+    # Capped at what max_num_seqs full-length sequences can use.
+    assert blocks_in_budget(budget, 1024, max_num_seqs=4, blocks_per_seq=16) == 64
+    assert blocks_in_budget(-5, 1024, 4, 16) == 0
+
+
+def fake_runner(max_model_len: int, block_size: int = 256, utilization: float = 0.9) -> SimpleNamespace:
+    """Just what _num_blocks_from_memory reads, on a pretend CUDA device (Qwen3-0.6B-like KV)."""
+    config = SimpleNamespace(gpu_memory_utilization=utilization, max_num_seqs=1024, max_model_len=max_model_len,
+                             cpu_kvcache_space_gib=4.0)
+    runner = SimpleNamespace(config=config, device=torch.device("cuda"), block_size=block_size, world_size=1,
+                             max_blocks_per_seq=-(-max_model_len // block_size))
+    runner._kv_block_bytes = lambda: 2 * 28 * block_size * 8 * 128 * 2  # 28 MiB per 256-token block in bf16
+    return runner
+
+
+def test_block_count_from_a_fake_device(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda: (130 * GIB, 140 * GIB))
+    monkeypatch.setattr(torch.cuda, "memory_stats", lambda: {"allocated_bytes.all.peak": 5 * GIB,
+                                                              "allocated_bytes.all.current": 2 * GIB})
+    runner = fake_runner(max_model_len=4096)
+    blocks = ModelRunner._num_blocks_from_memory(runner)
+    assert blocks == (int(140 * 0.9 * GIB) - 10 * GIB - 3 * GIB) // (28 << 20)
+
+
+def test_clear_error_when_one_full_length_sequence_does_not_fit(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda: (2 * GIB, 80 * GIB))  # nearly full already
+    monkeypatch.setattr(torch.cuda, "memory_stats", lambda: {"allocated_bytes.all.peak": GIB,
+                                                              "allocated_bytes.all.current": GIB})
+    with pytest.raises(ValueError, match=r"fewer than one sequence of max_model_len=40960"):
+        ModelRunner._num_blocks_from_memory(fake_runner(max_model_len=40960, utilization=0.99))
