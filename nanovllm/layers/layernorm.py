@@ -1,9 +1,30 @@
 """RMSNorm, optionally fused with the residual add that precedes it (as in nano-vllm).
 
-Computed in float32 and cast back, exactly as HF transformers' Qwen RMSNorm does.
+Computed in float32 and cast back, exactly as HF transformers' Qwen RMSNorm does; compiled into
+one kernel on CUDA.
 """
 import torch
 from torch import nn
+
+from nanovllm.utils.compile import compile_on_cuda
+
+
+@compile_on_cuda
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    dtype = x.dtype
+    x = x.float()
+    x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * x.to(dtype)
+
+
+@compile_on_cuda
+def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                 eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    residual = x + residual  # the new residual stream
+    dtype = residual.dtype
+    y = residual.float()
+    y = y * torch.rsqrt(y.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * y.to(dtype), residual
 
 
 class RMSNorm(nn.Module):
@@ -13,15 +34,8 @@ class RMSNorm(nn.Module):
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(hidden_size))
 
-    def _norm(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        x = x.float()
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x.to(dtype)
-
     def forward(self, x: torch.Tensor,
                 residual: torch.Tensor | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         if residual is None:
-            return self._norm(x)
-        residual = x + residual  # the new residual stream
-        return self._norm(residual), residual
+            return rms_norm(x, self.weight, self.eps)
+        return add_rms_norm(x, residual, self.weight, self.eps)

@@ -6,6 +6,8 @@ arithmetic as HF transformers, so positions index the table instead of recomputi
 import torch
 from torch import nn
 
+from nanovllm.utils.compile import compile_on_cuda
+
 
 def rope_theta_of(hf_config) -> float:
     """transformers 5 moved rope_theta into rope_parameters; read either form."""
@@ -25,6 +27,13 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(x.dtype)
 
 
+@compile_on_cuda
+def rotate_qk(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
+              cos_sin_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    cos, sin = cos_sin_cache[positions].chunk(2, dim=-1)
+    return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+
+
 class RotaryEmbedding(nn.Module):
 
     def __init__(self, head_dim: int, max_position: int, base: float):
@@ -37,5 +46,4 @@ class RotaryEmbedding(nn.Module):
                              persistent=False)
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        cos, sin = self.cos_sin_cache[positions].chunk(2, dim=-1)
-        return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        return rotate_qk(positions, q, k, self.cos_sin_cache)

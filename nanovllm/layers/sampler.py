@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from nanovllm.engine.sequence import Sequence
+from nanovllm.utils.compile import compile_on_cuda
 
 
 class SamplingTensors(NamedTuple):
@@ -53,8 +54,8 @@ def _token_matrix(rows: list[list[int]], vocab_size: int, device: torch.device) 
 def prepare_sampling(seqs: list[Sequence], vocab_size: int, eos: int, device: torch.device) -> SamplingTensors:
     params = [seq.sampling_params for seq in seqs]
 
-    def column(values: list, dtype: torch.dtype) -> torch.Tensor:
-        return torch.tensor(values, dtype=dtype).to(device, non_blocking=True)
+    def column(values: list, dtype: torch.dtype) -> torch.Tensor:  # from pinned memory, without blocking
+        return torch.tensor(values, dtype=dtype, pin_memory=device.type == "cuda").to(device, non_blocking=True)
 
     temperatures = [p.temperature for p in params]
     sampled = [p for p in params if not p.greedy]
@@ -122,6 +123,18 @@ def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor | None, top_p: t
         drop = (mass_before >= top_p.unsqueeze(1)) & (top_p < 1).unsqueeze(1)
         sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
     return torch.full_like(logits, float("-inf")).scatter_(1, order, sorted_logits)
+
+
+@compile_on_cuda
+def scale_by_temperature(logits: torch.Tensor, temperatures: torch.Tensor) -> torch.Tensor:
+    return logits / torch.where(temperatures > 0, temperatures, 1.0).unsqueeze(1)
+
+
+@compile_on_cuda
+def exponential_race(logits: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
+    """argmax(p / E) with E ~ Exp(1) draws a token from p = softmax(logits), with no host sync."""
+    probs = torch.softmax(logits, dim=-1)
+    return (probs / noise.clamp_min(torch.finfo(noise.dtype).tiny)).argmax(dim=-1)
 
 
 class Sampler(nn.Module):

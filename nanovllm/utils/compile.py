@@ -1,0 +1,37 @@
+"""`torch.compile` for the small hot layer functions, on CUDA only.
+
+On CUDA, fusing RMSNorm + residual add, rotary embedding, SiLU-and-mul and the plain sampler
+into single kernels saves launches and memory traffic (nano-vllm does the same). On CPU they run
+eagerly by default: measured on the 2-core CI machine (docs/BENCHMARKS.md, "compiled layers"),
+compiling speeds up the rotary embedding and the sampler's softmax over a large vocabulary, but
+costs tens of seconds of C++ compilation in every new process, more than short CPU runs and the
+tests gain. NANOVLLM_COMPILE=all compiles on CPU too (for long CPU runs), =0 nowhere. The choice
+is made per call from the input's device, so one process can hold CPU and CUDA models.
+"""
+import functools
+import os
+from typing import Callable, TypeVar
+
+import torch
+
+F = TypeVar("F", bound=Callable)
+
+COMPILE_MODES = ("cuda", "all", "0")
+MODE = os.environ.get("NANOVLLM_COMPILE", "cuda")
+if MODE not in COMPILE_MODES:
+    raise ValueError(f"NANOVLLM_COMPILE={MODE!r} is not allowed; it must be one of {COMPILE_MODES}")
+
+
+def compile_on_cuda(fn: F) -> F:
+    compiled = None
+
+    @functools.wraps(fn)
+    def dispatch(x: torch.Tensor, *args, **kwargs):
+        nonlocal compiled
+        if MODE == "0" or (MODE == "cuda" and not x.is_cuda):
+            return fn(x, *args, **kwargs)
+        if compiled is None:
+            compiled = torch.compile(fn, dynamic=True)
+        return compiled(x, *args, **kwargs)
+
+    return dispatch
