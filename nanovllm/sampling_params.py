@@ -83,5 +83,11 @@ class SamplingParams:
         return self.temperature == 0.0
 
     @property
+    def needs_only_temperature(self) -> bool:
+        """True when sampling this request needs nothing beyond its temperature (the fast path)."""
+        return (self.top_k <= 0 and self.top_p == 1.0 and self.min_p == 0.0 and self.seed is None
+                and self.min_tokens == 0 and self.logprobs is None and not self.has_penalties)
+
+    @property
     def has_penalties(self) -> bool:
         return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0

@@ -150,6 +150,7 @@ class LLMEngine:
         batch = self.scheduler.schedule()
         if not batch.seqs:  # everything was preempted; the next step prefills again
             return StepOutput([], [], 0, True)
+        num_tokens = batch.num_tokens  # before postprocess clears the scheduled counts
         out = self.model_runner.run(batch.seqs, batch.is_prefill)
         advanced = self.scheduler.postprocess(batch, out.token_ids)
         # The runner returns logprobs exactly for the rows that sampled, which are the advanced ones.
@@ -169,7 +170,7 @@ class LLMEngine:
             elif stop is not None:
                 self.scheduler.finish(seq, "stop", stop)
         self.scheduler.drop_finished()
-        return StepOutput(advanced, [seq for seq in advanced if seq.is_finished], batch.num_tokens, batch.is_prefill)
+        return StepOutput(advanced, [seq for seq in advanced if seq.is_finished], num_tokens, batch.is_prefill)
 
     def is_finished(self) -> bool:
         return self.scheduler.is_finished()

@@ -34,6 +34,7 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: deque[Sequence] = deque()
         self.num_preemptions = 0  # since start; a sign the KV cache is too small for the load
+        self.num_unswept_finished = 0  # finished since the last drop_finished()
 
     def is_finished(self) -> bool:
         return not self.waiting and not self.running
@@ -102,21 +103,23 @@ class Scheduler:
             first_block = seq.num_computed_tokens // bs
             seq.num_computed_tokens += seq.num_scheduled_tokens
             seq.num_scheduled_tokens = 0
-            self.block_manager.cache_blocks(seq, first_block, seq.num_computed_tokens // bs)
-            if seq.num_computed_tokens < len(seq):
+            if seq.num_computed_tokens // bs > first_block:  # a block filled up: publish it
+                self.block_manager.cache_blocks(seq, first_block, seq.num_computed_tokens // bs)
+            if seq.num_computed_tokens < len(seq.token_ids):
                 continue
             if seq.pending_siblings:  # the prompt's blocks are published now: let the other samples in
                 self.waiting.extendleft(reversed(seq.pending_siblings))
                 seq.pending_siblings = []
-            seq.append_token(token_id)
+            seq.token_ids.append(token_id)
             advanced.append(seq)
             params = seq.sampling_params
-            may_stop = seq.num_completion_tokens > params.min_tokens
-            if may_stop and token_id in params.stop_token_ids:
+            num_completion = len(seq.token_ids) - seq.num_prompt_tokens
+            may_stop = num_completion > params.min_tokens
+            if may_stop and params.stop_token_ids and token_id in params.stop_token_ids:
                 self.finish(seq, "stop", token_id)
-            elif may_stop and not params.ignore_eos and token_id == self.eos:
+            elif may_stop and token_id == self.eos and not params.ignore_eos:
                 self.finish(seq, "stop", None)
-            elif seq.num_completion_tokens >= params.max_tokens or len(seq) >= self.max_model_len:
+            elif num_completion >= params.max_tokens or len(seq.token_ids) >= self.max_model_len:
                 self.finish(seq, "length", None)
         self.drop_finished()
         return advanced
@@ -127,10 +130,12 @@ class Scheduler:
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason, seq.stop_reason = finish_reason, stop_reason
         self.block_manager.deallocate(seq)
+        self.num_unswept_finished += 1
 
     def drop_finished(self) -> None:
-        if any(seq.is_finished for seq in self.running):
+        if self.num_unswept_finished:
             self.running = deque(seq for seq in self.running if not seq.is_finished)
+            self.num_unswept_finished = 0
 
     def abort(self, seqs: list[Sequence]) -> None:
         """Drop unfinished sequences (a stream its caller stopped reading) and free their blocks."""
@@ -139,6 +144,7 @@ class Scheduler:
             seq.pending_siblings = []
             if not seq.is_finished:
                 seq.status = SequenceStatus.FINISHED
+                self.num_unswept_finished += 1
                 if seq.block_table:
                     self.block_manager.deallocate(seq)
         self.waiting = deque(seq for seq in self.waiting if id(seq) not in doomed)

@@ -58,6 +58,9 @@ def prepare_sampling(seqs: list[Sequence], vocab_size: int, eos: int, device: to
         return torch.tensor(values, dtype=dtype, pin_memory=device.type == "cuda").to(device, non_blocking=True)
 
     temperatures = [p.temperature for p in params]
+    if all(p.needs_only_temperature for p in params):  # the common case: one small copy
+        return SamplingTensors(column(temperatures, torch.float32), all_greedy=not any(temperatures), top_k=None,
+                               top_p=None, min_p=None, penalties=None, banned=None, generators=[], num_logprobs=-1)
     sampled = [p for p in params if not p.greedy]
     top_k = [p.top_k if p.top_k > 0 else vocab_size for p in params]
     penalties = None
