@@ -87,3 +87,18 @@ def test_clear_error_when_one_full_length_sequence_does_not_fit(monkeypatch):
                                                               "allocated_bytes.all.current": GIB})
     with pytest.raises(ValueError, match=r"fewer than one sequence of max_model_len=40960"):
         ModelRunner._num_blocks_from_memory(fake_runner(max_model_len=40960, utilization=0.99))
+
+
+def test_decode_inputs_reuse_the_same_memory_every_step():
+    """Pitfall: per-step tensor allocations in the decode loop. Every step writes the same
+    persistent buffers (what a captured CUDA graph reads)."""
+    bs = 16
+    inputs = DecodeInputs(max_batch=4, max_blocks_per_seq=3, block_size=bs, device=torch.device("cpu"))
+    pointers = set()
+    for step in range(5):
+        seqs = [make_seq(i, 20 + step + i, [i, 4 + i], bs) for i in range(1 + step % 3)]
+        input_ids, positions, meta = inputs.fill(seqs, 4, full_width=True)
+        pointers.add((input_ids.data_ptr(), positions.data_ptr(), meta.slot_mapping.data_ptr(),
+                      meta.context_lens.data_ptr(), meta.block_tables.data_ptr()))
+        assert meta.context_lens.tolist()[:len(seqs)] == [len(s) for s in seqs]
+    assert len(pointers) == 1

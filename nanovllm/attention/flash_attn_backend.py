@@ -34,6 +34,7 @@ class FlashAttnBackend(AttentionBackend):
                             causal=True, block_table=meta.block_tables)
 
     def decode(self, q, k_cache, v_cache, meta: AttentionMetadata, scale):
+        # Eager steps pass the table cut to the batch's width (a strided view); a graph's is whole.
         out = self._with_kvcache(q.unsqueeze(1), k_cache, v_cache, cache_seqlens=meta.context_lens,
-                                 block_table=meta.block_tables, softmax_scale=scale, causal=True)
+                                 block_table=meta.block_tables.contiguous(), softmax_scale=scale, causal=True)
         return out.squeeze(1)  # [batch, num_heads, head_dim]
