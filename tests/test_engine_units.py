@@ -109,7 +109,6 @@ class ShadowCache:
 
 
 def check_invariants(bm: BlockManager, live: list[Sequence], shadow: ShadowCache) -> None:
-    bs = bm.block_size
     refs: Counter[int] = Counter()
     for seq in live:
         assert len(seq.block_table) == seq.num_blocks

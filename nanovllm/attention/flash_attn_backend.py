@@ -5,7 +5,6 @@ is cached), decode is `flash_attn_with_kvcache`. flash-attn's paged KV needs blo
 multiple of 256 tokens (checked when the backend is chosen). K/V are stored with our Triton
 store_kv kernel, as in nano-vllm.
 """
-import torch
 
 from nanovllm.attention.base import AttentionBackend
 from nanovllm.utils.context import AttentionMetadata

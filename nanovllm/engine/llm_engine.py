@@ -20,7 +20,6 @@ from nanovllm.engine.detokenizer import Detokenizer
 from nanovllm.engine.tensor_parallel import create_model_runner
 from nanovllm.engine.scheduler import Scheduler
 from nanovllm.engine.sequence import Sequence
-from nanovllm.layers.sampler import TokenLogprobs
 from nanovllm.sampling_params import SamplingParams
 
 logger = logging.getLogger("nanovllm")

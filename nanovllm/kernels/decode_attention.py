@@ -22,7 +22,7 @@ import triton.language as tl
 
 from nanovllm.kernels import INDEX_DTYPES, MIN_DOT_SIZE, SUPPORTED_DTYPES, check_head_dim, check_paged_cache, \
     check_tensor, dot_precision, next_power_of_2, padded_head_dim
-from nanovllm.kernels.reductions import MAX, SUM
+from nanovllm.kernels.reductions import MAX, SUM, online_softmax_step
 
 LOG2E = 1.4426950408889634  # softmax runs on exp2, so scores are pre-multiplied by log2(e)
 # Splits multiply the programs so small batches fill the GPU; past this, the reduce and the
@@ -124,14 +124,8 @@ def _decode_kernel(
         k = tl.load(k_cache_ptr + slots[:, None] + dims[None, :], mask=kv_mask, other=0.0)  # [BLOCK_N, DIM_PAD]
         scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale_log2  # [GROUP_PAD, BLOCK_N]
         scores = tl.where(valid[None, :], scores, float("-inf"))
-        m_new = tl.maximum(m_i, tl.reduce(scores, 1, MAX))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # exp2(-inf - -inf) would be NaN
-        p = tl.exp2(scores - m_safe[:, None])
-        alpha = tl.exp2(m_i - m_safe)
-        l_i = l_i * alpha + tl.reduce(p, 1, SUM)
         v = tl.load(v_cache_ptr + slots[:, None] + dims[None, :], mask=kv_mask, other=0.0)  # [BLOCK_N, DIM_PAD]
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
-        m_i = m_new
+        m_i, l_i, acc = online_softmax_step(scores, v, m_i, l_i, acc, DOT_PRECISION)
 
     # 4. An empty share (context 0, or past the end of a short context) has l == 0: output zeros.
     out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]

@@ -21,7 +21,7 @@ import triton.language as tl
 
 from nanovllm.kernels import INDEX_DTYPES, SUPPORTED_DTYPES, check_head_dim, check_paged_cache, check_tensor, \
     dot_precision, next_power_of_2, padded_head_dim
-from nanovllm.kernels.reductions import MAX, SUM
+from nanovllm.kernels.reductions import online_softmax_step
 
 LOG2E = 1.4426950408889634  # softmax runs on exp2, so scores are pre-multiplied by log2(e)
 
@@ -125,14 +125,8 @@ def _prefill_kernel(
         scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale_log2  # [BLOCK_M, BLOCK_N]
         visible = valid[None, :] & (key_pos[None, :] <= (prefix + q_pos)[:, None])
         scores = tl.where(visible, scores, float("-inf"))
-        m_new = tl.maximum(m_i, tl.reduce(scores, 1, MAX))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # exp2(-inf - -inf) would be NaN
-        p = tl.exp2(scores - m_safe[:, None])
-        alpha = tl.exp2(m_i - m_safe)
-        l_i = l_i * alpha + tl.reduce(p, 1, SUM)
         v = tl.load(v_ptr + v_offsets[:, None] + dims[None, :], mask=kv_mask, other=0.0)  # [BLOCK_N, DIM_PAD]
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
-        m_i = m_new
+        m_i, l_i, acc = online_softmax_step(scores, v, m_i, l_i, acc, DOT_PRECISION)
 
     # 4. A row that saw no key (only possible when Lk < Lq) has l == 0 and outputs zeros.
     out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
