@@ -1,7 +1,8 @@
 """Plain-torch attention: the CPU path and the oracle the other backends are tested against.
 
 It gathers K/V through the block table and runs scaled_dot_product_attention with an explicit
-bottom-right causal mask. Prefill loops over sequences on the host; decode is one batched call.
+bottom-right causal mask. Prefill loops over sequences on the host; decode is one batched call
+(which reads the longest context length on the host: this backend is not for CUDA graphs).
 """
 import torch
 import torch.nn.functional as F
@@ -55,11 +56,16 @@ class TorchBackend(AttentionBackend):
 
     def decode(self, q, k_cache, v_cache, meta: AttentionMetadata, scale):
         batch, block_size = q.size(0), k_cache.size(1)
-        tables = meta.block_tables.long()
-        # [batch, max_blocks * block_size, num_kv_heads, head_dim] -> [batch, num_kv_heads, T, head_dim]
-        k = k_cache[tables].flatten(1, 2).transpose(1, 2)
-        v = v_cache[tables].flatten(1, 2).transpose(1, 2)
-        positions = torch.arange(tables.size(1) * block_size, device=q.device)
+        longest = int(meta.context_lens.max()) if batch else 0
+        if longest == 0:
+            return torch.zeros_like(q)
+        # Gather exactly the first `longest` tokens of each row through its block table (not
+        # whole blocks): slots [batch, longest]; padding (-1) entries are clamped, then masked.
+        positions = torch.arange(longest, device=q.device)
+        blocks = meta.block_tables.long().gather(1, (positions // block_size).expand(batch, -1))
+        slots = (blocks * block_size + positions % block_size).clamp_min(0)
+        k = k_cache.flatten(0, 1)[slots].transpose(1, 2)  # [batch, num_kv_heads, longest, head_dim]
+        v = v_cache.flatten(0, 1)[slots].transpose(1, 2)
         mask = (positions.unsqueeze(0) < meta.context_lens.unsqueeze(1)).view(batch, 1, 1, -1)
         out = F.scaled_dot_product_attention(q.unsqueeze(2), k, v, attn_mask=mask, scale=scale, enable_gqa=True)
         out = out.squeeze(2)  # [batch, num_heads, head_dim]
