@@ -7,8 +7,13 @@ default is nano-vllm's 256 sequences of 100..1024 tokens; on CPU it is scaled do
 defaults of --num-seqs, --min-len and --max-len) unless the sizes are given.
 
 Throughput counts output tokens only (sum of max_tokens), over the timed generate call.
+
+With --compare-hf the same prompts and output lengths then go through HuggingFace transformers'
+`generate` in the same process, on the same device and dtype, and the table and the JSON line
+gain HF's throughput and the ratio (see run_hf_baseline for how HF is batched and counted).
 """
 import argparse
+import gc
 import json
 import os
 import platform
@@ -17,8 +22,11 @@ import sys
 import time
 from datetime import datetime, timezone
 from functools import partial
+from typing import NamedTuple
 
 import torch
+import transformers
+from transformers import AutoModelForCausalLM, GenerationConfig
 
 from nanovllm import LLM, SamplingParams
 from nanovllm.utils.synthetic import build_checkpoint, build_qwen3_0_6b
@@ -30,6 +38,12 @@ CPU_NUM_SEQS, CPU_MIN_LEN, CPU_MAX_LEN = 16, 16, 64
 TEMPERATURE = 0.6  # nano-vllm's bench value
 MAX_PROMPT_TOKEN_ID = 10000  # nano-vllm draws prompt ids from 0..10000 (capped by the vocabulary)
 WARMUP_MAX_TOKENS = 16  # enough to run prefill and decode once before timing
+# HF generate pads every sequence of a batch to the batch's longest prompt and output, so big
+# batches waste work; these keep a GPU busy and keep 2 CPU cores' per-step time reasonable.
+HF_BATCH_SIZE_CUDA, HF_BATCH_SIZE_CPU = 64, 16
+# torch's scaled_dot_product_attention: transformers' fastest attention that needs no extra package.
+HF_ATTN_IMPLEMENTATION = "sdpa"
+HF_PROBE_NEW_TOKENS = 32  # decode steps timed per KV-cache setup when --hf-cache auto chooses on CUDA
 
 SYNTHETIC = {
     "qwen3-0.6b": ("qwen3-0.6b-random-bf16", "Qwen3-0.6B (random weights)", build_qwen3_0_6b),
@@ -80,6 +94,14 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--max-model-len", type=int, default=4096)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json-out", help="also write the result JSON to this file")
+    parser.add_argument("--compare-hf", action="store_true",
+                        help="after nanovllm's timed run, run the same workload through HF transformers' generate")
+    parser.add_argument("--hf-batch-size", type=int, help=f"sequences per HF generate call; default "
+                        f"{HF_BATCH_SIZE_CUDA} on CUDA, {HF_BATCH_SIZE_CPU} on CPU")
+    parser.add_argument("--hf-cache", default="auto", choices=["auto", "dynamic", "static"],
+                        help="HF KV cache: 'static' is a static cache with transformers' torch.compile of the "
+                        "decode step (on CUDA); 'auto' is dynamic on CPU and, on CUDA, static when it works and "
+                        "is faster on a short probe. A failing static setup falls back to dynamic, and says so.")
     return parser.parse_args()
 
 
@@ -94,12 +116,157 @@ def workload_sizes(args: argparse.Namespace, on_cpu: bool) -> tuple[int, int, in
     return num_seqs, min_len, max_len
 
 
+# --- HF transformers baseline (--compare-hf) ---------------------------------------------------
+
+class HFResult(NamedTuple):
+    time_s: float  # the timed generate calls over the whole workload
+    generated_tokens: int  # what HF made, counting tokens past a sequence's own output length
+    setup: str  # how HF ran, in words, for the table and the JSON line
+    cache: str  # "dynamic" or "static", the KV cache used for the timed run
+    batch_size: int
+    num_batches: int
+    notes: list[str]  # why the cache setup was chosen (a failed static attempt, probe times)
+    host_load_1m: float
+
+
+def hf_batches(prompts: list[list[int]], output_lens: list[int], batch_size: int) -> list[list[int]]:
+    """Sequence indices per HF generate call: sorted by output length (then input length), neighbours batched.
+
+    HF generate takes one max_new_tokens per call, so a batch runs until its longest member's
+    output length; sorting by output length keeps that overshoot small, and the tie-break by
+    input length trims the left padding a little.
+    """
+    order = sorted(range(len(prompts)), key=lambda i: (output_lens[i], len(prompts[i])))
+    return [order[start:start + batch_size] for start in range(0, len(order), batch_size)]
+
+
+def hf_generate(model, prompts: list[list[int]], max_new_tokens: int, pad_token_id: int, cache: str,
+                max_cache_len: int) -> int:
+    """One HF generate call over `prompts`, left-padded with an attention mask; exactly
+    max_new_tokens new tokens per prompt (no EOS stops it). Returns the tokens generated."""
+    width = max(len(p) for p in prompts)
+    input_ids = torch.tensor([[pad_token_id] * (width - len(p)) + p for p in prompts], device=model.device)
+    attention_mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=model.device)
+    # The checkpoint's generation_config may set top_k/top_p/EOS ids; override all of them so the
+    # sampling is nanovllm's (temperature only) and every sequence makes max_new_tokens.
+    kwargs = {"do_sample": True, "temperature": TEMPERATURE, "top_k": 0, "top_p": 1.0,
+              "max_new_tokens": max_new_tokens, "eos_token_id": None, "pad_token_id": pad_token_id}
+    if cache == "static":
+        kwargs["cache_implementation"] = "static"
+        if hasattr(GenerationConfig(), "max_cache_len"):  # transformers >= 5.x: one cache size, no recompiles
+            kwargs["max_cache_len"] = max_cache_len
+    with torch.inference_mode():
+        output = model.generate(input_ids, attention_mask=attention_mask, **kwargs)  # [batch, width + new]
+    made = output.shape[1] - width
+    if made != max_new_tokens:
+        raise RuntimeError(f"HF generate made {made} tokens per sequence, expected max_new_tokens={max_new_tokens}")
+    return made * len(prompts)
+
+
+def _synchronize(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def _warm_up_hf(model, prompts: list[list[int]], output_lens: list[int], batches: list[list[int]],
+                pad_token_id: int, cache: str, max_cache_len: int) -> None:
+    """A short generate per distinct batch size: a compiled static-cache decode step is
+    compiled per batch shape, and that must not happen inside the timed run. No call makes more
+    than its batch's output length, so every call fits the one static cache size."""
+    first_of_size: dict[int, list[int]] = {}
+    for batch in batches:
+        first_of_size.setdefault(len(batch), batch)
+    for batch in first_of_size.values():
+        new_tokens = min(WARMUP_MAX_TOKENS, max(output_lens[i] for i in batch))
+        hf_generate(model, [prompts[i] for i in batch], new_tokens, pad_token_id, cache, max_cache_len)
+
+
+def _choose_hf_cache(model, prompts: list[list[int]], output_lens: list[int], batches: list[list[int]],
+                     pad_token_id: int, mode: str, device: str, max_cache_len: int) -> tuple[str, list[str]]:
+    """The KV cache for the timed run, warmed up; and notes saying why it was chosen.
+
+    "static" (transformers compiles the decode step on CUDA) is tried when asked for, or by
+    "auto" on CUDA; if it raises, HF runs with the dynamic cache. "auto" keeps static only if it
+    is faster than dynamic over (up to) HF_PROBE_NEW_TOKENS steps of the first batch.
+    """
+    warm_up = partial(_warm_up_hf, model, prompts, output_lens)
+    if mode == "dynamic" or (mode == "auto" and device != "cuda"):
+        warm_up(batches[:1], pad_token_id, "dynamic", max_cache_len)
+        return "dynamic", []
+    try:
+        warm_up(batches, pad_token_id, "static", max_cache_len)
+    except Exception as error:  # noqa: BLE001 -- any failure of the optional setup falls back, and is reported
+        note = f"static cache failed ({type(error).__name__}: {str(error).splitlines()[0][:200]}); used dynamic"
+        print(f"NOTE: HF {note}", file=sys.stderr)
+        warm_up(batches[:1], pad_token_id, "dynamic", max_cache_len)
+        return "dynamic", [note]
+    if mode == "static":
+        return "static", []
+    warm_up(batches[:1], pad_token_id, "dynamic", max_cache_len)
+    first = [prompts[i] for i in batches[0]]
+    probe_tokens = min(HF_PROBE_NEW_TOKENS, max(output_lens[i] for i in batches[0]))
+    probe_s = {}
+    for cache in ("static", "dynamic"):
+        _synchronize(device)
+        start = time.perf_counter()
+        hf_generate(model, first, probe_tokens, pad_token_id, cache, max_cache_len)
+        _synchronize(device)
+        probe_s[cache] = time.perf_counter() - start
+    cache = min(probe_s, key=probe_s.get)
+    probe = ", ".join(f"{name} {seconds:.2f} s" for name, seconds in probe_s.items())
+    return cache, [f"auto chose the {cache} cache: {probe_tokens} new tokens of the first batch took {probe}"]
+
+
+def run_hf_baseline(path: str, prompts: list[list[int]], output_lens: list[int], device: str, dtype: torch.dtype,
+                    batch_size: int, cache_mode: str, seed: int) -> HFResult:
+    """The workload through HF transformers' generate: batched, warmed up, timed.
+
+    Fairness: the same prompts, output lengths, device, dtype and sampling (temperature 0.6,
+    EOS ignored). HF cannot give each sequence of a batch its own max_new_tokens, so sequences
+    are sorted by output length and neighbours batched (hf_batches); each batch generates its
+    longest member's length, but only each sequence's own requested tokens count as output,
+    as for nanovllm. The overshoot is HF's cost of static batching, reported as generated_tokens.
+    """
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation=HF_ATTN_IMPLEMENTATION)
+    model = model.to(device).eval()
+    pad_token_id = next((t for t in (getattr(model.config, "pad_token_id", None),
+                                     model.generation_config.pad_token_id) if t is not None), 0)
+    batches = hf_batches(prompts, output_lens, batch_size)
+    # Static caches are sized once for the longest batch (prompt padded + output) so no call reallocates.
+    max_cache_len = max(max(len(prompts[i]) for i in b) + max(output_lens[i] for i in b) for b in batches)
+    cache, notes = _choose_hf_cache(model, prompts, output_lens, batches, pad_token_id, cache_mode, device,
+                                   max_cache_len)
+
+    torch.manual_seed(seed)
+    load_1m = os.getloadavg()[0]
+    _synchronize(device)
+    start = time.perf_counter()
+    generated = sum(hf_generate(model, [prompts[i] for i in batch], max(output_lens[i] for i in batch),
+                                pad_token_id, cache, max_cache_len) for batch in batches)
+    _synchronize(device)
+    elapsed = time.perf_counter() - start
+
+    dtype_name = str(dtype).removeprefix("torch.")
+    # transformers compiles the decode step itself when the cache is static and the device a GPU.
+    compiled = cache == "static" and hasattr(model, "_compiled_call")
+    cache_words = f"{cache} KV cache, " + ("decode step torch.compile'd by transformers" if compiled else "eager")
+    setup = (f"transformers {transformers.__version__} generate: AutoModelForCausalLM({dtype_name}, "
+             f"attn_implementation={HF_ATTN_IMPLEMENTATION}), {cache_words}, <= {batch_size} seqs per call "
+             "sorted by output length, left-padded with attention masks")
+    del model
+    gc.collect()
+    return HFResult(elapsed, generated, setup, cache, batch_size, len(batches), notes, load_1m)
+
+
 def main() -> None:
     args = parse_args()
     # 1. The workload: the device's default sizes unless given, checked before the (slow) model load.
     # "auto" resolves as Config resolves it; the device reported is the engine's own.
     on_cpu = args.device == "cpu" or (args.device == "auto" and not torch.cuda.is_available())
     num_seqs, min_len, max_len = workload_sizes(args, on_cpu)
+    if args.hf_batch_size is not None and args.hf_batch_size < 1:
+        raise ValueError(f"--hf-batch-size={args.hf_batch_size} is not allowed; it must be >= 1")
+    hf_batch_size = args.hf_batch_size or (HF_BATCH_SIZE_CPU if on_cpu else HF_BATCH_SIZE_CUDA)
     scaled_down = on_cpu and (args.num_seqs, args.min_len, args.max_len) == (None, None, None)
     if scaled_down:
         print(f"NOTE: CPU run, so the workload is scaled down to {num_seqs} seqs of {min_len}..{max_len} tokens "
@@ -139,6 +306,7 @@ def main() -> None:
             raise RuntimeError(f"sequence {i} made {len(out['token_ids'])} tokens, expected max_tokens={sp.max_tokens}")
     total_output_tokens = sum(sp.max_tokens for sp in sampling_params)
 
+    total_input_tokens = sum(len(p) for p in prompts)
     result = {
         "device": device,
         "device_name": device_name(device),
@@ -152,7 +320,7 @@ def main() -> None:
         "cpu_scaled_workload": scaled_down,
         "seed": args.seed,
         "temperature": TEMPERATURE,
-        "total_input_tokens": sum(len(p) for p in prompts),
+        "total_input_tokens": total_input_tokens,
         "total_output_tokens": total_output_tokens,
         "time_s": round(elapsed, 3),
         "throughput_tok_s": round(total_output_tokens / elapsed, 2),
@@ -160,22 +328,58 @@ def main() -> None:
         "torch": torch.__version__,
         "date": datetime.now(timezone.utc).strftime("%Y-%m-%d"),
     }
-    llm.exit()
-
     rows = [
         ("device", f"{device} ({result['device_name']})"),
         ("model", model_name),
         ("dtype", result["dtype"]),
         ("attention backend", result["attention_backend"]),
         ("seqs", num_seqs),
-        ("input len", f"{min_len}..{max_len} ({result['total_input_tokens']} tokens)"),
+        ("input len", f"{min_len}..{max_len} ({total_input_tokens} tokens)"),
         ("output len", f"{min_len}..{max_len}"),
         ("output tokens", total_output_tokens),
-        ("time (s)", f"{elapsed:.2f}"),
-        ("output tok/s", f"{result['throughput_tok_s']:.2f}"),
+        ("nanovllm time (s)", f"{elapsed:.2f}"),
+        ("nanovllm output tok/s", f"{result['throughput_tok_s']:.2f}"),
     ]
     if on_cpu:
         rows.append(("host load (1 min)", f"{load_1m:.2f} on {os.cpu_count()} cores"))
+
+    # 4. The same workload through HF transformers, after nanovllm's KV cache and weights are freed.
+    dtype = llm.config.dtype
+    llm.exit()
+    del llm
+    gc.collect()
+    if device == "cuda":
+        torch.cuda.empty_cache()
+    if args.compare_hf:
+        hf = run_hf_baseline(path, prompts, [sp.max_tokens for sp in sampling_params], device, dtype,
+                             hf_batch_size, args.hf_cache, args.seed)
+        hf_throughput = total_output_tokens / hf.time_s
+        result.update({
+            "hf_setup": hf.setup,
+            "hf_cache": hf.cache,
+            "hf_batch_size": hf.batch_size,
+            "hf_num_batches": hf.num_batches,
+            "hf_generated_tokens": hf.generated_tokens,
+            "hf_time_s": round(hf.time_s, 3),
+            "hf_throughput_tok_s": round(hf_throughput, 2),
+            "hf_host_load_1m": round(hf.host_load_1m, 2),
+            "hf_notes": hf.notes,
+            "speedup_vs_hf": round(hf.time_s / elapsed, 3),  # equal output tokens, so the time ratio
+            "transformers": transformers.__version__,
+        })
+        rows += [
+            ("HF setup", hf.setup),
+            *(("HF note", note) for note in hf.notes),
+            ("HF batching", (f"{hf.num_batches} generate call(s) of <= {hf.batch_size} seqs; each makes its "
+                             f"longest member's output length ({hf.generated_tokens} tokens generated), but only "
+                             f"each sequence's own output length counts ({total_output_tokens} tokens)")),
+            ("HF time (s)", f"{hf.time_s:.2f}"),
+            ("HF output tok/s", f"{hf_throughput:.2f}"),
+        ]
+        if on_cpu:
+            rows.append(("HF host load (1 min)", f"{hf.host_load_1m:.2f} on {os.cpu_count()} cores"))
+        rows.append(("nanovllm / HF", f"{result['speedup_vs_hf']:.2f}x"))
+
     width = max(len(k) for k, _ in rows)
     for key, value in rows:
         print(f"{key:<{width}}  {value}")

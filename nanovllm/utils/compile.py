@@ -2,11 +2,12 @@
 
 On CUDA, fusing RMSNorm + residual add, rotary embedding, SiLU-and-mul and the plain sampler
 into single kernels saves launches and memory traffic (nano-vllm does the same). On CPU they run
-eagerly by default: measured on the 2-core CI machine (docs/BENCHMARKS.md, "compiled layers"),
-compiling speeds up the rotary embedding and the sampler's softmax over a large vocabulary, but
-costs tens of seconds of C++ compilation in every new process, more than short CPU runs and the
-tests gain. NANOVLLM_COMPILE=all compiles on CPU too (for long CPU runs), =0 nowhere. The choice
-is made per call from the input's device, so one process can hold CPU and CUDA models.
+eagerly by default, though compiled versions are faster there too (benchmarks/compiled_layers.py,
+recorded in docs/BENCHMARKS.md: the sampler ~7x, RMSNorm and rotary several x, SiLU-and-mul no
+gain): the CPU path is the float32 oracle that must match HF transformers bit for bit, and a
+cold compile costs seconds per function in every fresh process (14 s for the first one
+measured), more than tests and short runs gain. NANOVLLM_COMPILE=all compiles on CPU too, for
+long CPU runs; =0 compiles nowhere. The choice is made per call from the input's device.
 """
 import functools
 import os
