@@ -1,0 +1,109 @@
+"""bench.py and benchmark_plot.py end to end on CPU: a tiny random-weight model and a tiny
+workload, each script run as a user runs it (a subprocess), writing only under tmp_path."""
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import matplotlib.image
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+# 4 sequences of 8..16 tokens: seconds of work, while still batching and padding on the HF side.
+WORKLOAD = ["--num-seqs", "4", "--min-len", "8", "--max-len", "16"]
+SCRIPT_TIMEOUT_S = 120  # far above the few seconds a run takes, so a hang fails instead of blocking CI
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+# bench.py's JSON rounds times to 1 ms, throughputs to 0.01 tok/s and the ratio to 0.001; these
+# bound what that rounding can change in the quantities recomputed here.
+TIME_TOLERANCE_S = 0.001
+RATIO_TOLERANCE = 0.002
+
+
+def run_script(args: list[str], cwd: Path) -> subprocess.CompletedProcess:
+    result = subprocess.run([sys.executable, *args], check=False, cwd=cwd, capture_output=True, text=True,
+                            timeout=SCRIPT_TIMEOUT_S)
+    assert result.returncode == 0, f"{args} failed:\n{result.stdout}\n{result.stderr}"
+    return result
+
+
+@pytest.fixture(scope="module")
+def workdir(tmp_path_factory) -> Path:
+    """Shared by the bench runs, so the tiny checkpoint is built once."""
+    return tmp_path_factory.mktemp("bench")
+
+
+def run_bench(workdir: Path, name: str, extra: list[str]) -> tuple[dict, Path]:
+    """bench.py --synthetic tiny on CPU; its last stdout line parsed, and its --json-out file."""
+    json_out = workdir / f"{name}.json"
+    result = run_script([str(REPO / "bench.py"), "--synthetic", "tiny", "--device", "cpu", *WORKLOAD,
+                         "--workdir", str(workdir), "--json-out", str(json_out), *extra], cwd=workdir)
+    last = json.loads(result.stdout.strip().splitlines()[-1])
+    assert json.loads(json_out.read_text()) == last
+    return last, json_out
+
+
+def check_nanovllm(run: dict) -> None:
+    assert run["device"] == "cpu" and run["num_seqs"] == 4
+    assert run["input_len_range"] == [8, 16] and run["output_len_range"] == [8, 16]
+    assert 4 * 8 <= run["total_output_tokens"] <= 4 * 16
+    assert 4 * 8 <= run["total_input_tokens"] <= 4 * 16
+    assert run["time_s"] > 0 and run["throughput_tok_s"] > 0
+    assert run["time_s"] == pytest.approx(run["total_output_tokens"] / run["throughput_tok_s"], abs=TIME_TOLERANCE_S)
+
+
+@pytest.fixture(scope="module")
+def plain_run(workdir) -> tuple[dict, Path]:
+    return run_bench(workdir, "plain", [])
+
+
+@pytest.fixture(scope="module")
+def hf_run(workdir) -> tuple[dict, Path]:
+    return run_bench(workdir, "hf", ["--compare-hf"])
+
+
+def test_bench_reports_nanovllm_throughput(plain_run):
+    run, _ = plain_run
+    check_nanovllm(run)
+    assert not any(key.startswith("hf_") for key in run), "no HF numbers without --compare-hf"
+
+
+def test_bench_compare_hf(hf_run, plain_run):
+    run, _ = hf_run
+    check_nanovllm(run)
+    # The same seed gives the same workload with or without --compare-hf.
+    assert run["total_output_tokens"] == plain_run[0]["total_output_tokens"]
+    assert run["total_input_tokens"] == plain_run[0]["total_input_tokens"]
+    assert run["hf_time_s"] > 0 and run["hf_throughput_tok_s"] > 0
+    # HF's throughput counts the requested output tokens, the same as nanovllm's.
+    assert run["hf_time_s"] == pytest.approx(run["total_output_tokens"] / run["hf_throughput_tok_s"],
+                                             abs=TIME_TOLERANCE_S)
+    assert run["speedup_vs_hf"] == pytest.approx(run["throughput_tok_s"] / run["hf_throughput_tok_s"],
+                                                 rel=RATIO_TOLERANCE, abs=RATIO_TOLERANCE)
+    # One batch of all 4 (the CPU default batch size is 16) runs to its longest output length:
+    # the same length for all 4, and at least the requested work.
+    assert run["hf_batch_size"] == 16 and run["hf_num_batches"] == 1
+    assert run["hf_generated_tokens"] % 4 == 0
+    assert run["total_output_tokens"] <= run["hf_generated_tokens"] <= 4 * 16
+    assert run["hf_cache"] == "dynamic" and "transformers" in run["hf_setup"]
+
+
+def test_benchmark_plot_writes_png(plain_run, hf_run, tmp_path):
+    # One file as --json-out writes it, one as JSON lines (two runs).
+    lines = tmp_path / "runs.jsonl"
+    lines.write_text(json.dumps(plain_run[0]) + "\n" + json.dumps(hf_run[0]) + "\n")
+    out = tmp_path / "plot" / "benchmark.png"
+    run_script([str(REPO / "benchmark_plot.py"), str(hf_run[1]), str(lines), "--out", str(out)], cwd=tmp_path)
+    data = out.read_bytes()
+    assert data.startswith(PNG_MAGIC) and len(data) > 1000
+    image = matplotlib.image.imread(out)  # [height, width, channels]
+    assert image.ndim == 3 and image.shape[0] > 100 and image.shape[1] > 100
+
+
+def test_benchmark_plot_rejects_non_results(tmp_path):
+    bad = tmp_path / "bad.json"
+    bad.write_text('{"model": "x"}\n')
+    result = subprocess.run([sys.executable, str(REPO / "benchmark_plot.py"), str(bad), "--out",
+                             str(tmp_path / "x.png")], check=False, capture_output=True, text=True,
+                            timeout=SCRIPT_TIMEOUT_S)
+    assert result.returncode != 0 and "lacks" in result.stderr
+    assert not (tmp_path / "x.png").exists()
