@@ -157,7 +157,10 @@ class ModelRunner:
         width = max(len(seq.block_table) for seq in seqs)
         return self._to_device([seq.block_table + [-1] * (width - len(seq.block_table)) for seq in seqs], torch.int32)
 
-    def prepare_prefill(self, seqs: list[Sequence]) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor]:
+    def prepare_prefill(self, seqs: list[Sequence]
+                        ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[int], torch.Tensor]:
+        """Prefill inputs, plus which sequences finish their prompt in this step (they sample)
+        and the rows of their last new token."""
         input_ids, positions, slot_mapping = [], [], []
         seqlens_q, seqlens_k = [], []
         for seq in seqs:
@@ -185,8 +188,10 @@ class ModelRunner:
             seqlens_q=seqlens_q,
             seqlens_k=seqlens_k,
         )
-        last_rows = self._to_device([c - 1 for c in cu_q[1:]], torch.int64)  # each sequence's last new token
-        return self._to_device(input_ids, torch.int64), self._to_device(positions, torch.int64), meta, last_rows
+        completing = [i for i, (seq, lk) in enumerate(zip(seqs, seqlens_k)) if lk == len(seq)]
+        last_rows = self._to_device([cu_q[i + 1] - 1 for i in completing], torch.int64)
+        return (self._to_device(input_ids, torch.int64), self._to_device(positions, torch.int64), meta, completing,
+                last_rows)
 
     def prepare_decode(self, seqs: list[Sequence], padded_batch: int | None = None
                        ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
@@ -225,32 +230,29 @@ class ModelRunner:
         """One forward pass; samples a token for each sequence whose prompt (or decode) completes
         in it. A prefill chunk that leaves part of its prompt gets token -1 and no sampling, so
         a seeded generator never advances on it."""
+        completing = None  # every sequence of a decode step samples
         if is_prefill:
-            input_ids, positions, meta, last_rows = self.prepare_prefill(seqs)
+            input_ids, positions, meta, completing, last_rows = self.prepare_prefill(seqs)
         elif self.graphs:
             batch = bucket_for(len(seqs), self.graph_batch_sizes)
             self.prepare_decode(seqs, batch)
             self.graphs[batch].replay()
-            hidden_states, last_rows, meta = self.graph_hidden[:len(seqs)], None, None
+            hidden_states, meta = self.graph_hidden[:len(seqs)], None
         else:
-            (input_ids, positions, meta), last_rows = self.prepare_decode(seqs), None
+            input_ids, positions, meta = self.prepare_decode(seqs)
         if meta is not None:
             with forward_context(meta):
                 hidden_states = self.model(input_ids, positions)  # [num_tokens, hidden]
-        completing = [i for i, seq in enumerate(seqs) if seq.num_computed_tokens + seq.num_scheduled_tokens >= len(seq)]
-        if not completing:
-            return SamplerOutput([-1] * len(seqs), [None] * len(seqs))
-        if last_rows is not None:
+        if completing is not None:
+            if not completing:
+                return SamplerOutput([-1] * len(seqs), [None] * len(seqs))
             hidden_states = hidden_states[last_rows]
-        if len(completing) < len(seqs):
-            hidden_states = hidden_states[self._to_device(completing, torch.int64)]
-        sampled = [seqs[i] for i in completing]
+        sampled = seqs if completing is None else [seqs[i] for i in completing]
         logits = self.model.compute_logits(hidden_states)  # [num_sampled, vocab] on rank 0, None elsewhere
         if self.rank != 0:  # only rank 0 samples; a worker never reads sampling fields
             return SamplerOutput([], [])
-        tensors = prepare_sampling(sampled, logits.size(-1), self.config.eos, self.device)
-        out = self.sampler(logits, tensors)
-        if len(completing) == len(seqs):
+        out = self.sampler(logits, prepare_sampling(sampled, logits.size(-1), self.config.eos, self.device))
+        if len(sampled) == len(seqs):
             return out
         token_ids, logprobs = [-1] * len(seqs), [None] * len(seqs)
         for j, i in enumerate(completing):
