@@ -60,3 +60,13 @@ def check_paged_cache(k_cache: torch.Tensor, v_cache: torch.Tensor, dtype: torch
     if k_cache.shape != v_cache.shape or k_cache.stride() != v_cache.stride():
         raise ValueError(f"k_cache and v_cache must share shape and strides, got {tuple(k_cache.shape)} "
                          f"{k_cache.stride()} and {tuple(v_cache.shape)} {v_cache.stride()}")
+
+
+def output_for(q: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
+    """The attention output: `out` checked to match q (shape, dtype, device), or a new tensor."""
+    if out is None:
+        return torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    check_tensor("out", out, 3, (q.dtype,), q.device)
+    if out.shape != q.shape:
+        raise ValueError(f"out has shape {tuple(out.shape)}, expected {tuple(q.shape)}")
+    return out

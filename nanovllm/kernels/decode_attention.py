@@ -21,7 +21,7 @@ import triton
 import triton.language as tl
 
 from nanovllm.kernels import INDEX_DTYPES, MIN_DOT_SIZE, SUPPORTED_DTYPES, check_head_dim, check_paged_cache, \
-    check_tensor, dot_precision, next_power_of_2, padded_head_dim
+    check_tensor, dot_precision, next_power_of_2, output_for, padded_head_dim
 from nanovllm.kernels.reductions import MAX, SUM, online_softmax_step
 
 LOG2E = 1.4426950408889634  # softmax runs on exp2, so scores are pre-multiplied by log2(e)
@@ -198,12 +198,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
                          f"must have batch={batch} rows")
     if num_splits < 1:
         raise ValueError(f"num_splits={num_splits} must be >= 1")
-    if out is None:
-        out = torch.empty(q.shape, dtype=q.dtype, device=device)
-    else:
-        check_tensor("out", out, 3, (q.dtype,), device)
-        if out.shape != q.shape:
-            raise ValueError(f"out has shape {tuple(out.shape)}, expected {tuple(q.shape)}")
+    out = output_for(q, out)
     if batch == 0:
         return out
     need = scratch_numel(batch, num_heads, head_dim, num_splits)

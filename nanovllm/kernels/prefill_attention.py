@@ -20,7 +20,7 @@ import triton
 import triton.language as tl
 
 from nanovllm.kernels import INDEX_DTYPES, SUPPORTED_DTYPES, check_head_dim, check_paged_cache, check_tensor, \
-    dot_precision, next_power_of_2, padded_head_dim
+    dot_precision, next_power_of_2, output_for, padded_head_dim
 from nanovllm.kernels.reductions import online_softmax_step
 
 LOG2E = 1.4426950408889634  # softmax runs on exp2, so scores are pre-multiplied by log2(e)
@@ -177,12 +177,7 @@ def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seql
     check_head_dim(head_dim)
     if num_heads % num_kv_heads != 0:
         raise ValueError(f"num_heads={num_heads} must be a multiple of num_kv_heads={num_kv_heads}")
-    if out is None:
-        out = torch.empty(q.shape, dtype=q.dtype, device=device)
-    else:
-        check_tensor("out", out, 3, (q.dtype,), device)
-        if out.shape != q.shape:
-            raise ValueError(f"out has shape {tuple(out.shape)}, expected {tuple(q.shape)}")
+    out = output_for(q, out)
     if total_q == 0 or batch == 0:
         return out
     tiles = tiles or default_tiles(head_dim, q.dtype)
