@@ -102,3 +102,21 @@ def test_decode_inputs_reuse_the_same_memory_every_step():
                       meta.context_lens.data_ptr(), meta.block_tables.data_ptr()))
         assert meta.context_lens.tolist()[:len(seqs)] == [len(s) for s in seqs]
     assert len(pointers) == 1
+
+
+def test_compiled_layers_keep_greedy_parity(qwen3_tiny, monkeypatch):
+    """The torch.compile branch CUDA takes, exercised on CPU: still HF's greedy tokens."""
+    from torch._dynamo.utils import counters
+
+    from helpers import hf_greedy, random_prompts
+    from nanovllm import LLM
+    from nanovllm.utils import compile as compile_mod
+
+    monkeypatch.setattr(compile_mod, "MODE", "all")
+    before = counters["stats"]["unique_graphs"]
+    llm = LLM(qwen3_tiny, kvcache_block_size=16, num_kvcache_blocks=64)
+    prompts = random_prompts(200, [5, 17, 33], seed=50)
+    outputs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True), use_tqdm=False)
+    llm.exit()
+    assert counters["stats"]["unique_graphs"] > before, "nothing was compiled"
+    assert [o["token_ids"] for o in outputs] == hf_greedy(qwen3_tiny, prompts, 12)

@@ -71,7 +71,9 @@ class ModelRunner:
         self.max_blocks_per_seq = (config.max_model_len + self.block_size - 1) // self.block_size
         self.warmup_model()
         self.num_kvcache_blocks = self.allocate_kv_cache()
-        self.decode_inputs = DecodeInputs(config.max_num_seqs, self.max_blocks_per_seq, self.block_size, self.device)
+        with torch.inference_mode():  # like every step's other inputs, so compiled code sees one kind
+            self.decode_inputs = DecodeInputs(config.max_num_seqs, self.max_blocks_per_seq, self.block_size,
+                                              self.device)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.graph_batch_sizes: list[int] = []
         use_graphs = self.device.type == "cuda" and not config.enforce_eager

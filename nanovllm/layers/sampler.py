@@ -149,7 +149,7 @@ class Sampler(nn.Module):
         if t.penalties is not None:
             logits = apply_penalties(logits, *t.penalties)
         if t.banned is not None:
-            logits = logits.index_put((t.banned[0], t.banned[1]), torch.tensor(float("-inf"), device=logits.device))
+            logits = logits.index_put((t.banned[0], t.banned[1]), torch.full((), float("-inf"), device=logits.device))
         tokens = logits.argmax(dim=-1)
         if not t.all_greedy:
             tokens = torch.where(t.temperatures > 0, self._sample(logits, t), tokens)
@@ -158,17 +158,15 @@ class Sampler(nn.Module):
 
     @staticmethod
     def _sample(logits: torch.Tensor, t: SamplingTensors) -> torch.Tensor:
-        logits = logits / torch.where(t.temperatures > 0, t.temperatures, 1.0).unsqueeze(1)
+        logits = scale_by_temperature(logits, t.temperatures)
         if t.min_p is not None:
             logits = apply_min_p(logits, t.min_p)
         if t.top_k is not None or t.top_p is not None:
             logits = apply_top_k_top_p(logits, t.top_k, t.top_p)
-        probs = torch.softmax(logits, dim=-1)
-        # argmax(p / E) with E ~ Exp(1) draws from p, with no host sync (the exponential race).
-        noise = torch.empty_like(probs).exponential_()
-        for row, generator in t.generators:
+        noise = torch.empty_like(logits).exponential_()
+        for row, generator in t.generators:  # seeded rows draw from their own generator
             noise[row].exponential_(generator=generator)
-        return probs.div_(noise.clamp_min_(torch.finfo(noise.dtype).tiny)).argmax(dim=-1)
+        return exponential_race(logits, noise)
 
     @staticmethod
     def _logprobs(raw_logits: torch.Tensor, tokens: torch.Tensor, n: int) -> list[TokenLogprobs | None]:

@@ -23,6 +23,19 @@ if MODE not in COMPILE_MODES:
     raise ValueError(f"NANOVLLM_COMPILE={MODE!r} is not allowed; it must be one of {COMPILE_MODES}")
 
 
+# Each function sees a few input kinds (2-D and 3-D, batch 1, sizes that equal a head count),
+# and each is one more compiled version; past dynamo's default limit of 8 it would silently
+# fall back to eager.
+RECOMPILE_LIMIT = 64
+
+
+def _allow_recompiles() -> None:
+    config = torch._dynamo.config
+    for name in ("recompile_limit", "cache_size_limit"):  # the name changed across torch versions
+        if hasattr(config, name):
+            setattr(config, name, max(getattr(config, name), RECOMPILE_LIMIT))
+
+
 def compile_on_cuda(fn: F) -> F:
     compiled = None
 
@@ -32,6 +45,7 @@ def compile_on_cuda(fn: F) -> F:
         if MODE == "0" or (MODE == "cuda" and not x.is_cuda):
             return fn(x, *args, **kwargs)
         if compiled is None:
+            _allow_recompiles()
             compiled = torch.compile(fn, dynamic=True)
         return compiled(x, *args, **kwargs)
 
