@@ -110,7 +110,7 @@ class Scheduler:
             if seq.pending_siblings:  # the prompt's blocks are published now: let the other samples in
                 self.waiting.extendleft(reversed(seq.pending_siblings))
                 seq.pending_siblings = []
-            seq.token_ids.append(token_id)
+            seq.append_token(token_id)
             advanced.append(seq)
             params = seq.sampling_params
             num_completion = len(seq.token_ids) - seq.num_prompt_tokens
