@@ -5,7 +5,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-import matplotlib.image
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
@@ -88,6 +87,8 @@ def test_bench_compare_hf(hf_run, plain_run):
 
 
 def test_benchmark_plot_writes_png(plain_run, hf_run, tmp_path):
+    image_reader = pytest.importorskip("matplotlib.image", reason="matplotlib (the optional `bench` extra) "
+                                       "is not installed, and drawing needs it")
     # One file as --json-out writes it, one as JSON lines (two runs).
     lines = tmp_path / "runs.jsonl"
     lines.write_text(json.dumps(plain_run[0]) + "\n" + json.dumps(hf_run[0]) + "\n")
@@ -95,7 +96,7 @@ def test_benchmark_plot_writes_png(plain_run, hf_run, tmp_path):
     run_script([str(REPO / "benchmark_plot.py"), str(hf_run[1]), str(lines), "--out", str(out)], cwd=tmp_path)
     data = out.read_bytes()
     assert data.startswith(PNG_MAGIC) and len(data) > 1000
-    image = matplotlib.image.imread(out)  # [height, width, channels]
+    image = image_reader.imread(out)  # [height, width, channels]
     assert image.ndim == 3 and image.shape[0] > 100 and image.shape[1] > 100
 
 

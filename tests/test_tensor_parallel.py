@@ -36,7 +36,7 @@ def greedy(max_tokens: int = MAX_TOKENS) -> SamplingParams:
 
 
 def engine(path: str, tp: int, **kwargs) -> LLM:
-    return LLM(path, tensor_parallel_size=tp, kvcache_block_size=BLOCK, **kwargs)
+    return LLM(path, device="cpu", tensor_parallel_size=tp, kvcache_block_size=BLOCK, **kwargs)
 
 
 def pid_gone(pid: int, within_s: float = 5.0) -> bool:
@@ -174,7 +174,7 @@ import json, sys
 from nanovllm import LLM, SamplingParams
 if __name__ == "__main__":
     path, prompts, call_exit = sys.argv[1], json.loads(sys.argv[2]), sys.argv[3] == "1"
-    llm = LLM(path, tensor_parallel_size=2, kvcache_block_size=16, num_kvcache_blocks=64)
+    llm = LLM(path, device="cpu", tensor_parallel_size=2, kvcache_block_size=16, num_kvcache_blocks=64)
     out = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True), use_tqdm=False)
     print(json.dumps({"tokens": [o["token_ids"] for o in out], "pids": llm.model_runner.worker_pids}))
     if call_exit:
@@ -208,7 +208,7 @@ def test_indivisible_sizes_refused_before_any_process_starts(ckpt, tp, field, re
     monkeypatch.setattr(tensor_parallel.WorkerGroup, "__init__", no_spawning)
     children = multiprocessing.active_children()
     with pytest.raises(ValueError, match=f"tensor_parallel_size={tp}.*{field}.*allowed"):
-        LLM(request.getfixturevalue(ckpt), tensor_parallel_size=tp)
+        LLM(request.getfixturevalue(ckpt), device="cpu", tensor_parallel_size=tp)
     assert multiprocessing.active_children() == children and not dist.is_initialized()
 
 
