@@ -5,7 +5,8 @@ Usage, from anywhere: scripts/gpu_check.sh OUT_DIR [--stages suite,parity] [--ti
 (or, from the repository root: PYTHONPATH=. python scripts/gpu_check.py OUT_DIR ...)
 
 Each stage is a command of its own, run from the repository root with its own time limit
-(STAGES); its output (stdout and stderr) goes to OUT_DIR/<stage>.log and the JSON line it prints
+(STAGES), to which it adds whatever the stages before it left unused of theirs (so the last
+stages, the least predictable, get the slack, and the total still stays within 9 minutes); its output (stdout and stderr) goes to OUT_DIR/<stage>.log and the JSON line it prints
 last to OUT_DIR/<stage>.json (for the suite: its counts, parsed from pytest's last line). A stage
 that fails or runs out of time is recorded in the summary and the next stage still runs. Last,
 a summary table is printed and written to OUT_DIR/summary.txt (and OUT_DIR/summary.json), headed
@@ -31,9 +32,9 @@ from typing import Callable, NamedTuple
 REPO = Path(__file__).resolve().parents[1]
 # The whole check must end within this (the limit a GPU session gives one command).
 TOTAL_LIMIT_S = 540
-# What this script itself takes around the stages: start-up, stopping a stage that ran out of
-# time (STOP_GRACE_S), the summary.
-OVERHEAD_S = 15
+# What this script itself takes outside the stages' limits: its start-up, stopping a stage that
+# ran out of time (STOP_GRACE_S), the summary.
+OVERHEAD_S = 10
 # A stage past its limit gets SIGINT (pytest then prints its counts so far, Python runs its exit
 # handlers) and this long to exit before SIGKILL.
 STOP_GRACE_S = 5
@@ -46,18 +47,20 @@ class Stage(NamedTuple):
     what: str  # what it checks, for --help and the summary
 
 
-# Limits from the first H100 run (docs in gpu-runs): bench.py --compare-hf took ~3 minutes there
-# (49 s engine start-up with cold caches, 10 s timed, then HF's static-cache compile and its 78 s
-# run); the suite did not finish in 220 s before its tests were pinned to CPU; the rest is small.
+# Limits guessed from the first H100 run (/work/shared/gpu-runs/2026-11-22-h100): bench.py
+# --compare-hf took about 3.5 minutes there (checkpoint build, 49 s engine start-up with cold
+# caches, 10 s timed, HF's static-cache compile and its 78 s run); the suite did not finish in
+# 220 s before its tests were pinned to CPU. The short, predictable stages go first, so the
+# time they leave goes to the bench and then to the suite.
 STAGES = (
-    Stage("suite", ["-m", "pytest", "-q", "tests", "-p", "no:cacheprovider", "--durations=15"], 190,
-          "the test suite (CUDA variants included)"),
-    Stage("parity", ["scripts/gpu_parity.py"], 80,
+    Stage("parity", ["scripts/gpu_parity.py"], 70,
           "greedy parity against HF on CUDA: float32 identical, bfloat16 agreement"),
-    Stage("decode_bandwidth", ["benchmarks/decode_bandwidth.py"], 40,
+    Stage("decode_bandwidth", ["benchmarks/decode_bandwidth.py"], 30,
           "Triton decode attention bandwidth against a device copy"),
-    Stage("bench", ["bench.py", "--synthetic", "qwen3-0.6b", "--compare-hf"], 205,
+    Stage("bench", ["bench.py", "--synthetic", "qwen3-0.6b", "--compare-hf"], 230,
           "nano-vllm's throughput workload, nanovllm against HF generate"),
+    Stage("suite", ["-m", "pytest", "-q", "tests", "-p", "no:cacheprovider", "--durations=15"], 195,
+          "the test suite (CUDA variants included)"),
 )
 
 
@@ -171,6 +174,12 @@ def describe(name: str, facts: dict | None, returncode: int | None, timeout_s: i
 
 
 # --- running -------------------------------------------------------------------------------------
+
+def stage_limit(stage: Stage, later: list[Stage], seconds_left: float) -> int:
+    """A stage's time limit: its own, plus what earlier stages left unused, as long as the later
+    stages' own limits still fit in `seconds_left` of the total. Never less than its own."""
+    return max(stage.timeout_s, int(seconds_left - sum(s.timeout_s for s in later)))
+
 
 def run_stage(stage: Stage, out_dir: Path, env: dict | None = None, python: str = sys.executable) -> StageResult:
     """Run one stage from the repository root within its limit; its process group is stopped at the limit."""
@@ -304,6 +313,7 @@ def parse_args(argv: list[str] | None = None) -> tuple[Path, list[Stage]]:
 
 
 def main(argv: list[str] | None = None) -> int:
+    start = time.monotonic()
     out_dir, stages = parse_args(argv)
     env = environment()
     if env["device"] == "no CUDA device":
@@ -318,7 +328,9 @@ def main(argv: list[str] | None = None) -> int:
     stage_env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH"))
                                                              if p)}
     results = []
-    for stage in stages:
+    for i, stage in enumerate(stages):
+        seconds_left = TOTAL_LIMIT_S - OVERHEAD_S - (time.monotonic() - start)
+        stage = stage._replace(timeout_s=stage_limit(stage, stages[i + 1:], seconds_left))
         print(f"gpu_check: {stage.name} ({stage.what}), limit {stage.timeout_s} s ...", flush=True)
         result = run_stage(stage, out_dir, stage_env)
         print(f"gpu_check: {stage.name} {status(result)} in {result.seconds:.0f} s: {result.result}", flush=True)

@@ -32,8 +32,8 @@ def gpu_parity():
 def test_stage_limits_fit_in_nine_minutes(gpu_check):
     assert gpu_check.TOTAL_LIMIT_S == 9 * 60
     assert sum(stage.timeout_s for stage in gpu_check.STAGES) + gpu_check.OVERHEAD_S < gpu_check.TOTAL_LIMIT_S
-    assert [stage.name for stage in gpu_check.STAGES] == ["suite", "parity", "decode_bandwidth", "bench"]
-    bench = gpu_check.STAGES[-1]
+    assert {stage.name for stage in gpu_check.STAGES} == {"suite", "parity", "decode_bandwidth", "bench"}
+    (bench,) = [stage for stage in gpu_check.STAGES if stage.name == "bench"]
     assert bench.args == ["bench.py", "--synthetic", "qwen3-0.6b", "--compare-hf"]
 
 
@@ -41,7 +41,8 @@ def test_arguments(gpu_check, tmp_path):
     out, stages = gpu_check.parse_args([str(tmp_path / "run")])
     assert out == (tmp_path / "run").resolve() and stages == list(gpu_check.STAGES)
     _, stages = gpu_check.parse_args(["out", "--stages", "bench,parity", "--timeout", "bench=300"])
-    assert [(s.name, s.timeout_s) for s in stages] == [("bench", 300), ("parity", gpu_check.STAGES[1].timeout_s)]
+    parity = next(stage for stage in gpu_check.STAGES if stage.name == "parity")
+    assert [(s.name, s.timeout_s) for s in stages] == [("bench", 300), ("parity", parity.timeout_s)]
     for bad in (["out", "--stages", "suite,gpu"], ["out", "--stages", ","], ["out", "--timeout", "bench=soon"],
                 ["out", "--timeout", "nothing=5"], []):
         with pytest.raises(SystemExit) as error:
@@ -83,6 +84,17 @@ def test_json_stages_described(gpu_check):
     assert gpu_check.describe("bench", None, 1, 205, "loading\nValueError: no\n") == "no result; last line: ValueError: no"
 
 
+def test_time_left_by_a_stage_goes_to_the_next(gpu_check):
+    first, second, third = (gpu_check.Stage(name, [], limit, "") for name, limit in (("a", 50), ("b", 100), ("c", 30)))
+    total = 180
+    assert gpu_check.stage_limit(first, [second, third], total) == 50
+    # "a" took 20 s of its 50: "b" may use the 30 left over, "c" still gets its own 30.
+    assert gpu_check.stage_limit(second, [third], total - 20) == 130
+    assert gpu_check.stage_limit(third, [], total - 20 - 60) == 100
+    # A stage that overran (its stop took a few seconds) never cuts the next below its own limit.
+    assert gpu_check.stage_limit(second, [third], total - 55) == 100
+
+
 FAKE_ENV = {"commit": "abc1234", "device": "Fake GPU 80GB", "torch": "9.9", "cuda": "13.0", "triton": "3.6.0",
             "transformers": "5.17.0", "flash_attn": "not installed", "python": "3.12.3", "date": "2026-11-23 10:00 UTC"}
 
@@ -104,6 +116,8 @@ def fake_stages(gpu_check) -> tuple:
 def test_every_stage_recorded_and_summary_printed_last(gpu_check, tmp_path, monkeypatch, capsys):
     stages = fake_stages(gpu_check)
     monkeypatch.setattr(gpu_check, "STAGES", stages)
+    # No total to share out, so each stage keeps its own limit (the sleeper's 1 s).
+    monkeypatch.setattr(gpu_check, "TOTAL_LIMIT_S", 0)
     monkeypatch.setattr(gpu_check, "environment", lambda: dict(FAKE_ENV))
     out = tmp_path / "out"
     assert gpu_check.main([str(out)]) == 1
