@@ -5,12 +5,13 @@ Usage, from anywhere: scripts/gpu_check.sh OUT_DIR [--stages suite,parity] [--ti
 (or, from the repository root: PYTHONPATH=. python scripts/gpu_check.py OUT_DIR ...)
 
 Each stage is a command of its own, run from the repository root with its own time limit
-(STAGES), to which it adds whatever the stages before it left unused of theirs (so the last
-stages, the least predictable, get the slack, and the total still stays within 9 minutes); its output (stdout and stderr) goes to OUT_DIR/<stage>.log and the JSON line it prints
-last to OUT_DIR/<stage>.json (for the suite: its counts, parsed from pytest's last line). A stage
-that fails or runs out of time is recorded in the summary and the next stage still runs. Last,
-a summary table is printed and written to OUT_DIR/summary.txt (and OUT_DIR/summary.json), headed
-by the commit, device, library versions and date. Exit status: 0 when every stage passed.
+(STAGES), to which it adds whatever the stages before it left unused of theirs: the last stages,
+the least predictable, get the slack, and the total stays within 9 minutes. Its output (stdout
+and stderr) goes to OUT_DIR/<stage>.log and the JSON line it prints last to OUT_DIR/<stage>.json
+(for the suite: its counts, parsed from pytest's output). A stage that fails or runs out of time
+is recorded in the summary and the next stage still runs. Last, a summary table is printed and
+written to OUT_DIR/summary.txt (and OUT_DIR/summary.json), headed by the commit, device, library
+versions and date. Exit status: 0 when every stage passed.
 
 Needs only the packages the engine needs (torch, triton, transformers, safetensors, xxhash,
 tqdm) and pytest; nothing is downloaded or installed. What each number means: README, "On a GPU".

@@ -81,7 +81,8 @@ def test_json_stages_described(gpu_check):
     assert gpu_check.describe("bench", bench, 0, 205, "") == (
         "nanovllm 12,346 tok/s (bfloat16); HF 1,000 tok/s; 12.35x")
     assert gpu_check.describe("bench", {"other": 1}, 0, 205, "").startswith("unexpected JSON (KeyError")
-    assert gpu_check.describe("bench", None, 1, 205, "loading\nValueError: no\n") == "no result; last line: ValueError: no"
+    assert gpu_check.describe("bench", None, 1, 205, "loading\nValueError: no\n") == (
+        "no result; last line: ValueError: no")
 
 
 def test_time_left_by_a_stage_goes_to_the_next(gpu_check):
