@@ -325,9 +325,10 @@ def main(argv: list[str] | None = None) -> int:
     if planned > TOTAL_LIMIT_S:
         print(f"gpu_check: NOTE the stage limits add up to {planned} s with overhead, over {TOTAL_LIMIT_S} s",
               file=sys.stderr)
-    # The stages import nanovllm from this checkout, wherever the command was started.
-    stage_env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH"))
-                                                             if p)}
+    # The stages import nanovllm from this checkout, wherever the command was started; unbuffered,
+    # so a log is complete up to the moment a stage is stopped.
+    stage_env = {**os.environ, "PYTHONUNBUFFERED": "1",
+                 "PYTHONPATH": os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p)}
     results = []
     for i, stage in enumerate(stages):
         seconds_left = TOTAL_LIMIT_S - OVERHEAD_S - (time.monotonic() - start)
