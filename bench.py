@@ -123,7 +123,7 @@ def workload_reason(args: argparse.Namespace, on_cpu: bool) -> str:
     return defaults + (f", with {', '.join(given)} given" if given else "")
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     source = parser.add_mutually_exclusive_group()
     source.add_argument("--model", help=f"local checkpoint directory (default: {NANO_VLLM_CHECKPOINT} if it exists)")
@@ -150,7 +150,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="HF KV cache: 'static' is a static cache with transformers' torch.compile of the "
                         "decode step (on CUDA); 'auto' is dynamic on CPU and, on CUDA, static when it works and "
                         "is faster on a short probe. A failing static setup falls back to dynamic, and says so.")
-    return parser.parse_args(argv)
+    return parser.parse_args()
 
 
 def workload_sizes(args: argparse.Namespace, on_cpu: bool) -> tuple[int, int, int]:
