@@ -58,8 +58,8 @@ class Config:
     # True: no tokenizer is loaded (as vLLM's option): prompts are token ids, outputs carry token ids
     # and empty text, and end-of-text is the checkpoint config's eos_token_id.
     skip_tokenizer_init: bool = False
-    # A tensor-parallel worker that sends no heartbeat for this long (stopped, hung) is reported
-    # and killed, instead of blocking rank 0 until the process group's own 30-minute timeout.
+    # A tensor-parallel worker that sends no heartbeat for this long (its process stopped or wedged)
+    # is reported and killed, instead of blocking rank 0 until the process group's 30-minute timeout.
     tensor_parallel_heartbeat_timeout_s: float = 30.0
     hf_config: PretrainedConfig = field(init=False, repr=False)
     eos: int = field(init=False, default=-1)

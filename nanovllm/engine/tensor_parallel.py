@@ -49,7 +49,8 @@ logger = logging.getLogger("nanovllm")
 LOOPBACK = "127.0.0.1"  # every rank runs on this host
 # Rendezvous and collectives. Generous, since ranks load their shards at the same time but may
 # reach the first collective far apart on a slow disk; a worker that dies is caught by its exit
-# (its connections close), never by waiting this out.
+# (its connections close) and one that stops answering by its missing heartbeats, never by
+# waiting this out (except while rank 0 is still in the rendezvous itself).
 PROCESS_GROUP_TIMEOUT = timedelta(minutes=30)
 # From spawn to a worker's STARTED: a fresh interpreter importing torch and nanovllm.
 WORKER_START_TIMEOUT_S = 300.0
