@@ -9,7 +9,7 @@ checked again. Lists given for `stop` and `stop_token_ids` are kept as tuples, s
 own list cannot change them afterwards either.
 """
 import math
-from dataclasses import FrozenInstanceError, dataclass
+from dataclasses import FrozenInstanceError, dataclass, fields
 
 # vLLM's limits: penalties beyond +-2 make no useful distribution; 20 top logprobs is what
 # the OpenAI API allows and what the sampler is sized for.
@@ -38,6 +38,9 @@ def _explain_frozen(cls: type) -> type:
     also says why and what to do instead. (dataclass refuses a __setattr__ written in a frozen
     class's own body, so it is put in place here, after the class is made.)"""
     def __setattr__(self, name: str, value) -> None:
+        names = [f.name for f in fields(cls)]
+        if name not in names:
+            raise AttributeError(f"{cls.__name__} has no field {name!r}; its fields are {names}")
         raise FrozenInstanceError(f"{cls.__name__} cannot be changed after it is made (it is checked once, then): "
                                   f"{name}={value!r} refused; make a new one instead, e.g. "
                                   f"dataclasses.replace(params, {name}=...)")

@@ -66,6 +66,11 @@ def test_every_sampling_field_refuses_assignment(field):
     assert getattr(params, field) == before
 
 
+def test_misspelt_field_is_named():
+    with pytest.raises(AttributeError, match=r"SamplingParams has no field 'temprature'; its fields are \['n', "):
+        SamplingParams().temprature = 0
+
+
 def test_the_audits_assignments_are_refused_and_the_engine_runs_the_checked_values(llm):
     params = greedy()
     for field, value in (("stop", ["a"]), ("temperature", -1), ("logprobs", 1000), ("n", 0)):
