@@ -34,7 +34,7 @@ import transformers
 from transformers import AutoModelForCausalLM, GenerationConfig
 
 from nanovllm import LLM, SamplingParams
-from nanovllm.utils.synthetic import build_checkpoint, build_qwen3_0_6b
+from nanovllm.testing.synthetic import build_checkpoint, build_qwen3_0_6b
 
 # nano-vllm's workload (its README's RTX 4070 numbers use exactly this).
 GPU_NUM_SEQS, GPU_MIN_LEN, GPU_MAX_LEN = 256, 100, 1024

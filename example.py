@@ -9,7 +9,7 @@ import tempfile
 from transformers import AutoTokenizer
 
 from nanovllm import LLM, SamplingParams
-from nanovllm.utils.synthetic import build_checkpoint
+from nanovllm.testing.synthetic import build_checkpoint
 
 PROMPTS = [
     "introduce yourself",

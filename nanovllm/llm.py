@@ -1,5 +1,5 @@
 """The public entry point: `LLM(path, **config)` is the engine under nano-vllm's name."""
-from nanovllm.engine.llm_engine import LLMEngine
+from nanovllm.llm_engine import LLMEngine
 
 
 class LLM(LLMEngine):

@@ -32,7 +32,7 @@ import transformers
 from transformers import AutoModelForCausalLM
 
 from nanovllm import LLM, SamplingParams
-from nanovllm.utils.synthetic import build_checkpoint
+from nanovllm.testing.synthetic import build_checkpoint
 
 MAX_TOKENS = 24  # as tests/test_parity.py
 PROMPT_VOCAB = 200  # prompt ids drawn below this: ordinary text tokens of the synthetic tokenizer

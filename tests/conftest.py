@@ -14,7 +14,7 @@ if not torch.cuda.is_available():
 
 import pytest  # noqa: E402
 
-from nanovllm.utils.synthetic import build_checkpoint  # noqa: E402
+from nanovllm.testing.synthetic import build_checkpoint  # noqa: E402
 
 
 @pytest.fixture(scope="session")

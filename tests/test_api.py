@@ -12,8 +12,8 @@ import torch
 from helpers import AUTO_BACKEND_SMALL_BLOCKS, AUTO_DEVICE, EVERY_DEVICE, hf_greedy, random_prompts
 from nanovllm import LLM, SamplingParams
 from nanovllm.config import Config
-from nanovllm.engine.decode_inputs import graph_batch_sizes
 from nanovllm.layers.rotary_embedding import rope_theta_of
+from nanovllm.runner.decode_inputs import graph_batch_sizes
 
 BLOCK = 16
 

@@ -8,9 +8,9 @@ import pytest
 import torch
 
 from nanovllm.engine.block_manager import decode_slot
-from nanovllm.engine.decode_inputs import DecodeInputs, bucket_for, graph_batch_sizes
-from nanovllm.engine.model_runner import GIB, ModelRunner, blocks_in_budget, gpu_kv_budget
 from nanovllm.engine.sequence import Sequence
+from nanovllm.runner.decode_inputs import DecodeInputs, bucket_for, graph_batch_sizes
+from nanovllm.runner.model_runner import GIB, ModelRunner, blocks_in_budget, gpu_kv_budget
 from nanovllm.sampling_params import SamplingParams
 
 

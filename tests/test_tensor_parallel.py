@@ -20,11 +20,11 @@ import torch.distributed as dist
 
 from helpers import hf_greedy, random_prompts
 from nanovllm import LLM, SamplingParams
-from nanovllm.engine import tensor_parallel
-from nanovllm.engine.model_runner import ModelRunner
 from nanovllm.engine.sequence import Sequence, StepTokens
-from nanovllm.engine.tensor_parallel import TensorParallelError
-from nanovllm.utils.synthetic import build_checkpoint
+from nanovllm.runner import tensor_parallel
+from nanovllm.runner.model_runner import ModelRunner
+from nanovllm.runner.tensor_parallel import TensorParallelError
+from nanovllm.testing.synthetic import build_checkpoint
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 BLOCK = 16

@@ -28,7 +28,7 @@ from nanovllm.engine.detokenizer import Detokenizer
 from nanovllm.engine.request import Request, RequestOutput
 from nanovllm.engine.scheduler import Scheduler
 from nanovllm.engine.sequence import Sequence
-from nanovllm.engine.tensor_parallel import create_model_runner
+from nanovllm.runner.tensor_parallel import create_model_runner
 from nanovllm.sampling_params import SamplingParams
 from nanovllm.utils.tokenizer import end_of_text_id, load_tokenizer
 

@@ -38,9 +38,9 @@ import torch
 import torch.distributed as dist
 
 from nanovllm.config import Config
-from nanovllm.engine.model_runner import ModelRunner
 from nanovllm.engine.sequence import Sequence
 from nanovllm.layers.sampler import SamplerOutput
+from nanovllm.runner.model_runner import ModelRunner
 from nanovllm.utils.parallel import tensor_parallel_rank
 
 logger = logging.getLogger("nanovllm")
