@@ -24,9 +24,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from nanovllm.engine.block_manager import BlockManager  # noqa: E402
 from nanovllm.engine.scheduler import Scheduler  # noqa: E402
 from nanovllm.engine.sequence import Sequence  # noqa: E402
-from nanovllm.layers.sampler import SamplerOutput, prepare_sampling  # noqa: E402
+from nanovllm.layers.sampler import SamplerOutput  # noqa: E402
 from nanovllm.llm_engine import LLMEngine  # noqa: E402
 from nanovllm.runner.decode_inputs import DecodeInputs  # noqa: E402
+from nanovllm.runner.sampling_inputs import prepare_sampling  # noqa: E402
 from nanovllm.sampling_params import SamplingParams  # noqa: E402
 
 BLOCK_SIZE = 256  # nano-vllm's default

@@ -7,10 +7,10 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from nanovllm.engine.block_manager import decode_slot
 from nanovllm.engine.sequence import Sequence
 from nanovllm.runner.decode_inputs import DecodeInputs, bucket_for, graph_batch_sizes
 from nanovllm.runner.model_runner import GIB, ModelRunner, blocks_in_budget, gpu_kv_budget
+from nanovllm.runner.step_inputs import decode_slot
 from nanovllm.sampling_params import SamplingParams
 
 

@@ -10,9 +10,9 @@ from collections import Counter
 import pytest
 
 from nanovllm.engine.block_manager import BlockManager
-from nanovllm.engine.block_manager import decode_slot, token_slots
 from nanovllm.engine.scheduler import ScheduledBatch, Scheduler
 from nanovllm.engine.sequence import Sequence, SequenceStatus
+from nanovllm.runner.step_inputs import decode_slot, token_slots
 from nanovllm.sampling_params import SamplingParams
 
 VOCAB = 1000  # token ids drawn for prompts; large enough that accidental block matches are rare

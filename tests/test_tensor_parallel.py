@@ -21,9 +21,10 @@ import torch.distributed as dist
 from helpers import hf_greedy, random_prompts
 from nanovllm import LLM, SamplingParams
 from nanovllm.engine.sequence import Sequence, StepTokens
-from nanovllm.runner import tensor_parallel
+from nanovllm.runner import worker_group
 from nanovllm.runner.model_runner import ModelRunner
-from nanovllm.runner.tensor_parallel import TensorParallelError
+from nanovllm.runner.worker import send
+from nanovllm.runner.worker_group import TensorParallelError
 from nanovllm.testing.synthetic import build_checkpoint
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -235,7 +236,7 @@ def test_two_engines_in_two_processes_at_once(qwen3_tiny):
 def test_indivisible_sizes_refused_before_any_process_starts(ckpt, tp, field, request, monkeypatch):
     def no_spawning(*args, **kwargs):
         raise AssertionError("workers were started for a model that cannot be split")
-    monkeypatch.setattr(tensor_parallel.WorkerGroup, "__init__", no_spawning)
+    monkeypatch.setattr(worker_group.WorkerGroup, "__init__", no_spawning)
     children = multiprocessing.active_children()
     with pytest.raises(ValueError, match=f"tensor_parallel_size={tp}.*{field}.*allowed"):
         LLM(request.getfixturevalue(ckpt), device="cpu", tensor_parallel_size=tp)
@@ -272,7 +273,7 @@ def test_worker_exception_reported_with_its_traceback(qwen3_tiny):
     prompts = random_prompts(200, [9], seed=16)
     llm.generate(prompts, greedy(4), use_tqdm=False)
     (worker,) = llm.model_runner.workers.workers
-    tensor_parallel._send(worker.conn, "no-such-message")  # the worker raises ValueError on it
+    send(worker.conn, "no-such-message")  # the worker raises ValueError on it
     error, _ = call_with_deadline(lambda: llm.generate(prompts, greedy(4), use_tqdm=False), FAILURE_DEADLINE_S)
     assert isinstance(error, TensorParallelError), error
     assert "worker rank 1" in str(error) and "Traceback" in str(error)

@@ -10,8 +10,8 @@ from bisect import bisect_left
 
 import torch
 
-from nanovllm.engine.block_manager import decode_slot
 from nanovllm.engine.sequence import Sequence
+from nanovllm.runner.step_inputs import decode_slot
 from nanovllm.utils.context import AttentionMetadata
 
 # Small batches get their own graphs; past this, one graph every GRAPH_BUCKET_STEP sequences.

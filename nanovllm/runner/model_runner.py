@@ -11,12 +11,13 @@ import torch.distributed as dist
 
 from nanovllm.attention import create_backend
 from nanovllm.config import Config
-from nanovllm.engine.block_manager import token_slots
 from nanovllm.engine.sequence import Sequence
 from nanovllm.layers.attention import Attention
-from nanovllm.layers.sampler import Sampler, SamplerOutput, prepare_sampling
+from nanovllm.layers.sampler import Sampler, SamplerOutput
 from nanovllm.models.qwen3 import MODELS
 from nanovllm.runner.decode_inputs import DecodeInputs, bucket_for, graph_batch_sizes
+from nanovllm.runner.sampling_inputs import prepare_sampling
+from nanovllm.runner.step_inputs import token_slots
 from nanovllm.sampling_params import SamplingParams
 from nanovllm.utils.context import AttentionMetadata, forward_context
 from nanovllm.utils.loader import load_model

@@ -1,0 +1,85 @@
+"""The folder tree states the layering, and the imports keep to it (read with ast, nothing run).
+
+From the top down: the loop (`llm_engine.py`), then `runner/` (everything that builds or runs
+tensors), then `engine/` (plain-Python bookkeeping, no torch), and beside it the model side
+(`models/`, `layers/`, `attention/`, `kernels/`), which knows nothing of sequences, scheduling
+or the runner. No import runs back up.
+"""
+import ast
+from pathlib import Path
+
+import pytest
+
+PACKAGE = Path(__file__).resolve().parents[1] / "nanovllm"
+MODEL_SIDE = ("layers", "models", "kernels", "attention")
+ABOVE_THE_MODEL_SIDE = ("nanovllm.engine", "nanovllm.runner", "nanovllm.llm_engine", "nanovllm.llm")
+
+
+def module_name(path: Path) -> str:
+    parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def imports_of(path: Path) -> set[str]:
+    """Every module a file imports, by absolute name: `from a.b import c` counts as both a.b and
+    a.b.c (c may be a module), and relative imports are resolved against the file's package."""
+    package = module_name(path).split(".")
+    if path.name != "__init__.py":
+        package = package[:-1]
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                base = ".".join(package[:len(package) - node.level + 1] + ([base] if base else []))
+            found.add(base)
+            found.update(f"{base}.{alias.name}" for alias in node.names)
+    return found
+
+
+def modules_under(folder: str) -> list[Path]:
+    return sorted((PACKAGE / folder).rglob("*.py"))
+
+
+def within(name: str, prefixes: tuple[str, ...]) -> bool:
+    return any(name == p or name.startswith(p + ".") for p in prefixes)
+
+
+def test_the_import_reader_sees_what_files_import():
+    """The rules below hold only if imports_of finds imports at all: checked on files whose
+    imports are known (the runner uses torch and the engine; the loop uses both below it)."""
+    runner = imports_of(PACKAGE / "runner" / "model_runner.py")
+    assert "torch" in runner and "nanovllm.engine.sequence" in runner
+    loop = imports_of(PACKAGE / "llm_engine.py")
+    assert "nanovllm.engine.scheduler" in loop and any(within(m, ("nanovllm.runner",)) for m in loop)
+    assert "nanovllm.llm_engine" in imports_of(PACKAGE / "llm.py")
+
+
+@pytest.mark.parametrize("path", modules_under("engine"), ids=lambda p: p.name)
+def test_engine_is_plain_python_below_the_runner(path: Path):
+    imported = imports_of(path)
+    assert not [m for m in imported if within(m, ("torch",))], f"{path.name} imports torch"
+    above = [m for m in imported if within(m, ("nanovllm.runner", "nanovllm.llm_engine", "nanovllm.llm"))]
+    assert not above, f"{path.name} imports {above}, which sit above engine/"
+
+
+@pytest.mark.parametrize("path", [p for folder in MODEL_SIDE for p in modules_under(folder)],
+                         ids=lambda p: f"{p.parent.name}/{p.name}")
+def test_model_side_never_imports_engine_or_runner(path: Path):
+    above = [m for m in imports_of(path) if within(m, ABOVE_THE_MODEL_SIDE)]
+    assert not above, f"{path.parent.name}/{path.name} imports {above}"
+
+
+@pytest.mark.parametrize("path", modules_under("runner"), ids=lambda p: p.name)
+def test_runner_never_imports_the_loop(path: Path):
+    above = [m for m in imports_of(path) if within(m, ("nanovllm.llm_engine", "nanovllm.llm"))]
+    assert not above, f"runner/{path.name} imports {above}"
+
+
+def test_nothing_in_the_engine_imports_the_testing_helpers():
+    users = [p.relative_to(PACKAGE) for p in PACKAGE.rglob("*.py")
+             if "testing" not in p.relative_to(PACKAGE).parts
+             and any(within(m, ("nanovllm.testing",)) for m in imports_of(p))]
+    assert not users
