@@ -24,6 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from nanovllm.engine.block_manager import BlockManager  # noqa: E402
 from nanovllm.engine.scheduler import Scheduler  # noqa: E402
 from nanovllm.engine.sequence import Sequence  # noqa: E402
+from nanovllm.engine.stop_checker import StopChecker  # noqa: E402
 from nanovllm.layers.sampler import SamplerOutput  # noqa: E402
 from nanovllm.llm_engine import LLMEngine  # noqa: E402
 from nanovllm.runner.decode_inputs import DecodeInputs  # noqa: E402
@@ -55,7 +56,7 @@ def build_engine(num_seqs: int, context: int, steps: int) -> LLMEngine:
     max_blocks = -(-max_len // BLOCK_SIZE)
     engine = object.__new__(LLMEngine)  # the real step(), without loading a model
     engine.block_manager = BlockManager(num_seqs * max_blocks, BLOCK_SIZE)
-    engine.scheduler = Scheduler(num_seqs, num_seqs * max_len, max_len, EOS, engine.block_manager)
+    engine.scheduler = Scheduler(num_seqs, num_seqs * max_len, engine.block_manager, StopChecker(EOS, max_len))
     engine.model_runner = StandInRunner(num_seqs, max_blocks)
     rng = random.Random(1)
     params = SamplingParams(temperature=0.6, max_tokens=steps + 4, ignore_eos=True)

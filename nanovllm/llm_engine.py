@@ -28,6 +28,7 @@ from nanovllm.engine.detokenizer import Detokenizer
 from nanovllm.engine.request import Request, RequestOutput
 from nanovllm.engine.scheduler import Scheduler
 from nanovllm.engine.sequence import Sequence
+from nanovllm.engine.stop_checker import StopChecker
 from nanovllm.runner.tensor_parallel import create_model_runner
 from nanovllm.sampling_params import SamplingParams
 from nanovllm.utils.tokenizer import end_of_text_id, load_tokenizer
@@ -71,8 +72,9 @@ class LLMEngine:
         self._finalizer = weakref.finalize(self, self.model_runner.exit)
         self.block_manager = BlockManager(self.model_runner.num_kvcache_blocks, config.kvcache_block_size,
                                           config.enable_prefix_caching)
-        self.scheduler = Scheduler(config.max_num_seqs, config.max_num_batched_tokens, config.max_model_len,
-                                   config.eos, self.block_manager)
+        self.stop_checker = StopChecker(config.eos, config.max_model_len)
+        self.scheduler = Scheduler(config.max_num_seqs, config.max_num_batched_tokens, self.block_manager,
+                                   self.stop_checker)
         self._seq_ids = count()
         self._request_ids = count()
         self._requests: dict[str, Request] = {}  # every live request, whoever made it
@@ -283,8 +285,8 @@ class LLMEngine:
         return self.scheduler.is_finished()
 
     def step(self) -> StepOutput:
-        """Run one scheduled batch and apply the stopping rules to its new tokens; every request
-        that got news is told through its inbox."""
+        """Run one scheduled batch; the scheduler advances its sequences and finishes those the
+        stop checker says are done. Every request that got news is told through its inbox."""
         with self._entered():
             return self._step()
 
@@ -302,18 +304,6 @@ class LLMEngine:
             n = seq.sampling_params.logprobs
             if lp is not None and n is not None:
                 seq.logprobs.append(lp._replace(top_logprobs=dict(list(lp.top_logprobs.items())[:n])))
-        for seq in advanced:
-            params = seq.sampling_params
-            if seq.detokenizer is None:
-                continue
-            # A stop token ends a sequence before any stop string; min_tokens delays both.
-            check = seq.finish_reason != "stop" and seq.num_completion_tokens >= params.min_tokens
-            stop = seq.detokenizer.add_token(seq.last_token, check)
-            if stop is not None and seq.is_finished:  # the last allowed token completed a stop string
-                seq.finish_reason, seq.stop_reason = "stop", stop
-            elif stop is not None:
-                self.scheduler.finish(seq, "stop", stop)
-        self.scheduler.drop_finished()
         for request_id in dict.fromkeys(seq.request_id for seq in advanced):  # each request once
             request = self._requests.get(request_id)
             if request is not None:

@@ -1,5 +1,6 @@
 """Test helpers shared by the test modules: HF transformers as the greedy reference, seeded
-random prompts, and what each test needs to say which device it is about. (A module of its own,
+random prompts, stop strings that span a token boundary, and what each test needs to say which
+device it is about. (A module of its own,
 since conftest.py is not meant to be imported.)"""
 import importlib.util
 import random
@@ -52,3 +53,15 @@ def random_prompts(vocab_limit: int, lengths: list[int], seed: int) -> list[list
     """One prompt per length, of token ids drawn uniformly from [0, vocab_limit), reproducibly."""
     rng = random.Random(seed)
     return [[rng.randrange(vocab_limit) for _ in range(length)] for length in lengths]
+
+
+def spanning_stop_string(tokenizer, token_ids: list[int]) -> tuple[str, int]:
+    """A 2-character stop string made of the last character of one token's text and the first
+    of the next one's, so it spans a token boundary. Returns it and the index of that boundary
+    (token_ids[boundary] is the token that completes it)."""
+    for i in range(2, len(token_ids) - 1):
+        left = tokenizer.decode(token_ids[:i])
+        right = tokenizer.decode(token_ids[:i + 1])[len(left):]
+        if left and right and "\ufffd" not in left + right and left == tokenizer.decode(token_ids[:i]):
+            return left[-1] + right[0], i
+    pytest.skip("no clean token boundary in this continuation")

@@ -51,12 +51,12 @@ def test_eos_stops_unless_ignored(llm, qwen3_tiny):
     free_run = hf_greedy(qwen3_tiny, [prompt], 12)[0]
     eos = free_run[5]
     first = free_run.index(eos)
-    old_eos = llm.scheduler.eos
-    llm.scheduler.eos = eos  # pretend the tokenizer's eos is the 6th greedy token
+    old_eos = llm.stop_checker.eos
+    llm.stop_checker.eos = eos  # pretend the tokenizer's eos is the 6th greedy token
     try:
         stopped, ignored = llm.generate([prompt, prompt], [greedy(12, ignore_eos=False), greedy(12)], use_tqdm=False)
     finally:
-        llm.scheduler.eos = old_eos
+        llm.stop_checker.eos = old_eos
     assert stopped["token_ids"] == free_run[:first + 1]
     assert stopped["finish_reason"] == "stop"
     assert ignored["token_ids"] == free_run

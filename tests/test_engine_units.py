@@ -12,6 +12,7 @@ import pytest
 from nanovllm.engine.block_manager import BlockManager
 from nanovllm.engine.scheduler import ScheduledBatch, Scheduler
 from nanovllm.engine.sequence import Sequence, SequenceStatus
+from nanovllm.engine.stop_checker import StopChecker
 from nanovllm.runner.step_inputs import decode_slot, token_slots
 from nanovllm.sampling_params import SamplingParams
 
@@ -584,7 +585,7 @@ def drive(sched: Scheduler, model: FakeModel, max_steps: int) -> list[Sequence]:
 def make_scheduler(num_blocks: int, bs: int, max_num_seqs: int = 8, max_batched: int = 256,
                    max_model_len: int = 4096, prefix_caching: bool = True) -> Scheduler:
     bm = BlockManager(num_blocks, bs, enable_prefix_caching=prefix_caching)
-    return Scheduler(max_num_seqs, max_batched, max_model_len, EOS, bm)
+    return Scheduler(max_num_seqs, max_batched, bm, StopChecker(EOS, max_model_len))
 
 
 def test_prefill_first_then_decode_in_order():

@@ -11,6 +11,7 @@ from nanovllm import LLM, RequestOutput, SamplingParams
 from nanovllm.engine.block_manager import BlockManager
 from nanovllm.engine.scheduler import Scheduler
 from nanovllm.engine.sequence import Sequence
+from nanovllm.engine.stop_checker import StopChecker
 
 BLOCK = 16
 THREAD_WAIT_S = 60.0  # generous bound on waiting for the other thread (never reached when all is well)
@@ -330,10 +331,10 @@ def test_scheduler_that_cannot_admit_raises_even_without_asserts():
     ever did, it is a RuntimeError (an assert would vanish under python -O and the loop spin)."""
     params = greedy(4)
     manager = BlockManager(4, BLOCK)
-    scheduler = Scheduler(8, 256, 256, -1, manager)
+    scheduler = Scheduler(8, 256, manager, StopChecker(-1, 256))
     leaked = Sequence(0, list(range(3 * BLOCK)), params, BLOCK)
     assert manager.allocate(leaked)  # blocks held by a sequence the scheduler does not know
     scheduler.add(Sequence(1, list(range(2 * BLOCK)), params, BLOCK))
     with pytest.raises(RuntimeError, match="cannot be admitted|can be admitted"):
         scheduler.schedule()
-    assert Scheduler(8, 256, 256, -1, BlockManager(4, BLOCK)).schedule().seqs == []  # idle: empty batch
+    assert Scheduler(8, 256, BlockManager(4, BLOCK), StopChecker(-1, 256)).schedule().seqs == []  # idle: empty batch

@@ -8,7 +8,7 @@ import random
 import pytest
 import torch
 
-from helpers import _hf_model, hf_greedy, random_prompts
+from helpers import _hf_model, hf_greedy, random_prompts, spanning_stop_string
 from nanovllm import LLM, SamplingParams
 from nanovllm.layers.sampler import (Sampler, SamplingTensors, apply_min_p, apply_penalties, apply_top_k_top_p)
 
@@ -148,25 +148,14 @@ def test_stop_token_ids_and_min_tokens(llm, qwen3_tiny):
 def test_eos_stop_reason_is_none(llm, qwen3_tiny):
     prompt = random_prompts(200, [10], seed=25)[0]
     free = hf_greedy(qwen3_tiny, [prompt], MAX_TOKENS)[0]
-    old = llm.scheduler.eos
-    llm.scheduler.eos = free[3]
+    old = llm.stop_checker.eos
+    llm.stop_checker.eos = free[3]
     try:
         (out,) = llm.generate([prompt], greedy(ignore_eos=False), use_tqdm=False)
     finally:
-        llm.scheduler.eos = old
+        llm.stop_checker.eos = old
     assert out["token_ids"] == free[:free.index(free[3]) + 1]
     assert (out["finish_reason"], out["stop_reason"]) == ("stop", None)
-
-
-def spanning_stop_string(tokenizer, token_ids: list[int]) -> tuple[str, int]:
-    """A 2-character stop string made of the last character of one token's text and the first
-    of the next one's, so it spans a token boundary. Returns it and the index of that boundary."""
-    for i in range(2, len(token_ids) - 1):
-        left = tokenizer.decode(token_ids[:i])
-        right = tokenizer.decode(token_ids[:i + 1])[len(left):]
-        if left and right and "\ufffd" not in left + right and left == tokenizer.decode(token_ids[:i]):
-            return left[-1] + right[0], i
-    pytest.skip("no clean token boundary in this continuation")
 
 
 @pytest.mark.parametrize("include", [False, True])

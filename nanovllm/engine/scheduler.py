@@ -4,13 +4,15 @@ Prefill first (as nano-vllm): waiting sequences are admitted in order within
 max_num_batched_tokens; the first one that does not fit is chunked, and stays at the head of
 the queue until its prompt is done. Otherwise every running sequence decodes one token;
 when the KV cache runs out, the newest running sequences are preempted (their blocks freed,
-to be recomputed later). Plain Python: no tensors.
+to be recomputed later). After the step, `postprocess` advances each sequence and finishes the
+ones the StopChecker says are done, freeing their blocks. Plain Python: no tensors.
 """
 from collections import deque
 from typing import NamedTuple
 
 from nanovllm.engine.block_manager import BlockManager
 from nanovllm.engine.sequence import Sequence, SequenceStatus
+from nanovllm.engine.stop_checker import StopChecker
 
 
 class ScheduledBatch(NamedTuple):
@@ -24,13 +26,12 @@ class ScheduledBatch(NamedTuple):
 
 class Scheduler:
 
-    def __init__(self, max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int, eos: int,
-                 block_manager: BlockManager):
+    def __init__(self, max_num_seqs: int, max_num_batched_tokens: int, block_manager: BlockManager,
+                 stop_checker: StopChecker):
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
-        self.max_model_len = max_model_len
-        self.eos = eos
         self.block_manager = block_manager
+        self.stop_checker = stop_checker
         self.waiting: deque[Sequence] = deque()
         self.running: deque[Sequence] = deque()
         self.num_preemptions = 0  # since start; a sign the KV cache is too small for the load
@@ -98,9 +99,9 @@ class Scheduler:
 
     def postprocess(self, batch: ScheduledBatch, token_ids: list[int]) -> list[Sequence]:
         """Advance each scheduled sequence by its computed tokens and its sampled token (a
-        prefill chunk that does not finish the prompt samples nothing) and apply the stopping
-        rules. Returns the sequences that got a new token; the finished ones among them are
-        finished and their blocks freed."""
+        prefill chunk that does not finish the prompt samples nothing), and finish those the
+        stop checker says are done. Returns the sequences that got a new token; the finished
+        ones among them have their blocks freed and have left `running`."""
         bs = self.block_manager.block_size
         advanced = []
         for seq, token_id in zip(batch.seqs, token_ids):
@@ -116,15 +117,9 @@ class Scheduler:
                 seq.pending_siblings = []
             seq.append_token(token_id)
             advanced.append(seq)
-            params = seq.sampling_params
-            num_completion = len(seq.token_ids) - seq.num_prompt_tokens
-            may_stop = num_completion > params.min_tokens
-            if may_stop and params.stop_token_ids and token_id in params.stop_token_ids:
-                self.finish(seq, "stop", token_id)
-            elif may_stop and token_id == self.eos and not params.ignore_eos:
-                self.finish(seq, "stop", None)
-            elif num_completion >= params.max_tokens or len(seq.token_ids) >= self.max_model_len:
-                self.finish(seq, "length", None)
+            finish = self.stop_checker.check(seq)
+            if finish is not None:
+                self.finish(seq, finish.finish_reason, finish.stop_reason)
         self.drop_finished()
         return advanced
 

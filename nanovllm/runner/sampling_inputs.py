@@ -9,6 +9,7 @@ row's own generator (made on the sampling device at its first use). The device s
 import torch
 
 from nanovllm.engine.sequence import Sequence
+from nanovllm.engine.stop_checker import banned_token_ids
 from nanovllm.layers.sampler import SamplingTensors
 
 
@@ -42,11 +43,10 @@ def prepare_sampling(seqs: list[Sequence], vocab_size: int, eos: int, device: to
                      _token_matrix([s.prompt_token_ids for s in seqs], vocab_size, device) > 0,
                      _token_matrix([s.completion_token_ids for s in seqs], vocab_size, device))
     banned_rows, banned_ids = [], []
-    for row, (seq, p) in enumerate(zip(seqs, params)):
-        if seq.num_completion_tokens < p.min_tokens:
-            stops = [*p.stop_token_ids, *([] if p.ignore_eos or eos < 0 else [eos])]
-            banned_rows += [row] * len(stops)
-            banned_ids += stops
+    for row, seq in enumerate(seqs):  # min_tokens, as the stop checker applies it
+        banned = banned_token_ids(seq, eos)
+        banned_rows += [row] * len(banned)
+        banned_ids += banned
     generators = []
     for row, seq in enumerate(seqs):
         if seq.sampling_params.seed is not None and not seq.sampling_params.greedy:
