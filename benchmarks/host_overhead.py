@@ -29,6 +29,7 @@ from nanovllm.layers.sampler import SamplerOutput  # noqa: E402
 from nanovllm.llm_engine import LLMEngine  # noqa: E402
 from nanovllm.runner.decode_inputs import DecodeInputs  # noqa: E402
 from nanovllm.runner.sampling_inputs import prepare_sampling  # noqa: E402
+from nanovllm.runner.step_inputs import StepMessage  # noqa: E402
 from nanovllm.sampling_params import SamplingParams  # noqa: E402
 
 BLOCK_SIZE = 256  # nano-vllm's default
@@ -46,7 +47,7 @@ class StandInRunner:
 
     def run(self, seqs: list[Sequence], is_prefill: bool) -> SamplerOutput:
         if not is_prefill:
-            self.inputs.fill(seqs, len(seqs), full_width=False)
+            self.inputs.fill(StepMessage.of(seqs, is_prefill=False), len(seqs), full_width=False)
             prepare_sampling(seqs, VOCAB, EOS, torch.device("cpu"))
         return SamplerOutput([self.rng.randrange(1000) for _ in seqs], [None] * len(seqs))
 

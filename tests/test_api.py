@@ -13,7 +13,7 @@ from helpers import AUTO_BACKEND_SMALL_BLOCKS, AUTO_DEVICE, EVERY_DEVICE, hf_gre
 from nanovllm import LLM, SamplingParams
 from nanovllm.config import Config
 from nanovllm.layers.rotary_embedding import rope_theta_of
-from nanovllm.runner.decode_inputs import graph_batch_sizes
+from nanovllm.runner.graph import graph_batch_sizes
 
 BLOCK = 16
 

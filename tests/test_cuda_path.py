@@ -8,9 +8,10 @@ import pytest
 import torch
 
 from nanovllm.engine.sequence import Sequence
-from nanovllm.runner.decode_inputs import DecodeInputs, bucket_for, graph_batch_sizes
+from nanovllm.runner.decode_inputs import DecodeInputs
+from nanovllm.runner.graph import bucket_for, graph_batch_sizes
 from nanovllm.runner.model_runner import GIB, ModelRunner, blocks_in_budget, gpu_kv_budget
-from nanovllm.runner.step_inputs import decode_slot
+from nanovllm.runner.step_inputs import StepMessage, decode_slot
 from nanovllm.sampling_params import SamplingParams
 
 
@@ -32,13 +33,20 @@ def make_seq(seq_id: int, length: int, block_table: list[int], block_size: int) 
     return seq
 
 
+def fill(inputs: DecodeInputs, seqs: list[Sequence], padded_batch: int, full_width: bool) -> tuple:
+    """A decode step of `seqs` written into the buffers: (input ids, positions, attention metadata)."""
+    step = inputs.fill(StepMessage.of(seqs, is_prefill=False), padded_batch, full_width)
+    assert step.sample_indices == list(range(len(seqs)))  # every decoding sequence samples
+    return step.input_ids, step.positions, step.meta
+
+
 def test_padded_rows_store_nothing_and_attend_to_nothing():
     bs = 16
     inputs = DecodeInputs(max_batch=8, max_blocks_per_seq=4, block_size=bs, device=torch.device("cpu"))
     long = [make_seq(i, 40 + i, [7 - i, 3, 5], bs) for i in range(6)]
-    inputs.fill(long, 8, full_width=True)  # leaves real values in rows 0..5
+    fill(inputs, long, 8, full_width=True)  # leaves real values in rows 0..5
     seqs = [make_seq(0, 16, [2], bs), make_seq(1, 17, [4, 1], bs), make_seq(2, 33, [0, 6, 3], bs)]
-    input_ids, positions, meta = inputs.fill(seqs, 8, full_width=True)
+    input_ids, positions, meta = fill(inputs, seqs, 8, full_width=True)
     assert input_ids.tolist()[:3] == [seq.last_token for seq in seqs]
     assert positions.tolist()[:3] == [15, 16, 32]
     assert meta.context_lens.tolist() == [16, 17, 33, 0, 0, 0, 0, 0]
@@ -49,7 +57,7 @@ def test_padded_rows_store_nothing_and_attend_to_nothing():
         assert meta.block_tables[row, :len(seq.block_table)].tolist() == seq.block_table
     assert input_ids.tolist()[3:] == [0] * 5 and positions.tolist()[3:] == [0] * 5
     # Eager: exactly the batch, tables cut to the longest one.
-    _, _, eager = inputs.fill(seqs[:2], 2, full_width=False)
+    _, _, eager = fill(inputs, seqs[:2], 2, full_width=False)
     assert eager.block_tables.shape == (2, 2) and eager.context_lens.tolist() == [16, 17]
 
 
@@ -99,7 +107,7 @@ def test_decode_inputs_reuse_the_same_memory_every_step():
     pointers = set()
     for step in range(5):
         seqs = [make_seq(i, 20 + step + i, [i, 4 + i], bs) for i in range(1 + step % 3)]
-        input_ids, positions, meta = inputs.fill(seqs, 4, full_width=True)
+        input_ids, positions, meta = fill(inputs, seqs, 4, full_width=True)
         pointers.add((input_ids.data_ptr(), positions.data_ptr(), meta.slot_mapping.data_ptr(),
                       meta.context_lens.data_ptr(), meta.block_tables.data_ptr()))
         assert meta.context_lens.tolist()[:len(seqs)] == [len(s) for s in seqs]

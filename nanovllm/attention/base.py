@@ -34,3 +34,10 @@ class AttentionBackend(ABC):
                scale: float) -> torch.Tensor:
         """One query token per sequence over its meta.context_lens cached keys (the new one
         included); a row with context length 0 outputs zeros."""
+
+    def prepare_cuda_graphs(self, max_batch: int, num_heads: int, num_kv_heads: int, head_dim: int,
+                            max_blocks: int, block_size: int, device: torch.device) -> None:
+        """Called once before decode steps of up to `max_batch` sequences (this rank's heads,
+        `max_blocks` blocks of `block_size` tokens each at most) are captured in CUDA graphs:
+        a backend that keeps state across steps (scratch buffers) makes it here, so that capture
+        never allocates. Nothing to do for a backend without such state."""

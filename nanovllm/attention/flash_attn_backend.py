@@ -5,6 +5,7 @@ is cached), decode is `flash_attn_with_kvcache`. flash-attn's paged KV needs blo
 multiple of 256 tokens (checked when the backend is chosen). K/V are stored with our Triton
 store_kv kernel, as in nano-vllm.
 """
+import torch
 
 from nanovllm.attention.base import AttentionBackend
 from nanovllm.utils.context import AttentionMetadata
@@ -22,17 +23,20 @@ class FlashAttnBackend(AttentionBackend):
         self._with_kvcache = flash_attn_with_kvcache
         self._store_kv = store_kv
 
-    def store_kv(self, k, v, k_cache, v_cache, slot_mapping):
+    def store_kv(self, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                 slot_mapping: torch.Tensor) -> None:
         self._store_kv(k, v, k_cache, v_cache, slot_mapping)
 
-    def prefill(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale):
+    def prefill(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+                v_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
         if meta.block_tables is not None:  # a cached prefix: every key comes from the paged cache
             k, v = k_cache, v_cache
         return self._varlen(q, k, v, cu_seqlens_q=meta.cu_seqlens_q, cu_seqlens_k=meta.cu_seqlens_k,
                             max_seqlen_q=meta.max_seqlen_q, max_seqlen_k=meta.max_seqlen_k, softmax_scale=scale,
                             causal=True, block_table=meta.block_tables)
 
-    def decode(self, q, k_cache, v_cache, meta: AttentionMetadata, scale):
+    def decode(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
+               scale: float) -> torch.Tensor:
         # Eager steps pass the table cut to the batch's width (a strided view); a graph's is whole.
         out = self._with_kvcache(q.unsqueeze(1), k_cache, v_cache, cache_seqlens=meta.context_lens,
                                  block_table=meta.block_tables.contiguous(), softmax_scale=scale, causal=True)

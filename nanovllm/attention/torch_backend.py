@@ -35,13 +35,15 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: f
 class TorchBackend(AttentionBackend):
     name = "torch"
 
-    def store_kv(self, k, v, k_cache, v_cache, slot_mapping):
+    def store_kv(self, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                 slot_mapping: torch.Tensor) -> None:
         keep = slot_mapping >= 0
         slots = slot_mapping[keep].long()
         k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, slots, k[keep])
         v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, slots, v[keep])
 
-    def prefill(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale):
+    def prefill(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+                v_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
         out = torch.empty_like(q)
         start_q = start_k = 0
         for i, (lq, lk) in enumerate(zip(meta.seqlens_q, meta.seqlens_k)):
@@ -54,7 +56,8 @@ class TorchBackend(AttentionBackend):
             start_q, start_k = start_q + lq, start_k + lk
         return out
 
-    def decode(self, q, k_cache, v_cache, meta: AttentionMetadata, scale):
+    def decode(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
+               scale: float) -> torch.Tensor:
         batch, block_size = q.size(0), k_cache.size(1)
         longest = int(meta.context_lens.max()) if batch else 0
         if longest == 0:

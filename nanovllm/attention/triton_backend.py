@@ -27,16 +27,19 @@ class TritonBackend(AttentionBackend):
         # they stay alive for the backend's lifetime rather than return to the allocator.
         self._retired_scratch: list[torch.Tensor] = []
 
-    def store_kv(self, k, v, k_cache, v_cache, slot_mapping):
+    def store_kv(self, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                 slot_mapping: torch.Tensor) -> None:
         self._store_kv(k, v, k_cache, v_cache, slot_mapping)
 
-    def prefill(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale):
+    def prefill(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+                v_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
         if meta.block_tables is None:  # no cache yet (warm-up): keys are this step's k/v
             return self._prefill(q, k, v, meta.cu_seqlens_q, meta.cu_seqlens_k, scale)
         return self._prefill(q, k_cache, v_cache, meta.cu_seqlens_q, meta.cu_seqlens_k, scale,
                              block_tables=meta.block_tables)
 
-    def decode(self, q, k_cache, v_cache, meta: AttentionMetadata, scale):
+    def decode(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
+               scale: float) -> torch.Tensor:
         # Everything below reads shapes only, never tensor values: no host synchronisation, and
         # the same launch for the same shapes, so a CUDA graph can capture it.
         kernels = self._decode_kernels
@@ -47,8 +50,8 @@ class TritonBackend(AttentionBackend):
         return kernels.decode_attention(q, k_cache, v_cache, meta.block_tables, meta.context_lens, scale,
                                         num_splits=num_splits, scratch=scratch)
 
-    def reserve_decode_scratch(self, max_batch: int, num_heads: int, num_kv_heads: int, head_dim: int,
-                               max_blocks: int, block_size: int, device: torch.device) -> None:
+    def prepare_cuda_graphs(self, max_batch: int, num_heads: int, num_kv_heads: int, head_dim: int,
+                            max_blocks: int, block_size: int, device: torch.device) -> None:
         """Allocate, before any CUDA graph capture, the scratch every batch size up to max_batch
         will need, so capture never allocates and no captured graph points at a retired buffer."""
         kernels = self._decode_kernels

@@ -1,38 +1,15 @@
-"""Persistent decode-step inputs, and the CUDA-graph batch buckets they are padded to.
+"""Persistent decode-step inputs: one step's StepMessage written into buffers made once.
 
 A decode step's inputs (token ids, positions, slot mapping, context lengths, block tables) are
 written into buffers made once: pinned host arrays filled from Python lists through numpy,
 then copied to same-shaped device buffers without blocking. No step allocates, and a captured
-CUDA graph keeps reading the same device memory. Padding rows of a bucket get slot -1 (store
-nothing) and context length 0 (attend to nothing, output zeros).
+CUDA graph (graph.py) keeps reading the same device memory. Padding rows up to a graph's batch
+size get slot -1 (store nothing) and context length 0 (attend to nothing, output zeros).
 """
-from bisect import bisect_left
-
 import torch
 
-from nanovllm.engine.sequence import Sequence
-from nanovllm.runner.step_inputs import decode_slot
+from nanovllm.runner.step_inputs import StepInputs, StepMessage, decode_slot
 from nanovllm.utils.context import AttentionMetadata
-
-# Small batches get their own graphs; past this, one graph every GRAPH_BUCKET_STEP sequences.
-SMALL_GRAPH_BATCHES = (1, 2, 4, 8)
-GRAPH_BUCKET_STEP = 16
-
-
-def graph_batch_sizes(max_num_seqs: int) -> list[int]:
-    """The batch sizes to capture: every decode batch (1..max_num_seqs) pads up to one of them."""
-    sizes = [b for b in SMALL_GRAPH_BATCHES if b < max_num_seqs]
-    sizes += range(GRAPH_BUCKET_STEP, max_num_seqs, GRAPH_BUCKET_STEP)
-    return sizes + [max_num_seqs]
-
-
-def bucket_for(batch: int, sizes: list[int]) -> int:
-    """The smallest captured batch size >= batch."""
-    i = bisect_left(sizes, batch)
-    if i == len(sizes):
-        raise ValueError(f"decode batch of {batch} sequences exceeds the largest graph bucket {sizes[-1]}")
-    return sizes[i]
-
 
 class DecodeInputs:
 
@@ -56,24 +33,24 @@ class DecodeInputs:
         self.device = self.host if device.type == "cpu" else {
             name: t.to(device) for name, t in self.host.items()}
 
-    def fill(self, seqs: list[Sequence], padded_batch: int, full_width: bool) -> tuple[torch.Tensor, torch.Tensor,
-                                                                                        AttentionMetadata]:
-        """Write the step's inputs for `seqs` and pad to `padded_batch` rows. Block tables keep
-        their full width (a fixed shape, for graphs) or are cut to the batch's longest table."""
-        n, bs = len(seqs), self.block_size
-        lengths = [len(seq) for seq in seqs]
+    def fill(self, step: StepMessage, padded_batch: int, full_width: bool) -> StepInputs:
+        """Write a decode step's inputs and pad to `padded_batch` rows. Block tables keep their
+        full width (a fixed shape, for graphs) or are cut to the batch's longest table. Every
+        sequence samples, from its own row."""
+        n, bs = step.num_seqs, self.block_size
         np_ = self.np
-        np_["input_ids"][:n] = [seq.last_token for seq in seqs]
-        np_["positions"][:n] = [length - 1 for length in lengths]
-        np_["context_lens"][:n] = lengths
-        np_["slot_mapping"][:n] = [decode_slot(seq.block_table, bs, length) for seq, length in zip(seqs, lengths)]
+        np_["input_ids"][:n] = step.token_ids
+        np_["positions"][:n] = step.starts
+        np_["context_lens"][:n] = step.lengths
+        np_["slot_mapping"][:n] = [decode_slot(table, bs, n_tokens) for table, n_tokens in zip(step.block_tables,
+                                                                                                 step.lengths)]
         width = 0
         tables = np_["block_tables"]
-        for i, seq in enumerate(seqs):
+        for i, table in enumerate(step.block_tables):
             # Entries past a row's own blocks may be stale: they lie beyond its context length,
             # so no backend reads them.
-            tables[i, :len(seq.block_table)] = seq.block_table
-            width = max(width, len(seq.block_table))
+            tables[i, :len(table)] = table
+            width = max(width, len(table))
         np_["input_ids"][n:padded_batch] = 0
         np_["positions"][n:padded_batch] = 0
         np_["slot_mapping"][n:padded_batch] = -1
@@ -90,5 +67,5 @@ class DecodeInputs:
             context_lens=dev["context_lens"][:padded_batch],
             block_tables=tables_view if full_width else tables_view[:, :max(width, 1)],
         )
-        return dev["input_ids"][:padded_batch], dev["positions"][:padded_batch], meta
-
+        return StepInputs(dev["input_ids"][:padded_batch], dev["positions"][:padded_batch], meta, list(range(n)),
+                          slice(0, n))

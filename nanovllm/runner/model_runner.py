@@ -1,10 +1,14 @@
-"""Turns scheduled sequences into tensors, runs the model and samples the next tokens.
+"""Runs the model over one step and samples the next tokens.
 
-Owns the model, the attention backend, the KV cache (one tensor, sliced per layer) and the
-per-step inputs: token ids, positions, slot mappings and block tables. It is the only part of
-the engine that touches tensors; it knows nothing of queues or finishing rules.
+Owns the model, the attention backend, the KV cache (one tensor, sliced per layer), the sampler
+and the decode CUDA graphs. A step: the scheduled sequences become a StepMessage, the message
+becomes the forward pass's tensors (step_inputs.py, decode_inputs.py), the model runs on them,
+eagerly or by replaying a graph (graph.py), and rank 0 samples the rows that complete a
+sequence (sampling_inputs.py). It knows nothing of queues or finishing rules, and changes no
+sequence except to give a seeded one its random generator.
 """
 import logging
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -15,11 +19,12 @@ from nanovllm.engine.sequence import Sequence
 from nanovllm.layers.attention import Attention
 from nanovllm.layers.sampler import Sampler, SamplerOutput
 from nanovllm.models.qwen3 import MODELS
-from nanovllm.runner.decode_inputs import DecodeInputs, bucket_for, graph_batch_sizes
+from nanovllm.runner.decode_inputs import DecodeInputs
+from nanovllm.runner.graph import DecodeGraphs, graph_batch_sizes
 from nanovllm.runner.sampling_inputs import prepare_sampling
-from nanovllm.runner.step_inputs import token_slots
+from nanovllm.runner.step_inputs import StepInputs, StepMessage, prefill_inputs
 from nanovllm.sampling_params import SamplingParams
-from nanovllm.utils.context import AttentionMetadata, forward_context
+from nanovllm.utils.context import forward_context
 from nanovllm.utils.loader import load_model
 from nanovllm.utils.parallel import tp_rank, tp_size
 
@@ -44,6 +49,12 @@ def blocks_in_budget(budget: int, block_bytes: int, max_num_seqs: int, blocks_pe
     return min(max(budget, 0) // block_bytes, max_num_seqs * blocks_per_seq)
 
 
+class StepLogits(NamedTuple):
+    """What a step's forward pass leaves for sampling."""
+    logits: torch.Tensor | None  # [num sampled, vocab] on rank 0; None on other ranks and when none samples
+    sample_indices: list[int]  # the sequences the rows belong to (index into the step's sequences)
+
+
 class ModelRunner:
 
     def __init__(self, config: Config):
@@ -51,11 +62,8 @@ class ModelRunner:
         hf_config = config.hf_config
         self.device = torch.device(config.device)
         self.block_size = config.kvcache_block_size
-        self.num_layers = hf_config.num_hidden_layers
         # Built inside tensor_parallel_rank(...) for a rank of a tensor-parallel group, else rank 0 of 1.
         self.rank, self.world_size = tp_rank(), tp_size()
-        self.num_kv_heads = hf_config.num_key_value_heads // self.world_size  # this rank's (Config checks it divides)
-        self.head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // hf_config.num_attention_heads
         default_dtype = torch.get_default_dtype()
         torch.set_default_dtype(config.dtype)
         try:
@@ -65,9 +73,15 @@ class ModelRunner:
             torch.set_default_dtype(default_dtype)
         load_model(self.model, config.model)
         self.backend = create_backend(config.attention_backend, config.device, self.block_size)
+        self.attention_backend = self.backend.name
         self.attention_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
         for layer in self.attention_layers:
             layer.backend = self.backend
+        # The KV cache's shape comes from the attention layers as the model built them (this rank's heads).
+        self.num_layers = len(self.attention_layers)
+        self.num_heads = self.attention_layers[0].num_heads
+        self.num_kv_heads = self.attention_layers[0].num_kv_heads
+        self.head_dim = self.attention_layers[0].head_dim
         self.sampler = Sampler()
         self.max_blocks_per_seq = (config.max_model_len + self.block_size - 1) // self.block_size
         self.warmup_model()
@@ -75,8 +89,7 @@ class ModelRunner:
         with torch.inference_mode():  # like every step's other inputs, so compiled code sees one kind
             self.decode_inputs = DecodeInputs(config.max_num_seqs, self.max_blocks_per_seq, self.block_size,
                                               self.device)
-        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self.graph_batch_sizes: list[int] = []
+        self.graphs = DecodeGraphs()
         use_graphs = self.device.type == "cuda" and not config.enforce_eager
         if use_graphs and self.backend.supports_cuda_graphs:
             self.capture_cudagraphs()
@@ -91,7 +104,6 @@ class ModelRunner:
 
     def exit(self) -> None:
         self.graphs.clear()
-        self.graph_pool = self.graph_hidden = None
         for layer in self.attention_layers:
             layer.k_cache = layer.v_cache = torch.tensor([])
         self.kv_cache = None
@@ -151,113 +163,58 @@ class ModelRunner:
             layer.k_cache, layer.v_cache = self.kv_cache[0, i], self.kv_cache[1, i]
         return num_blocks
 
-    def _to_device(self, data: list, dtype: torch.dtype) -> torch.Tensor:
-        if self.device.type == "cpu":
-            return torch.tensor(data, dtype=dtype)
-        return torch.tensor(data, dtype=dtype, pin_memory=True).to(self.device, non_blocking=True)
-
-    def _block_tables(self, seqs: list[Sequence]) -> torch.Tensor:
-        width = max(len(seq.block_table) for seq in seqs)
-        return self._to_device([seq.block_table + [-1] * (width - len(seq.block_table)) for seq in seqs], torch.int32)
-
-    def prepare_prefill(self, seqs: list[Sequence]
-                        ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[int], torch.Tensor]:
-        """Prefill inputs, plus which sequences finish their prompt in this step (they sample)
-        and the rows of their last new token."""
-        input_ids, positions, slot_mapping = [], [], []
-        seqlens_q, seqlens_k = [], []
-        for seq in seqs:
-            start, end = seq.num_computed_tokens, seq.num_computed_tokens + seq.num_scheduled_tokens
-            input_ids.extend(seq.token_ids[start:end])
-            positions.extend(range(start, end))
-            seqlens_q.append(end - start)
-            seqlens_k.append(end)
-            if seq.block_table:  # the warm-up has no cache
-                slot_mapping.extend(token_slots(seq.block_table, self.block_size, start, end))
-        cu_q = [0]
-        cu_k = [0]
-        for lq, lk in zip(seqlens_q, seqlens_k):
-            cu_q.append(cu_q[-1] + lq)
-            cu_k.append(cu_k[-1] + lk)
-        has_prefix = cu_k[-1] > cu_q[-1]
-        meta = AttentionMetadata(
-            is_prefill=True,
-            slot_mapping=self._to_device(slot_mapping, torch.int64),
-            cu_seqlens_q=self._to_device(cu_q, torch.int32),
-            cu_seqlens_k=self._to_device(cu_k, torch.int32),
-            max_seqlen_q=max(seqlens_q),
-            max_seqlen_k=max(seqlens_k),
-            block_tables=self._block_tables(seqs) if has_prefix else None,
-            seqlens_q=seqlens_q,
-            seqlens_k=seqlens_k,
-        )
-        completing = [i for i, (seq, lk) in enumerate(zip(seqs, seqlens_k)) if lk == len(seq)]
-        last_rows = self._to_device([cu_q[i + 1] - 1 for i in completing], torch.int64)
-        return (self._to_device(input_ids, torch.int64), self._to_device(positions, torch.int64), meta, completing,
-                last_rows)
-
-    def prepare_decode(self, seqs: list[Sequence], padded_batch: int | None = None
-                       ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
-        """Decode inputs in the persistent buffers; padded (full-width tables) for a CUDA graph."""
-        graph = padded_batch is not None
-        return self.decode_inputs.fill(seqs, padded_batch if graph else len(seqs), full_width=graph)
-
     @torch.inference_mode()
     def capture_cudagraphs(self) -> None:
-        """One CUDA graph per decode batch bucket, largest first, sharing one memory pool. Each
-        reads the persistent decode buffers and writes its hidden states to one output buffer."""
-        config, hf_config = self.config, self.config.hf_config
-        self.graph_batch_sizes = graph_batch_sizes(config.max_num_seqs)
-        max_batch = self.graph_batch_sizes[-1]
-        if hasattr(self.backend, "reserve_decode_scratch"):  # so that capture never allocates
-            self.backend.reserve_decode_scratch(max_batch, hf_config.num_attention_heads // self.world_size,
-                                                self.num_kv_heads, self.head_dim, self.max_blocks_per_seq,
-                                                self.block_size, self.device)
-        self.graph_hidden = torch.zeros(max_batch, hf_config.hidden_size, dtype=config.dtype, device=self.device)
-        self.graph_pool = None
-        for batch in reversed(self.graph_batch_sizes):
-            # All rows are padding (slot -1, context 0): warm-up and capture write no KV.
-            input_ids, positions, meta = self.decode_inputs.fill([], batch, full_width=True)
-            with forward_context(meta):
-                self.graph_hidden[:batch] = self.model(input_ids, positions)  # warm-up (and compile)
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, self.graph_pool):
-                    self.graph_hidden[:batch] = self.model(input_ids, positions)
-            if self.graph_pool is None:
-                self.graph_pool = graph.pool()
-            self.graphs[batch] = graph
-            torch.cuda.synchronize()
+        """Capture a decode graph per batch bucket, after the attention backend has made
+        whatever it keeps across steps for the largest of them (so capture never allocates)."""
+        config = self.config
+        batch_sizes = graph_batch_sizes(config.max_num_seqs)
+        self.backend.prepare_cuda_graphs(batch_sizes[-1], self.num_heads, self.num_kv_heads, self.head_dim,
+                                         self.max_blocks_per_seq, self.block_size, self.device)
+        self.graphs.capture(self.model, self.decode_inputs, batch_sizes, config.hf_config.hidden_size, config.dtype,
+                            self.device)
+
+    def run(self, seqs: list[Sequence], is_prefill: bool) -> SamplerOutput:
+        """One step on this rank alone (one process, or each rank's own warm-up)."""
+        return self.sample(seqs, self.forward(StepMessage.of(seqs, is_prefill)))
 
     @torch.inference_mode()
-    def run(self, seqs: list[Sequence], is_prefill: bool) -> SamplerOutput:
-        """One forward pass; samples a token for each sequence whose prompt (or decode) completes
-        in it. A prefill chunk that leaves part of its prompt gets token -1 and no sampling, so
-        a seeded generator never advances on it."""
-        completing = None  # every sequence of a decode step samples
-        if is_prefill:
-            input_ids, positions, meta, completing, last_rows = self.prepare_prefill(seqs)
+    def forward(self, step: StepMessage) -> StepLogits:
+        """The step's forward pass, on every rank: K/V written for every new token, and logits
+        for the rows that sample (none when a prefill chunk leaves part of every prompt)."""
+        inputs, hidden_states = self._forward(step)  # hidden_states: [rows, hidden]
+        if not inputs.sample_indices:
+            return StepLogits(None, [])
+        logits = self.model.compute_logits(hidden_states[inputs.sample_rows])  # None on ranks > 0
+        return StepLogits(logits, inputs.sample_indices)
+
+    def _forward(self, step: StepMessage) -> tuple[StepInputs, torch.Tensor]:
+        if step.is_prefill:
+            inputs = prefill_inputs(step, self.block_size, self.device)
         elif self.graphs:
-            batch = bucket_for(len(seqs), self.graph_batch_sizes)
-            self.prepare_decode(seqs, batch)
-            self.graphs[batch].replay()
-            hidden_states, meta = self.graph_hidden[:len(seqs)], None
+            inputs = self.decode_inputs.fill(step, self.graphs.padded_batch(step.num_seqs), full_width=True)
+            return inputs, self.graphs.replay(inputs)
         else:
-            input_ids, positions, meta = self.prepare_decode(seqs)
-        if meta is not None:
-            with forward_context(meta):
-                hidden_states = self.model(input_ids, positions)  # [num_tokens, hidden]
-        if completing is not None:
-            if not completing:
-                return SamplerOutput([-1] * len(seqs), [None] * len(seqs))
-            hidden_states = hidden_states[last_rows]
-        sampled = seqs if completing is None else [seqs[i] for i in completing]
-        logits = self.model.compute_logits(hidden_states)  # [num_sampled, vocab] on rank 0, None elsewhere
-        if self.rank != 0:  # only rank 0 samples; a worker never reads sampling fields
+            inputs = self.decode_inputs.fill(step, step.num_seqs, full_width=False)
+        with forward_context(inputs.meta):
+            return inputs, self.model(inputs.input_ids, inputs.positions)
+
+    @torch.inference_mode()
+    def sample(self, seqs: list[Sequence], step: StepLogits) -> SamplerOutput:
+        """Rank 0: the next token (and logprobs) of each sequence that samples; a prefill chunk
+        that leaves part of its prompt gets token -1 and no sampling, so a seeded generator never
+        advances on it. Other ranks never sample (nor read a sampling field): nothing."""
+        if self.rank != 0:
             return SamplerOutput([], [])
+        n = len(seqs)
+        if not step.sample_indices:
+            return SamplerOutput([-1] * n, [None] * n)
+        sampled = seqs if len(step.sample_indices) == n else [seqs[i] for i in step.sample_indices]
+        logits = step.logits
         out = self.sampler(logits, prepare_sampling(sampled, logits.size(-1), self.config.eos, self.device))
-        if len(sampled) == len(seqs):
+        if len(sampled) == n:
             return out
-        token_ids, logprobs = [-1] * len(seqs), [None] * len(seqs)
-        for j, i in enumerate(completing):
+        token_ids, logprobs = [-1] * n, [None] * n
+        for j, i in enumerate(step.sample_indices):
             token_ids[i], logprobs[i] = out.token_ids[j], out.logprobs[j]
         return SamplerOutput(token_ids, logprobs)

@@ -1,9 +1,67 @@
-"""The step's inputs as the runner builds them from scheduled sequences: cache slots of tokens.
+"""One step's inputs, built in two stages that every tensor-parallel rank shares.
 
-`token_slots` and `decode_slot` turn a sequence's block table into the flat cache slots
-(block_id * block_size + offset) its new tokens' K/V are written to: the slot mapping of a
-prefill and of a decode step. Plain Python; the tensors are made by their callers.
+1. `StepMessage.of(seqs, is_prefill)` (rank 0) takes what the forward pass needs of the scheduled
+   sequences as plain lists: the step's new token ids, where each sequence's new tokens start and
+   end, its length and its block table. No sampling fields and no other tokens, so a decode step
+   costs the same at any sequence length. It is also the tensor-parallel wire format: rank 0
+   pickles it once per step for the workers.
+2. `prefill_inputs` (here) and `DecodeInputs.fill` (decode_inputs.py) turn a message into
+   `StepInputs`: the forward pass's tensors and attention metadata, and which rows sample.
+Every rank builds its tensors from the same message by the same code, so no two can disagree.
+The slot helpers map a block table to flat cache slots (block_id * block_size + offset).
 """
+from typing import NamedTuple
+
+import torch
+
+from nanovllm.engine.sequence import Sequence
+from nanovllm.utils.context import AttentionMetadata
+
+
+class StepMessage(NamedTuple):
+    is_prefill: bool
+    token_ids: list[int]  # the step's new tokens, sequence after sequence (a decode step: each one's newest)
+    starts: list[int]  # per sequence: the position of its first new token (its num_computed_tokens)
+    ends: list[int]  # per sequence: its tokens with K/V once the step is done (start + its new tokens)
+    lengths: list[int]  # per sequence: all its tokens; it samples in this step iff its end is its length
+    block_tables: list[list[int]]  # per sequence; empty for the warm-up, which has no cache
+
+    @classmethod
+    def of(cls, seqs: list[Sequence], is_prefill: bool) -> "StepMessage":
+        """The message of a scheduled batch: each sequence's num_scheduled_tokens new tokens from
+        num_computed_tokens on (a prefill chunk, or a decode step's one newest token)."""
+        lengths = [len(seq) for seq in seqs]
+        tables = [seq.block_table for seq in seqs]
+        if not is_prefill:  # one new token each, the newest: its context is the whole sequence
+            return cls(False, [seq.last_token for seq in seqs], [n - 1 for n in lengths], lengths, lengths, tables)
+        token_ids, starts, ends = [], [], []
+        for seq in seqs:
+            start, end = seq.num_computed_tokens, seq.num_computed_tokens + seq.num_scheduled_tokens
+            token_ids.extend(seq.token_ids[start:end])
+            starts.append(start)
+            ends.append(end)
+        return cls(True, token_ids, starts, ends, lengths, tables)
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.lengths)
+
+
+class StepInputs(NamedTuple):
+    input_ids: torch.Tensor  # [num_tokens] int64; a graph's decode step pads it to its batch size
+    positions: torch.Tensor  # [num_tokens] int64
+    meta: AttentionMetadata
+    sample_indices: list[int]  # the sequences that sample in this step (index into the step's sequences)
+    # Their rows among the forward pass's outputs (the last new token of each): an index tensor,
+    # or a slice when they are the first rows in order (a decode step).
+    sample_rows: torch.Tensor | slice
+
+
+def to_device(data: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A host list as a tensor on `device`, copied from pinned memory without blocking on CUDA."""
+    if device.type == "cpu":
+        return torch.tensor(data, dtype=dtype)
+    return torch.tensor(data, dtype=dtype, pin_memory=True).to(device, non_blocking=True)
 
 
 def token_slots(block_table: list[int], block_size: int, start: int, end: int) -> list[int]:
@@ -19,3 +77,39 @@ def decode_slot(block_table: list[int], block_size: int, num_tokens: int) -> int
     """Slot of a decoding sequence's newest token, the one at position num_tokens - 1."""
     position = num_tokens - 1
     return block_table[position // block_size] * block_size + position % block_size
+
+
+def prefill_inputs(step: StepMessage, block_size: int, device: torch.device) -> StepInputs:
+    """A prefill step's inputs: every sequence's new tokens back to back. A sequence samples when
+    this chunk completes its prompt, from the row of its last new token."""
+    positions, slot_mapping = [], []
+    cu_q, cu_k = [0], [0]  # prefix sums of new (q) and total (k) tokens per sequence
+    for start, end, table in zip(step.starts, step.ends, step.block_tables):
+        positions.extend(range(start, end))
+        if table:  # the warm-up has no cache
+            slot_mapping.extend(token_slots(table, block_size, start, end))
+        cu_q.append(cu_q[-1] + end - start)
+        cu_k.append(cu_k[-1] + end)
+    seqlens_q = [end - start for start, end in zip(step.starts, step.ends)]
+    has_prefix = cu_k[-1] > cu_q[-1]  # some sequence attends to K/V cached before this step
+    meta = AttentionMetadata(
+        is_prefill=True,
+        slot_mapping=to_device(slot_mapping, torch.int64, device),
+        cu_seqlens_q=to_device(cu_q, torch.int32, device),
+        cu_seqlens_k=to_device(cu_k, torch.int32, device),
+        max_seqlen_q=max(seqlens_q),
+        max_seqlen_k=max(step.ends),
+        block_tables=block_tables_tensor(step.block_tables, device) if has_prefix else None,
+        seqlens_q=seqlens_q,
+        seqlens_k=list(step.ends),
+    )
+    sample_indices = [i for i, (end, length) in enumerate(zip(step.ends, step.lengths)) if end == length]
+    sample_rows = to_device([cu_q[i + 1] - 1 for i in sample_indices], torch.int64, device)
+    return StepInputs(to_device(step.token_ids, torch.int64, device), to_device(positions, torch.int64, device),
+                      meta, sample_indices, sample_rows)
+
+
+def block_tables_tensor(tables: list[list[int]], device: torch.device) -> torch.Tensor:
+    """[batch, longest table] int32, padded with -1."""
+    width = max(len(table) for table in tables)
+    return to_device([table + [-1] * (width - len(table)) for table in tables], torch.int32, device)
