@@ -14,6 +14,7 @@ import platform
 import random
 import statistics
 import sys
+import tempfile
 import time
 from datetime import date
 from pathlib import Path
@@ -21,48 +22,60 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from nanovllm.engine.block_manager import BlockManager  # noqa: E402
-from nanovllm.engine.scheduler import Scheduler  # noqa: E402
+from nanovllm import llm_engine  # noqa: E402
+from nanovllm.config import Config  # noqa: E402
 from nanovllm.engine.sequence import Sequence  # noqa: E402
-from nanovllm.engine.stop_checker import StopChecker  # noqa: E402
 from nanovllm.layers.sampler import SamplerOutput  # noqa: E402
 from nanovllm.llm_engine import LLMEngine  # noqa: E402
 from nanovllm.runner.decode_inputs import DecodeInputs  # noqa: E402
 from nanovllm.runner.sampling_inputs import prepare_sampling  # noqa: E402
 from nanovllm.runner.step_inputs import StepMessage  # noqa: E402
 from nanovllm.sampling_params import SamplingParams  # noqa: E402
+from nanovllm.testing.synthetic import build_checkpoint  # noqa: E402
 
 BLOCK_SIZE = 256  # nano-vllm's default
-VOCAB = 151936  # Qwen3's
-EOS = VOCAB - 1  # never produced by the stand-in
+VOCAB = 151936  # Qwen3's: prompt ids and the sampler's width (the stand-in never reads the model's)
 PROMPT_JITTER = 50  # contexts vary by up to this many tokens, so blocks fill at different steps
 
 
 class StandInRunner:
-    """What ModelRunner.run does on the host for a decode step, with no model behind it."""
+    """What ModelRunner.run does on the host for a decode step (its StepMessage, the persistent
+    decode inputs, the sampling inputs), with no model behind it."""
+    attention_backend = "none (stand-in)"
 
-    def __init__(self, max_seqs: int, max_blocks: int):
-        self.inputs = DecodeInputs(max_seqs, max_blocks, BLOCK_SIZE, torch.device("cpu"))
+    def __init__(self, config: Config):
+        max_blocks = -(-config.max_model_len // BLOCK_SIZE)
+        self.num_kvcache_blocks = config.max_num_seqs * max_blocks
+        self.eos = config.eos
+        self.inputs = DecodeInputs(config.max_num_seqs, max_blocks, BLOCK_SIZE, torch.device("cpu"))
         self.rng = random.Random(0)
 
     def run(self, seqs: list[Sequence], is_prefill: bool) -> SamplerOutput:
         if not is_prefill:
             self.inputs.fill(StepMessage.of(seqs, is_prefill=False), len(seqs), full_width=False)
-            prepare_sampling(seqs, VOCAB, EOS, torch.device("cpu"))
+            prepare_sampling(seqs, VOCAB, self.eos, torch.device("cpu"))
         return SamplerOutput([self.rng.randrange(1000) for _ in seqs], [None] * len(seqs))
 
+    def exit(self) -> None:
+        pass
 
-def build_engine(num_seqs: int, context: int, steps: int) -> LLMEngine:
+
+def build_engine(num_seqs: int, context: int, steps: int, checkpoint: str) -> LLMEngine:
+    """The real engine (its step(), scheduler, block manager and stop checker) over a stand-in
+    runner; the tiny checkpoint gives it a config and a tokenizer, and its model is never built."""
     max_len = context + PROMPT_JITTER + steps + 8
-    max_blocks = -(-max_len // BLOCK_SIZE)
-    engine = object.__new__(LLMEngine)  # the real step(), without loading a model
-    engine.block_manager = BlockManager(num_seqs * max_blocks, BLOCK_SIZE)
-    engine.scheduler = Scheduler(num_seqs, num_seqs * max_len, engine.block_manager, StopChecker(EOS, max_len))
-    engine.model_runner = StandInRunner(num_seqs, max_blocks)
+    build_checkpoint(checkpoint, max_position_embeddings=max_len)
+    real = llm_engine.create_model_runner
+    llm_engine.create_model_runner = StandInRunner
+    try:
+        engine = LLMEngine(checkpoint, device="cpu", kvcache_block_size=BLOCK_SIZE, max_num_seqs=num_seqs,
+                           max_num_batched_tokens=num_seqs * max_len, max_model_len=max_len)
+    finally:
+        llm_engine.create_model_runner = real
     rng = random.Random(1)
     params = SamplingParams(temperature=0.6, max_tokens=steps + 4, ignore_eos=True)
     for i in range(num_seqs):
-        prompt = [rng.randrange(VOCAB - 1) for _ in range(context + rng.randrange(-PROMPT_JITTER, PROMPT_JITTER))]
+        prompt = [rng.randrange(VOCAB) for _ in range(context + rng.randrange(-PROMPT_JITTER, PROMPT_JITTER))]
         engine.scheduler.add(Sequence(i, prompt, params, BLOCK_SIZE))
     while engine.scheduler.waiting:  # prefill everything (the stand-in makes it instant)
         engine.step()
@@ -76,7 +89,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=200)
     parser.add_argument("--warmup", type=int, default=20)
     args = parser.parse_args()
-    engine = build_engine(args.seqs, args.context, args.warmup + args.steps)
+    with tempfile.TemporaryDirectory() as checkpoint:
+        engine = build_engine(args.seqs, args.context, args.warmup + args.steps, checkpoint)
     times = []
     for i in range(args.warmup + args.steps):
         start = time.perf_counter()

@@ -1,6 +1,7 @@
 """Tensor parallelism across processes, on CPU over gloo: tensor_parallel_size=2 gives exactly the
 greedy tokens of one process and of HF transformers; engines never collide; sizes that do not
 divide are refused before any process starts; a worker that dies is a prompt, clear error."""
+import copy
 import gc
 import json
 import multiprocessing
@@ -20,9 +21,11 @@ import torch.distributed as dist
 
 from helpers import hf_greedy, random_prompts
 from nanovllm import LLM, SamplingParams
-from nanovllm.engine.sequence import Sequence, StepTokens
+from nanovllm.engine.sequence import Sequence
 from nanovllm.runner import worker_group
+from nanovllm.runner.decode_inputs import DecodeInputs
 from nanovllm.runner.model_runner import ModelRunner
+from nanovllm.runner.step_inputs import StepMessage, prefill_inputs
 from nanovllm.runner.worker import send
 from nanovllm.runner.worker_group import TensorParallelError
 from nanovllm.testing.synthetic import build_checkpoint
@@ -92,32 +95,78 @@ def qwen2_tiny_tied(tmp_path_factory) -> str:
                             tie_word_embeddings=True)
 
 
-def test_sequence_pickles_only_what_a_worker_runs():
+def test_step_message_carries_only_what_a_worker_runs():
     prompt = list(range(1000))
     seq = Sequence(7, prompt, SamplingParams(temperature=0.5, top_k=5, max_tokens=50), BLOCK)
     seq.block_table = list(range(63))
     seq.num_computed_tokens, seq.num_scheduled_tokens = 480, 40  # a prefill chunk
-    chunk = pickle.loads(pickle.dumps(seq))
-    assert isinstance(chunk.token_ids, StepTokens)
-    assert len(chunk) == 1000 and chunk.block_table == seq.block_table and chunk.seq_id == 7
-    assert (chunk.num_computed_tokens, chunk.num_scheduled_tokens) == (480, 40)
-    assert chunk.token_ids[480:520] == prompt[480:520] and chunk.token_ids[500] == 500
-    for outside in (slice(0, 481), slice(479, 500), slice(500, 521)):
-        with pytest.raises(IndexError, match="outside this step"):
-            chunk.token_ids[outside]
-    with pytest.raises(IndexError):
-        chunk.last_token  # not part of this chunk
-    for field in ("sampling_params", "generator", "detokenizer", "status", "block_hashes"):
-        assert not hasattr(chunk, field), f"{field} must stay on rank 0"
+    short = Sequence(8, [5, 6, 7], SamplingParams(), BLOCK)
+    short.block_table, short.num_scheduled_tokens = [70], 3  # a whole prompt
+    chunk = pickle.loads(pickle.dumps(StepMessage.of([seq, short], is_prefill=True)))
+    assert chunk.is_prefill and chunk.token_ids == prompt[480:520] + [5, 6, 7]
+    assert (chunk.starts, chunk.ends, chunk.lengths) == ([480, 0], [520, 3], [1000, 3])
+    assert chunk.block_tables == [seq.block_table, short.block_table]
+    # Plain ints and lists: no sequence, sampling field, generator or detokenizer travels.
+    assert all(type(x) is int for field in (chunk.token_ids, chunk.starts, chunk.ends, chunk.lengths) for x in field)
+    assert all(type(x) is int for table in chunk.block_tables for x in table)
 
     seq.num_computed_tokens, seq.num_scheduled_tokens = 1000, 1  # decode: the sampled token is last
     seq.append_token(4242)
-    decode = pickle.loads(pickle.dumps(seq))
-    assert decode.last_token == 4242 and len(decode) == 1001 and decode.token_ids[1000:1001] == [4242]
+    decode = pickle.loads(pickle.dumps(StepMessage.of([seq], is_prefill=False)))
+    assert (decode.token_ids, decode.starts, decode.lengths) == ([4242], [1000], [1001])
     # A decode step's size depends on the block table, not on how many tokens the sequence holds.
-    short = Sequence(8, [1, 2], SamplingParams(), BLOCK)
-    short.block_table, short.num_computed_tokens, short.num_scheduled_tokens = list(range(63)), 1, 1
-    assert abs(len(pickle.dumps(seq)) - len(pickle.dumps(short))) <= 8
+    two = Sequence(9, [1, 2], SamplingParams(), BLOCK)
+    two.block_table, two.num_computed_tokens, two.num_scheduled_tokens = list(range(63)), 1, 1
+    sizes = [len(pickle.dumps(StepMessage.of([s], is_prefill=False))) for s in (seq, two)]
+    assert abs(sizes[0] - sizes[1]) <= 8
+
+
+def test_step_message_round_trips_into_the_same_inputs():
+    """A worker builds its tensors from the unpickled message by the code rank 0 runs on the
+    original: the inputs must be identical, for a prefill (chunk, cached prefix) and a decode."""
+    seqs = [Sequence(i, list(range(10 * i, 10 * i + 20 + 7 * i)), SamplingParams(), BLOCK) for i in range(3)]
+    for i, seq in enumerate(seqs):
+        seq.block_table = [3 * i + j for j in range(seq.num_blocks)]
+        seq.num_computed_tokens = BLOCK if i == 1 else 0  # a cached prefix
+        seq.num_scheduled_tokens = len(seq) - seq.num_computed_tokens - (5 if i == 2 else 0)  # 2: a chunk
+    prefill = StepMessage.of(seqs, is_prefill=True)
+    for seq in seqs:
+        seq.num_computed_tokens, seq.num_scheduled_tokens = len(seq), 1
+        seq.append_token(seq.seq_id + 500)
+    decode = StepMessage.of(seqs, is_prefill=False)
+    buffers = [DecodeInputs(4, 8, BLOCK, torch.device("cpu")) for _ in range(2)]
+    for step in (prefill, decode):
+        received = pickle.loads(pickle.dumps(step))
+        assert received == step
+        if step.is_prefill:
+            here, there = (prefill_inputs(s, BLOCK, torch.device("cpu")) for s in (step, received))
+            assert here.sample_indices == there.sample_indices == [0, 1]  # the chunk does not sample
+        else:
+            here, there = (b.fill(s, 4, full_width=True) for b, s in zip(buffers, (step, received)))
+        for mine, theirs in zip(here, there):
+            if isinstance(mine, torch.Tensor):
+                assert torch.equal(mine, theirs)
+        for name in ("slot_mapping", "cu_seqlens_q", "cu_seqlens_k", "context_lens", "block_tables"):
+            mine, theirs = getattr(here.meta, name), getattr(there.meta, name)
+            assert (mine is None and theirs is None) or torch.equal(mine, theirs), name
+
+
+def test_deepcopy_of_a_sequence_is_a_full_working_copy():
+    params = SamplingParams(temperature=0.7, stop_token_ids=[9], max_tokens=20)
+    seq = Sequence(3, list(range(40)), params, BLOCK)
+    seq.block_table, seq.num_computed_tokens = [4, 9, 2], 40
+    seq.append_token(77)
+    twin = copy.deepcopy(seq)
+    for name in ("seq_id", "status", "token_ids", "num_prompt_tokens", "block_table", "num_computed_tokens",
+                 "sampling_params", "seed", "finish_reason"):
+        assert getattr(twin, name) == getattr(seq, name), name
+    assert (len(twin), twin.last_token, twin.num_blocks, twin.block(2)) == (41, 77, 3, list(range(32, 40)) + [77])
+    assert twin.completion_token_ids == [77] and twin.prompt_token_ids == list(range(40))
+    # Its own lists: changing the copy leaves the original alone, and it steps like the original.
+    twin.append_token(5)
+    twin.block_table.append(11)
+    assert seq.token_ids[-1] == 77 and seq.block_table == [4, 9, 2]
+    assert StepMessage.of([twin], is_prefill=False).token_ids == [5]
 
 
 @pytest.mark.parametrize("ckpt", ["qwen3_tiny", "qwen2_tiny_tied"])
@@ -151,9 +200,9 @@ def test_step_message_larger_than_a_pipe_buffer(qwen3_tiny):
     sizes = []
     send_step = llm.model_runner.workers.send_step
 
-    def measuring_send_step(seqs, is_prefill):
-        sizes.append(len(pickle.dumps((seqs, is_prefill))))
-        send_step(seqs, is_prefill)
+    def measuring_send_step(step):
+        sizes.append(len(pickle.dumps(step)))
+        send_step(step)
     llm.model_runner.workers.send_step = measuring_send_step
     tp2 = llm.generate(prompts, greedy(2), use_tqdm=False)
     llm.exit()
@@ -243,20 +292,28 @@ def test_indivisible_sizes_refused_before_any_process_starts(ckpt, tp, field, re
     assert multiprocessing.active_children() == children and not dist.is_initialized()
 
 
+def signal_worker_at_third_step(monkeypatch, pid: int, signum: int) -> list[bool]:
+    """From now on, rank 0's third forward pass sends `signum` to the worker first: rank 0 has
+    sent that step, so the worker dies (or stops) before or while running it. Returns the list of
+    steps seen (is_prefill of each)."""
+    steps = []
+    forward = ModelRunner.forward
+
+    def signalling_forward(self, step):
+        steps.append(step.is_prefill)
+        if len(steps) == 3:
+            os.kill(pid, signum)
+        return forward(self, step)
+    monkeypatch.setattr(ModelRunner, "forward", signalling_forward)
+    return steps
+
+
 def test_killed_worker_fails_generate_promptly(qwen3_tiny, monkeypatch):
     """SIGKILL the worker in the middle of a step, while rank 0 is in the step's collectives."""
     llm = engine(qwen3_tiny, 2, num_kvcache_blocks=64)
     (pid,) = llm.model_runner.worker_pids
     prompts = random_prompts(200, [9, 30], seed=15)
-    steps = []
-    run = ModelRunner.run
-
-    def killing_run(self, seqs, is_prefill):
-        steps.append(is_prefill)
-        if len(steps) == 3:  # rank 0 has sent the step; the worker dies before (or while) running it
-            os.kill(pid, signal.SIGKILL)
-        return run(self, seqs, is_prefill)
-    monkeypatch.setattr(ModelRunner, "run", killing_run)
+    signal_worker_at_third_step(monkeypatch, pid, signal.SIGKILL)
     error, seconds = call_with_deadline(lambda: llm.generate(prompts, greedy(), use_tqdm=False), FAILURE_DEADLINE_S)
     assert isinstance(error, TensorParallelError) and isinstance(error, RuntimeError), error
     assert f"worker rank 1 (pid {pid}) was killed by SIGKILL" in str(error)
@@ -294,15 +351,7 @@ def test_stopped_worker_is_reported_by_its_silence_and_killed(qwen3_tiny, monkey
     (pid,) = llm.model_runner.worker_pids
     prompts = random_prompts(200, [9, 30], seed=17)
     assert len(llm.generate(prompts, greedy(4), use_tqdm=False)) == 2  # healthy beats are not silence
-    steps = []
-    run = ModelRunner.run
-
-    def stopping_run(self, seqs, is_prefill):
-        steps.append(is_prefill)
-        if len(steps) == 3:  # rank 0 has sent the step; the worker stops before (or while) running it
-            os.kill(pid, signal.SIGSTOP)
-        return run(self, seqs, is_prefill)
-    monkeypatch.setattr(ModelRunner, "run", stopping_run)
+    steps = signal_worker_at_third_step(monkeypatch, pid, signal.SIGSTOP)
     try:
         error, _ = call_with_deadline(lambda: llm.generate(prompts, greedy(), use_tqdm=False),
                                       HEARTBEAT_TIMEOUT_S + FAILURE_DEADLINE_S)

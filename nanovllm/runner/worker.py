@@ -6,7 +6,7 @@ ranks in step (only rank 0 samples). From its own thread it sends heartbeats, so
 a silent (stopped or wedged) worker from a busy one. It knows nothing of scheduling, sampling or
 of the other workers: rank 0's side of all this is `worker_group.py`.
 
-Messages, rank 0 -> worker: (RUN, seqs, is_prefill) or (EXIT,).
+Messages, rank 0 -> worker: (RUN, StepMessage) or (EXIT,).
 Worker -> rank 0: (STARTED,) once, just before it joins the process group, or (FAILED, traceback).
 Worker -> rank 0 on a second pipe, from a thread of the worker's own: (HEARTBEAT,) every
 tensor_parallel_heartbeat_timeout_s / HEARTBEATS_PER_TIMEOUT seconds. A pipe of its own means
@@ -108,7 +108,7 @@ def worker_main(config: Config, rank: int, store_port: int, conn: Connection, he
                 break
             if kind != RUN:
                 raise ValueError(f"unknown step message {kind!r}")
-            runner.run(*args)
+            runner.forward(*args)  # rank 0 alone samples
         runner.exit()
         dist.destroy_process_group()
     except BaseException:

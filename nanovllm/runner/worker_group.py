@@ -12,16 +12,18 @@ import multiprocessing as mp
 import pickle
 import signal
 import threading
+from contextlib import contextmanager
 from dataclasses import dataclass
 from multiprocessing.connection import Connection, wait
 from multiprocessing.process import BaseProcess
 from time import monotonic
+from typing import Iterator
 
 import torch
 import torch.distributed as dist
 
 from nanovllm.config import Config
-from nanovllm.engine.sequence import Sequence
+from nanovllm.runner.step_inputs import StepMessage
 from nanovllm.runner.worker import (EXIT, FAILED, LOOPBACK, PROCESS_GROUP_TIMEOUT, RUN, STARTED, heartbeat_interval_s,
                                     join_process_group, process_group_backend, send, threads_per_rank, worker_main)
 
@@ -157,18 +159,27 @@ class WorkerGroup:
         if self.failure is not None:
             raise self._error()
 
-    def send_step(self, seqs: list[Sequence], is_prefill: bool) -> None:
-        """Hand this step to every worker, after checking they are all still alive."""
+    def send_step(self, step: StepMessage) -> None:
+        """Hand this step to every worker (pickled once), after checking they are all still alive."""
         if self.closed:
             raise RuntimeError("the engine has exited; create a new one")
         self._raise_if_failed()
-        message = pickle.dumps((RUN, seqs, is_prefill), pickle.HIGHEST_PROTOCOL)
-        try:
+        message = pickle.dumps((RUN, step), pickle.HIGHEST_PROTOCOL)
+        with self.reporting_failures():  # a worker that died since the check has a broken pipe
             for worker in self.workers:
                 worker.conn.send_bytes(message)
-        except OSError as error:  # a worker died since the check: its pipe is broken
+
+    @contextmanager
+    def reporting_failures(self, own_errors: tuple[type[BaseException], ...] = ()) -> Iterator[None]:
+        """Rank 0's part of a step the workers share. If it raises, the ranks are out of step and
+        the group is broken for good; a worker failure behind the error is raised in its place,
+        as a TensorParallelError from it. Errors of the `own_errors` types are rank 0's own to
+        report as they are (bad input fails every rank alike)."""
+        try:
+            yield
+        except BaseException as error:
             failure = self.failed_with(error)
-            if failure is None:
+            if failure is None or isinstance(error, own_errors):
                 raise
             raise failure from error
 
