@@ -1,20 +1,27 @@
 """Engine configuration: nano-vllm's fields plus device, dtype, attention backend and prefix caching.
 
-Owns validation of every user-facing knob and the facts read from the checkpoint's
-`config.json`. It does not know how the model runs; the runner reads the resolved values.
+Owns validation of every user-facing knob and the facts read from the checkpoint: its
+`config.json`, its tokenizer (loaded and checked here, so a checkpoint without a usable one is
+refused before any weight loads) and the end-of-text id that comes from them. "auto" settings
+are resolved here, once (device, dtype, compile mode); the attention backend is resolved by the
+runner, which needs the backends' imports. It does not know how the model runs.
 """
+import copy
 import json
 import math
 import os
 from dataclasses import dataclass, field, fields
 
 import torch
-from transformers import AutoConfig, PretrainedConfig
+from transformers import AutoConfig, PretrainedConfig, PreTrainedTokenizerBase
+
+from nanovllm.utils.tokenizer import end_of_text_id, load_tokenizer
 
 # Architectures `models/qwen3.py` can build, by the name in config.json's "architectures".
 SUPPORTED_ARCHITECTURES = ("Qwen3ForCausalLM", "Qwen2ForCausalLM")
 DEVICES = ("auto", "cuda", "cpu")
 ATTENTION_BACKENDS = ("auto", "flash_attn", "triton", "torch")
+COMPILE_MODES = ("auto", "on", "off")
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 # The smallest paged-KV block the backends accept: Triton's tl.dot needs tiles of >= 16.
 MIN_BLOCK_SIZE = 16
@@ -48,7 +55,9 @@ class Config:
     kvcache_block_size: int = 256  # 256 suits flash-attn; the torch/triton backends take any power of two >= 16
     num_kvcache_blocks: int = -1  # -1: size the KV cache from memory; > 0: exactly this many blocks
     device: str = "auto"  # "auto" = cuda when available, else cpu
-    dtype: str | torch.dtype = "auto"  # "auto" = checkpoint dtype on CUDA, float32 on CPU
+    # Given as "auto", "float32", "float16", "bfloat16" or a torch.dtype; always the torch.dtype once
+    # the Config is made. "auto" = the checkpoint's dtype on CUDA, float32 on CPU.
+    dtype: torch.dtype | str = "auto"
     attention_backend: str = "auto"
     enable_prefix_caching: bool = True
     # On CPU there is no device to measure, so the KV cache gets this fixed budget (as vLLM's
@@ -61,8 +70,15 @@ class Config:
     # A tensor-parallel worker that sends no heartbeat for this long (its process stopped or wedged)
     # is reported and killed, instead of blocking rank 0 until the process group's 30-minute timeout.
     tensor_parallel_heartbeat_timeout_s: float = 30.0
+    # torch.compile of the small hot layer functions (RMSNorm, rotary embedding, SiLU-and-mul, the
+    # sampler's temperature and draw): "on", "off", or "auto" = on for CUDA, off for CPU, where the
+    # float32 path is the HF oracle and a cold compile costs more than short runs gain
+    # (benchmarks/compiled_layers.py). Resolved to "on" or "off" when the Config is made.
+    compile_mode: str = "auto"
+    # Read from the checkpoint, not settings:
     hf_config: PretrainedConfig = field(init=False, repr=False)
-    eos: int = field(init=False, default=-1)
+    tokenizer: PreTrainedTokenizerBase | None = field(init=False, repr=False, compare=False)  # None: skipped
+    eos: int = field(init=False)  # the end-of-text token id (tokenizer's, else config.json's; -1 if none)
 
     @classmethod
     def from_kwargs(cls, model: str, kwargs: dict) -> "Config":
@@ -79,7 +95,18 @@ class Config:
         self.max_model_len = min(self.max_model_len, self.hf_config.max_position_embeddings)
         self.device = self._resolve_device()
         self.dtype = self._resolve_dtype()
+        if self.compile_mode == "auto":
+            self.compile_mode = "on" if self.device == "cuda" else "off"
         self._check_tensor_parallel()
+        self.tokenizer = None if self.skip_tokenizer_init else load_tokenizer(self.model)
+        self.eos = end_of_text_id(self.tokenizer, self.hf_config)
+
+    def for_workers(self) -> "Config":
+        """This config as tensor-parallel workers get it: the same settings and facts without the
+        tokenizer (a worker never sees text; a large vocabulary's tokenizer is megabytes to send)."""
+        config = copy.copy(self)
+        config.tokenizer = None
+        return config
 
     def _check_fields(self) -> None:
         for name in ("max_num_batched_tokens", "max_num_seqs", "max_model_len"):
@@ -100,6 +127,7 @@ class Config:
         _require(self.device in DEVICES, "device", self.device, f"one of {DEVICES}")
         _require(self.attention_backend in ATTENTION_BACKENDS, "attention_backend", self.attention_backend,
                  f"one of {ATTENTION_BACKENDS}")
+        _require(self.compile_mode in COMPILE_MODES, "compile_mode", self.compile_mode, f"one of {COMPILE_MODES}")
         _require(self.dtype == "auto" or self.dtype in DTYPES or self.dtype in DTYPES.values(), "dtype",
                  self.dtype, f"'auto', one of {list(DTYPES)} or the matching torch.dtype")
         g = self.cpu_kvcache_space_gib

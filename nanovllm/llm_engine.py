@@ -31,7 +31,6 @@ from nanovllm.engine.sequence import Sequence
 from nanovllm.engine.stop_checker import StopChecker
 from nanovllm.runner.tensor_parallel import create_model_runner
 from nanovllm.sampling_params import SamplingParams
-from nanovllm.utils.tokenizer import end_of_text_id, load_tokenizer
 
 Prompt = str | list[int]
 
@@ -60,12 +59,12 @@ class StepOutput(NamedTuple):
 class LLMEngine:
 
     def __init__(self, model: str, **kwargs):
-        config = Config.from_kwargs(model, kwargs)
+        config = Config.from_kwargs(model, kwargs)  # settings checked and resolved, tokenizer loaded
         self.config = config
         # None with skip_tokenizer_init: token-id prompts only, and outputs have empty text.
-        self.tokenizer = None if config.skip_tokenizer_init else load_tokenizer(config.model)
-        config.eos = end_of_text_id(self.tokenizer, config.hf_config)
+        self.tokenizer = config.tokenizer
         self.model_runner = create_model_runner(config)  # tensor_parallel_size > 1 spawns the other ranks
+        self.attention_backend: str = self.model_runner.attention_backend  # what "auto" chose
         # The one exit hook of the whole engine (tensor-parallel workers included). It holds the
         # runner, not the engine, so dropping the engine lets the garbage collector run it; it
         # also runs at interpreter exit if the engine is still alive then.

@@ -23,7 +23,7 @@ def run_twice(path: str, backend: str, prompts, device: str = "cpu", **kwargs) -
     """Two generate() calls, so the second one hits the prefix cache."""
     llm = LLM(path, attention_backend=backend, device=device, kvcache_block_size=kwargs.pop("block", BLOCK),
               enforce_eager=True, **kwargs)
-    assert llm.model_runner.backend.name == backend
+    assert llm.attention_backend == backend
     first = llm.generate(prompts, greedy(6), use_tqdm=False)
     second = llm.generate(prompts, greedy(6), use_tqdm=False)
     llm.exit()

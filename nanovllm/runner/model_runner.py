@@ -24,6 +24,7 @@ from nanovllm.runner.graph import DecodeGraphs, graph_batch_sizes
 from nanovllm.runner.sampling_inputs import prepare_sampling
 from nanovllm.runner.step_inputs import StepInputs, StepMessage, prefill_inputs
 from nanovllm.sampling_params import SamplingParams
+from nanovllm.utils.compile import compiling
 from nanovllm.utils.context import forward_context
 from nanovllm.utils.loader import load_model
 from nanovllm.utils.parallel import tp_rank, tp_size
@@ -64,6 +65,7 @@ class ModelRunner:
         self.block_size = config.kvcache_block_size
         # Built inside tensor_parallel_rank(...) for a rank of a tensor-parallel group, else rank 0 of 1.
         self.rank, self.world_size = tp_rank(), tp_size()
+        self.compile = config.compile_mode == "on"  # the hot layer functions run compiled in every step
         default_dtype = torch.get_default_dtype()
         torch.set_default_dtype(config.dtype)
         try:
@@ -96,9 +98,9 @@ class ModelRunner:
         elif use_graphs and self.rank == 0:
             logger.warning("CUDA graphs off: the %s attention backend cannot be captured", self.backend.name)
         if self.rank == 0:
-            logger.info("device %s, dtype %s, attention %s, CUDA graphs %s, KV cache %d blocks x %d tokens = %d "
-                        "tokens, tensor parallel %d", config.device, config.dtype, self.backend.name,
-                        f"on ({len(self.graphs)} batch sizes)" if self.graphs else "off",
+            logger.info("device %s, dtype %s, attention %s, compile %s, CUDA graphs %s, KV cache %d blocks x %d tokens "
+                        "= %d tokens, tensor parallel %d", config.device, config.dtype, self.backend.name,
+                        config.compile_mode, f"on ({len(self.graphs)} batch sizes)" if self.graphs else "off",
                         self.num_kvcache_blocks, self.block_size, self.num_kvcache_blocks * self.block_size,
                         self.world_size)
 
@@ -171,8 +173,9 @@ class ModelRunner:
         batch_sizes = graph_batch_sizes(config.max_num_seqs)
         self.backend.prepare_cuda_graphs(batch_sizes[-1], self.num_heads, self.num_kv_heads, self.head_dim,
                                          self.max_blocks_per_seq, self.block_size, self.device)
-        self.graphs.capture(self.model, self.decode_inputs, batch_sizes, config.hf_config.hidden_size, config.dtype,
-                            self.device)
+        with compiling(self.compile):
+            self.graphs.capture(self.model, self.decode_inputs, batch_sizes, config.hf_config.hidden_size,
+                                config.dtype, self.device)
 
     def run(self, seqs: list[Sequence], is_prefill: bool) -> SamplerOutput:
         """One step on this rank alone (one process, or each rank's own warm-up)."""
@@ -182,10 +185,11 @@ class ModelRunner:
     def forward(self, step: StepMessage) -> StepLogits:
         """The step's forward pass, on every rank: K/V written for every new token, and logits
         for the rows that sample (none when a prefill chunk leaves part of every prompt)."""
-        inputs, hidden_states = self._forward(step)  # hidden_states: [rows, hidden]
-        if not inputs.sample_indices:
-            return StepLogits(None, [])
-        logits = self.model.compute_logits(hidden_states[inputs.sample_rows])  # None on ranks > 0
+        with compiling(self.compile):
+            inputs, hidden_states = self._forward(step)  # hidden_states: [rows, hidden]
+            if not inputs.sample_indices:
+                return StepLogits(None, [])
+            logits = self.model.compute_logits(hidden_states[inputs.sample_rows])  # None on ranks > 0
         return StepLogits(logits, inputs.sample_indices)
 
     def _forward(self, step: StepMessage) -> tuple[StepInputs, torch.Tensor]:
@@ -211,7 +215,8 @@ class ModelRunner:
             return SamplerOutput([-1] * n, [None] * n)
         sampled = seqs if len(step.sample_indices) == n else [seqs[i] for i in step.sample_indices]
         logits = step.logits
-        out = self.sampler(logits, prepare_sampling(sampled, logits.size(-1), self.config.eos, self.device))
+        with compiling(self.compile):
+            out = self.sampler(logits, prepare_sampling(sampled, logits.size(-1), self.config.eos, self.device))
         if len(sampled) == n:
             return out
         token_ids, logprobs = [-1] * n, [None] * n
