@@ -16,7 +16,7 @@ from nanovllm.engine.decode_inputs import DecodeInputs, bucket_for, graph_batch_
 from nanovllm.engine.sequence import Sequence
 from nanovllm.layers.attention import Attention
 from nanovllm.layers.sampler import Sampler, SamplerOutput, prepare_sampling
-from nanovllm.models.qwen3 import MODELS
+from nanovllm.models.registry import MODELS
 from nanovllm.sampling_params import SamplingParams
 from nanovllm.utils.context import AttentionMetadata, forward_context
 from nanovllm.utils.loader import load_model
