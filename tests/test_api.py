@@ -210,13 +210,13 @@ def test_missing_model_directory(tmp_path):
 
 
 def test_unsupported_architecture(qwen3_tiny, tmp_path):
-    path = shutil.copytree(qwen3_tiny, tmp_path / "llama")
+    path = shutil.copytree(qwen3_tiny, tmp_path / "mamba")
     with open(path / "config.json") as f:
         config = json.load(f)
-    config["architectures"] = ["LlamaForCausalLM"]
+    config["architectures"] = ["MambaForCausalLM"]
     with open(path / "config.json", "w") as f:
         json.dump(config, f)
-    with pytest.raises(ValueError, match="LlamaForCausalLM"):
+    with pytest.raises(ValueError, match="MambaForCausalLM.*supported.*Qwen3ForCausalLM"):
         LLM(str(path))
 
 
