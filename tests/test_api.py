@@ -10,7 +10,7 @@ import pytest
 from helpers import hf_greedy, random_prompts
 from nanovllm import LLM, SamplingParams
 from nanovllm.config import Config
-from nanovllm.layers.rotary_embedding import rope_theta_of
+from nanovllm.layers.rotary_embedding import rope_config_of
 
 BLOCK = 16
 
@@ -123,10 +123,10 @@ def test_rope_theta_read_from_either_config_form():
     class Scaled:
         rope_parameters = {"rope_type": "yarn", "rope_theta": 5e5, "factor": 4.0}
 
-    assert rope_theta_of(Old()) == 1e6
-    assert rope_theta_of(New()) == 5e5
+    assert rope_config_of(Old()).theta == 1e6
+    assert rope_config_of(New()).theta == 5e5
     with pytest.raises(ValueError, match="rope_type"):
-        rope_theta_of(Scaled())
+        rope_config_of(Scaled())
 
 
 # --- bad input: a clear ValueError naming the field, before anything is queued ---
