@@ -21,8 +21,9 @@ from nanovllm import LLM, SamplingParams
 from nanovllm.config import Config
 from nanovllm.layers.rotary_embedding import inverse_frequencies, rope_config_of
 from nanovllm.models.qwen3_moe import Qwen3MoeForCausalLM
-from nanovllm.models.registry import SUPPORTED_ARCHITECTURES
-from nanovllm.utils.synthetic import build_checkpoint
+from nanovllm.models.registry import MODELS, SUPPORTED_ARCHITECTURES
+from nanovllm.utils.synthetic import (ARCHITECTURES, GPT2_CONFIG, LLAMA_3_2_1B_CONFIG, QWEN3_30B_A3B_CONFIG,
+                                      build_checkpoint)
 
 BLOCK = 16
 MAX_TOKENS = 12
@@ -198,3 +199,15 @@ def test_unsupported_rope_refused_before_the_engine_starts(llama_tiny, tmp_path)
                        rope_parameters={"rope_type": "dynamic", "rope_theta": 1e4, "factor": 2.0})
     with pytest.raises(ValueError, match="rope_type='dynamic'"):
         Config(path)
+
+
+@pytest.mark.parametrize("arch, fields", [
+    ("gpt2", GPT2_CONFIG), ("llama", LLAMA_3_2_1B_CONFIG), ("qwen3_moe", QWEN3_30B_A3B_CONFIG)])
+def test_benchmark_shapes_build_with_transformers_parameter_count(arch, fields):
+    """bench.py's GPT-2, Llama-3.2-1B and Qwen3-30B-A3B shapes, built on the meta device (no memory):
+    our model holds exactly the parameters HF transformers' does (tied ones counted once)."""
+    config_class, hf_class = ARCHITECTURES[arch]
+    config = config_class(**fields)
+    with torch.device("meta"):
+        ours, theirs = MODELS[hf_class.__name__](config), hf_class(config)
+    assert sum(p.numel() for p in ours.parameters()) == sum(p.numel() for p in theirs.parameters())

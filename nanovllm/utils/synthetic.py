@@ -110,6 +110,30 @@ QWEN3_0_6B_CONFIG: dict = {
     "attention_bias": False,
 }
 
+# GPT-2 small's config.json values (HF hub openai-community/gpt2), 124M parameters.
+GPT2_CONFIG: dict = {
+    "n_embd": 768, "n_layer": 12, "n_head": 12, "n_positions": 1024, "n_inner": None, "vocab_size": 50257,
+    "activation_function": "gelu_new", "layer_norm_epsilon": 1e-5, "tie_word_embeddings": True,
+}
+# Llama-3.2-1B's config.json values (HF hub meta-llama/Llama-3.2-1B), llama3 rope scaling included.
+LLAMA_3_2_1B_CONFIG: dict = {
+    "hidden_size": 2048, "intermediate_size": 8192, "num_hidden_layers": 16, "num_attention_heads": 32,
+    "num_key_value_heads": 8, "head_dim": 64, "vocab_size": 128256, "max_position_embeddings": 131072,
+    "rms_norm_eps": 1e-5, "tie_word_embeddings": True, "hidden_act": "silu", "attention_bias": False,
+    "mlp_bias": False,
+    "rope_parameters": {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 32.0, "low_freq_factor": 1.0,
+                        "high_freq_factor": 4.0, "original_max_position_embeddings": 8192},
+}
+# Qwen3-30B-A3B's config.json values (HF hub Qwen/Qwen3-30B-A3B): 48 layers of 128 experts, top-8.
+QWEN3_30B_A3B_CONFIG: dict = {
+    "hidden_size": 2048, "intermediate_size": 6144, "moe_intermediate_size": 768, "num_hidden_layers": 48,
+    "num_attention_heads": 32, "num_key_value_heads": 4, "head_dim": 128, "vocab_size": 151936,
+    "max_position_embeddings": 40960, "rms_norm_eps": 1e-6, "tie_word_embeddings": False, "hidden_act": "silu",
+    "attention_bias": False, "num_experts": 128, "num_experts_per_tok": 8, "norm_topk_prob": True,
+    "decoder_sparse_step": 1, "mlp_only_layers": [],
+    "rope_parameters": {"rope_type": "default", "rope_theta": ROPE_THETA},
+}
+
 
 def _train_tokenizer() -> Tokenizer:
     tokenizer = Tokenizer(models.BPE())
@@ -213,4 +237,19 @@ def build_qwen3_0_6b(path: str, dtype: torch.dtype = torch.bfloat16) -> str:
                          initializer_range=INIT_STD, bos_token_id=eos_id, eos_token_id=eos_id,
                          pad_token_id=eos_id)
     _save_random_model(path, Qwen3ForCausalLM, config, INIT_STD, seed=0, dtype=dtype)
+    return path
+
+
+def build_shaped(path: str, arch: str, config_fields: dict, dtype: torch.dtype = torch.bfloat16) -> str:
+    """Write a random-weight `arch` checkpoint with a real model's config (GPT2_CONFIG,
+    LLAMA_3_2_1B_CONFIG, QWEN3_30B_A3B_CONFIG, ...) for throughput runs, not output quality:
+    weights at transformers' init scale, the small tokenizer (its ids fit any of these vocabularies)."""
+    if arch not in ARCHITECTURES:
+        raise ValueError(f"arch={arch!r} is not one of {list(ARCHITECTURES)}")
+    config_class, model_class = ARCHITECTURES[arch]
+    build_tokenizer(path)
+    _, eos_id = _token_ids(path)
+    config = config_class(**config_fields, initializer_range=INIT_STD, bos_token_id=eos_id, eos_token_id=eos_id,
+                          pad_token_id=eos_id)
+    _save_random_model(path, model_class, config, INIT_STD, seed=0, dtype=dtype)
     return path
