@@ -125,3 +125,33 @@ def test_fused_moe_rejects_bad_inputs():
     with pytest.raises(ValueError, match="stride"):
         fused_moe(x.t().contiguous().t(), w13, w2, weights, ids)
     assert fused_moe(x[:0], w13, w2, weights[:0], ids[:0]).shape == (0, 32)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.skipif(INTERPRET, reason="checks the compiled kernel, but TRITON_INTERPRET=1 is set")
+@pytest.mark.parametrize("num_tokens", [1, 8, 300])
+def test_bf16_qwen3_30b_a3b_layer_and_cuda_graph_replay(num_tokens):
+    """One Qwen3-30B-A3B MoE layer's shapes (128 experts of 768, top-8, hidden 2048) in bf16 with
+    the default tiles, against fp32 torch math; then captured in a CUDA graph and replayed on a new
+    routing, as the decode graphs do."""
+    gen = torch.Generator().manual_seed(11)
+    hidden, inter, experts, top_k = 2048, 768, 128, 8
+    x = torch.randn(num_tokens, hidden, generator=gen).cuda().bfloat16()
+    w13 = (torch.randn(experts, 2 * inter, hidden, generator=gen) * hidden ** -0.5).cuda().bfloat16()
+    w2 = (torch.randn(experts, hidden, inter, generator=gen) * inter ** -0.5).cuda().bfloat16()
+    logits = torch.randn(num_tokens, experts, generator=gen).cuda()
+    routing = route(logits, top_k, renormalize=True)
+    out = fused_moe(x, w13, w2, routing.weights, routing.expert_ids)
+    expected = fused_experts_torch(x.float(), w13.float(), w2.float(), routing.weights, routing.expert_ids)
+    torch.testing.assert_close(out.float(), expected, atol=3e-2, rtol=3e-2)
+
+    ids, weights = routing.expert_ids.clone(), routing.weights.clone()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        graph_out = fused_moe(x, w13, w2, weights, ids)
+    new = route(torch.randn(num_tokens, experts, generator=gen).cuda(), top_k, renormalize=True)
+    ids.copy_(new.expert_ids)
+    weights.copy_(new.weights)
+    graph.replay()
+    torch.testing.assert_close(graph_out, fused_moe(x, w13, w2, new.weights, new.expert_ids), atol=0, rtol=0)
