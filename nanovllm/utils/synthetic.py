@@ -167,7 +167,7 @@ def _round_up(n: int, multiple: int) -> int:
 def _randomize(model: nn.Module, std: float, seed: int) -> None:
     """Draw every parameter from a generator seeded with `seed` (torch's global RNG is left alone):
     weights and biases ~ N(0, std^2), norm gains ~ 1 + N(0, NORM_JITTER^2) (all ones would hide a
-    swapped q_norm/k_norm load)."""
+    swapped q_norm/k_norm load), LayerNorm biases ~ N(0, NORM_JITTER^2)."""
     generator = torch.Generator().manual_seed(seed)
     layer_norms = {f"{name}.{kind}" for name, module in model.named_modules() if isinstance(module, nn.LayerNorm)
                    for kind in ("weight", "bias")}
