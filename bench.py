@@ -13,6 +13,12 @@ prints says which model and workload it chose, and why.
 
 Throughput counts output tokens only (sum of max_tokens), over the timed generate call.
 
+--synthetic builds (once) a random-weight checkpoint with a real model's config: qwen3-0.6b,
+gpt2 (124M), llama-3.2-1b, qwen3-30b-a3b (with fewer of its 48 layers, see synthetic_model), or a
+tiny Qwen3 for smoke tests. Where the default lengths do not fit the model's positions (GPT-2's
+1024 cannot hold 1024 in + 1024 out) they are capped to fit; every such change is printed as a
+NOTE and listed under "notes" in the JSON line.
+
 With --compare-hf the same prompts and output lengths then go through HuggingFace transformers'
 `generate` in the same process, on the same device and dtype, and the table and the JSON line
 gain HF's throughput and the ratio (see run_hf_baseline for how HF is batched and counted).
@@ -27,14 +33,15 @@ import sys
 import time
 from datetime import datetime, timezone
 from functools import partial
-from typing import NamedTuple
+from typing import Callable, NamedTuple
 
 import torch
 import transformers
 from transformers import AutoModelForCausalLM, GenerationConfig
 
 from nanovllm import LLM, SamplingParams
-from nanovllm.testing.synthetic import build_checkpoint, build_qwen3_0_6b
+from nanovllm.testing.synthetic import (GPT2_CONFIG, LLAMA_3_2_1B_CONFIG, QWEN3_30B_A3B_CONFIG, build_checkpoint,
+                                        build_qwen3_0_6b, build_shaped)
 
 # nano-vllm's workload (its README's RTX 4070 numbers use exactly this).
 GPU_NUM_SEQS, GPU_MIN_LEN, GPU_MAX_LEN = 256, 100, 1024
@@ -55,16 +62,48 @@ NANO_VLLM_CHECKPOINT = "~/huggingface/Qwen3-0.6B/"
 # where a GPU makes it quick, and on CPU the tiny model, so a bare `python bench.py` takes seconds.
 DEFAULT_SYNTHETIC_CUDA, DEFAULT_SYNTHETIC_CPU = "qwen3-0.6b", "tiny"
 
+
+
+class SyntheticModel(NamedTuple):
+    dirname: str  # under --workdir
+    name: str  # as the table and the JSON line name it
+    build: Callable[[str], str]  # writes the checkpoint into the directory it is given
+    note: str = ""  # how it differs from the real model, printed and kept in the JSON line
+
+
 SYNTHETIC = {
-    "qwen3-0.6b": ("qwen3-0.6b-random-bf16", "Qwen3-0.6B (random weights)", build_qwen3_0_6b),
+    "qwen3-0.6b": SyntheticModel("qwen3-0.6b-random-bf16", "Qwen3-0.6B (random weights)", build_qwen3_0_6b),
     # Positions for nano-vllm's full workload (1024 in + 1024 out), so tiny runs it on CUDA too.
-    "tiny": ("qwen3-tiny-random", "tiny Qwen3 (random weights)", partial(build_checkpoint, max_position_embeddings=4096)),
+    "tiny": SyntheticModel("qwen3-tiny-random", "tiny Qwen3 (random weights)",
+                           partial(build_checkpoint, max_position_embeddings=4096)),
+    "gpt2": SyntheticModel("gpt2-random-bf16", "GPT-2 124M (random weights)",
+                           partial(build_shaped, arch="gpt2", config_fields=GPT2_CONFIG)),
+    "llama-3.2-1b": SyntheticModel("llama-3.2-1b-random-bf16", "Llama-3.2-1B (random weights)",
+                                   partial(build_shaped, arch="llama", config_fields=LLAMA_3_2_1B_CONFIG)),
 }
+# Qwen3-30B-A3B is 61 GB in bfloat16, more than the disk of the GPU machines lent here holds, so
+# its checkpoint keeps every per-layer shape (128 experts of 768, top-8, 32/4 heads of 128) but
+# not all 48 layers: per-token work scales with depth, so throughput is that of the shallower model.
+QWEN3_30B_A3B_LAYERS_CUDA = 24  # half depth: ~32 GB of bf16, leaving an 80 GB GPU room for the KV cache
+QWEN3_30B_A3B_LAYERS_CPU = 2  # ~1.9B parameters (two 311M embedding tables among them): a few GB on CPU
+SYNTHETIC_KINDS = (*SYNTHETIC, "qwen3-30b-a3b")
 
 
-def synthetic_checkpoint(kind: str, workdir: str) -> tuple[str, str]:
-    """(path, display name) of a random-weight checkpoint, built once under workdir and reused."""
-    dirname, name, build = SYNTHETIC[kind]
+def synthetic_model(kind: str, on_cpu: bool) -> SyntheticModel:
+    if kind != "qwen3-30b-a3b":
+        return SYNTHETIC[kind]
+    layers = QWEN3_30B_A3B_LAYERS_CPU if on_cpu else QWEN3_30B_A3B_LAYERS_CUDA
+    total = QWEN3_30B_A3B_CONFIG["num_hidden_layers"]
+    return SyntheticModel(
+        f"qwen3-30b-a3b-{layers}-layers-random-bf16", f"Qwen3-30B-A3B, {layers} of {total} layers (random weights)",
+        partial(build_shaped, arch="qwen3_moe", config_fields={**QWEN3_30B_A3B_CONFIG, "num_hidden_layers": layers}),
+        note=f"Qwen3-30B-A3B scaled down to {layers} of its {total} layers ({'CPU' if on_cpu else 'checkpoint size'}); "
+             "every layer has the real shapes, so throughput is that of the shallower model")
+
+
+def synthetic_checkpoint(model: SyntheticModel, workdir: str) -> str:
+    """The path of a random-weight checkpoint, built once under workdir and reused."""
+    dirname, name, build = model.dirname, model.name, model.build
     path = os.path.join(workdir, dirname)
     if not os.path.isfile(os.path.join(path, "config.json")):
         print(f"building {name} checkpoint in {path} ...", file=sys.stderr)
@@ -72,7 +111,7 @@ def synthetic_checkpoint(kind: str, workdir: str) -> tuple[str, str]:
         os.makedirs(partial, exist_ok=True)
         build(partial)
         os.replace(partial, path)
-    return path, name
+    return path
 
 
 def device_name(device: str) -> str:
@@ -127,7 +166,7 @@ def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     source = parser.add_mutually_exclusive_group()
     source.add_argument("--model", help=f"local checkpoint directory (default: {NANO_VLLM_CHECKPOINT} if it exists)")
-    source.add_argument("--synthetic", choices=list(SYNTHETIC), help="build (once) and use a random-weight checkpoint "
+    source.add_argument("--synthetic", choices=SYNTHETIC_KINDS, help="build (once) and use a random-weight checkpoint "
                         f"(default when {NANO_VLLM_CHECKPOINT} does not exist: {DEFAULT_SYNTHETIC_CUDA} on CUDA, "
                         f"{DEFAULT_SYNTHETIC_CPU} on CPU)")
     parser.add_argument("--workdir", default="./checkpoints/", help="where --synthetic checkpoints are cached")
@@ -318,20 +357,31 @@ def main() -> None:
     scaled_down = on_cpu and (args.num_seqs, args.min_len, args.max_len) == (None, None, None)
     choice = choose_model(args.model, args.synthetic, on_cpu)
     model_name = (os.path.basename(os.path.normpath(choice.path)) if choice.path is not None
-                  else SYNTHETIC[choice.synthetic][1])
+                  else synthetic_model(choice.synthetic, on_cpu).name)
     print(f"bench: model {model_name} ({choice.reason}); workload {num_seqs} seqs with input and output lengths "
           f"{min_len}..{max_len} ({workload_reason(args, on_cpu)})", flush=True)
 
+    notes = []  # how this run differs from the stated workload or model, in the table and the JSON line
     if choice.path is not None:
         path = choice.path
     else:
-        path, model_name = synthetic_checkpoint(choice.synthetic, args.workdir)
+        synthetic = synthetic_model(choice.synthetic, on_cpu)
+        path = synthetic_checkpoint(synthetic, args.workdir)
+        notes += [synthetic.note] if synthetic.note else []
     llm = LLM(path, device=args.device, dtype=args.dtype, enforce_eager=args.enforce_eager,
               max_model_len=args.max_model_len)
     device = llm.config.device
+    if 2 * max_len > llm.config.max_model_len and args.max_len is None:
+        # The default lengths do not fit the model's positions (GPT-2 has 1024): halve them to fit.
+        max_len = llm.config.max_model_len // 2
+        min_len = min(min_len, max_len)
+        notes.append(f"input and output lengths capped to {min_len}..{max_len}: the model's max_model_len is "
+                     f"{llm.config.max_model_len}")
     if 2 * max_len > llm.config.max_model_len:  # input + output must fit, or outputs get cut short
         raise ValueError(f"--max-len={max_len} is not allowed: an input and output of {max_len} tokens each "
                          f"exceed max_model_len={llm.config.max_model_len}; lower --max-len or raise --max-model-len")
+    for note in notes:
+        print(f"NOTE: {note}")
 
     random.seed(args.seed)
     # Draw ids from nano-vllm's range for any vocabulary, so the random stream (and with it every
@@ -374,6 +424,7 @@ def main() -> None:
         "time_s": round(elapsed, 3),
         "throughput_tok_s": round(total_output_tokens / elapsed, 2),
         "host_load_1m": round(load_1m, 2),
+        "notes": notes,
         "torch": torch.__version__,
         "date": datetime.now(timezone.utc).strftime("%Y-%m-%d"),
     }
@@ -388,6 +439,7 @@ def main() -> None:
         ("output tokens", total_output_tokens),
         ("nanovllm time (s)", f"{elapsed:.2f}"),
         ("nanovllm output tok/s", f"{result['throughput_tok_s']:.2f}"),
+        *(("note", note) for note in notes),
     ]
     if on_cpu:
         rows.append(("host load (1 min)", f"{load_1m:.2f} on {os.cpu_count()} cores"))

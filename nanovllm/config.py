@@ -17,8 +17,8 @@ from transformers import AutoConfig, PretrainedConfig, PreTrainedTokenizerBase
 
 from nanovllm.utils.tokenizer import end_of_text_id, load_tokenizer
 
-# Architectures `models/qwen3.py` can build, by the name in config.json's "architectures".
-SUPPORTED_ARCHITECTURES = ("Qwen3ForCausalLM", "Qwen2ForCausalLM")
+from nanovllm.models.registry import MODELS, architecture_of
+
 DEVICES = ("auto", "cuda", "cpu")
 ATTENTION_BACKENDS = ("auto", "flash_attn", "triton", "torch")
 COMPILE_MODES = ("auto", "on", "off")
@@ -27,8 +27,6 @@ DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.
 MIN_BLOCK_SIZE = 16
 # Tensor parallelism spans at most one 8-GPU node.
 MAX_TENSOR_PARALLEL_SIZE = 8
-# Model sizes split across tensor-parallel ranks (heads, KV heads, vocabulary, MLP width).
-TENSOR_PARALLEL_DIVIDES = ("num_attention_heads", "num_key_value_heads", "vocab_size", "intermediate_size")
 # A worker beats several times per timeout from a thread that competes with its compute for the
 # CPU; below a second, a busy but healthy worker could be taken for a silent one.
 MIN_HEARTBEAT_TIMEOUT_S = 1.0
@@ -48,7 +46,7 @@ class Config:
     model: str
     max_num_batched_tokens: int = 16384
     max_num_seqs: int = 512
-    max_model_len: int = 4096  # capped by the model's max_position_embeddings
+    max_model_len: int = 4096  # capped by the model's max_position_embeddings (GPT-2: n_positions)
     gpu_memory_utilization: float = 0.9
     tensor_parallel_size: int = 1  # ranks (processes; GPUs on CUDA) the model is sharded over
     enforce_eager: bool = False
@@ -140,8 +138,7 @@ class Config:
         """Each rank holds 1/tensor_parallel_size of these, so each must divide; checked here,
         before any worker process is spawned."""
         tp = self.tensor_parallel_size
-        sizes = {name: getattr(self.hf_config, name, None) for name in TENSOR_PARALLEL_DIVIDES}
-        sizes = {name: value for name, value in sizes.items() if value is not None}
+        sizes = MODELS[self.architecture].tensor_parallel_sizes(self.hf_config)
         allowed = [n for n in range(1, MAX_TENSOR_PARALLEL_SIZE + 1) if all(v % n == 0 for v in sizes.values())]
         for name, value in sizes.items():
             if value % tp:
@@ -168,15 +165,14 @@ class Config:
         if not isinstance(raw, dict):
             raise ValueError(f"{path} holds a JSON {type(raw).__name__}, not an object; config.json must be "
                              "the checkpoint's transformers config, a JSON object")
-        architectures = raw.get("architectures") or []
-        if not any(a in SUPPORTED_ARCHITECTURES for a in architectures):
-            raise ValueError(f"model={self.model!r} has architectures {architectures}; "
-                             f"supported: {list(SUPPORTED_ARCHITECTURES)}")
+        architecture = architecture_of(raw.get("architectures"), self.model)
         # A local directory and no trust_remote_code: nothing from the checkpoint is executed.
         try:
-            return AutoConfig.from_pretrained(self.model, trust_remote_code=False)
+            hf_config = AutoConfig.from_pretrained(self.model, trust_remote_code=False)
         except (ValueError, KeyError, TypeError) as error:  # fields transformers cannot make a config of
             raise ValueError(f"{path} is not a config transformers can read: {error}") from error
+        MODELS[architecture].adapt_config(hf_config)  # refuses what the model cannot run, before any work
+        return hf_config
 
     def _resolve_device(self) -> str:
         if self.device == "auto":
@@ -199,4 +195,4 @@ class Config:
 
     @property
     def architecture(self) -> str:
-        return next(a for a in self.hf_config.architectures if a in SUPPORTED_ARCHITECTURES)
+        return architecture_of(self.hf_config.architectures, self.model)

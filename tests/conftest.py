@@ -34,3 +34,44 @@ def qwen3_tiny_tied(tmp_path_factory) -> str:
 def qwen2_tiny(tmp_path_factory) -> str:
     """Qwen2 (q/k/v bias, no q/k norm), untied, 6 heads / 2 KV heads, hidden 96 = 6 heads x head_dim 16."""
     return build_checkpoint(str(tmp_path_factory.mktemp("qwen2_tiny")), "qwen2", hidden_size=96)
+
+
+# Llama 3.1's rope scaling, with original_max_position_embeddings shrunk so that head_dim 16's
+# eight frequencies fall in all three bands (kept, interpolated, divided by factor).
+LLAMA3_ROPE = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+               "high_freq_factor": 4.0, "original_max_position_embeddings": 256}
+
+
+@pytest.fixture(scope="session")
+def llama_tiny(tmp_path_factory) -> str:
+    """Llama with llama3 rope scaling, untied lm_head, 6 heads / 2 KV heads of head_dim 16."""
+    return build_checkpoint(str(tmp_path_factory.mktemp("llama_tiny")), "llama", rope_parameters=LLAMA3_ROPE)
+
+
+@pytest.fixture(scope="session")
+def llama_tiny_tied(tmp_path_factory) -> str:
+    """Llama with a tied lm_head, biases on attention and MLP, linear rope scaling, 9 heads / 3 KV heads."""
+    return build_checkpoint(str(tmp_path_factory.mktemp("llama_tiny_tied")), "llama", hidden_size=144,
+                            num_attention_heads=9, num_key_value_heads=3, tie_word_embeddings=True,
+                            attention_bias=True, mlp_bias=True,
+                            rope_parameters={"rope_type": "linear", "rope_theta": 10000.0, "factor": 2.0})
+
+
+@pytest.fixture(scope="session")
+def gpt2_tiny(tmp_path_factory) -> str:
+    """GPT-2: 5 heads of 16 (odd), tied LM head, 128 positions (so n_positions caps max_model_len)."""
+    return build_checkpoint(str(tmp_path_factory.mktemp("gpt2_tiny")), "gpt2", n_embd=80, n_head=5,
+                            n_positions=128)
+
+
+@pytest.fixture(scope="session")
+def qwen3_moe_tiny(tmp_path_factory) -> str:
+    """Qwen3-MoE: 8 experts, top-2 renormalised (norm_topk_prob), every layer sparse; untied."""
+    return build_checkpoint(str(tmp_path_factory.mktemp("qwen3_moe_tiny")), "qwen3_moe")
+
+
+@pytest.fixture(scope="session")
+def qwen3_moe_mixed(tmp_path_factory) -> str:
+    """Qwen3-MoE: 10 experts, top-2 not renormalised, layer 0 dense (mlp_only_layers), tied."""
+    return build_checkpoint(str(tmp_path_factory.mktemp("qwen3_moe_mixed")), "qwen3_moe", num_experts=10,
+                            norm_topk_prob=False, mlp_only_layers=[0], tie_word_embeddings=True)

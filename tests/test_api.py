@@ -12,7 +12,7 @@ import torch
 from helpers import AUTO_BACKEND_SMALL_BLOCKS, AUTO_DEVICE, EVERY_DEVICE, hf_greedy, random_prompts
 from nanovllm import LLM, SamplingParams
 from nanovllm.config import Config
-from nanovllm.layers.rotary_embedding import rope_theta_of
+from nanovllm.layers.rotary_embedding import rope_config_of
 from nanovllm.runner.graph import graph_batch_sizes
 
 BLOCK = 16
@@ -178,10 +178,10 @@ def test_rope_theta_read_from_either_config_form():
     class Scaled:
         rope_parameters = {"rope_type": "yarn", "rope_theta": 5e5, "factor": 4.0}
 
-    assert rope_theta_of(Old()) == 1e6
-    assert rope_theta_of(New()) == 5e5
+    assert rope_config_of(Old()).theta == 1e6
+    assert rope_config_of(New()).theta == 5e5
     with pytest.raises(ValueError, match="rope_type"):
-        rope_theta_of(Scaled())
+        rope_config_of(Scaled())
 
 
 # --- bad input: a clear ValueError naming the field, before anything is queued ---
@@ -265,13 +265,13 @@ def test_missing_model_directory(tmp_path):
 
 
 def test_unsupported_architecture(qwen3_tiny, tmp_path):
-    path = shutil.copytree(qwen3_tiny, tmp_path / "llama")
+    path = shutil.copytree(qwen3_tiny, tmp_path / "mamba")
     with open(path / "config.json") as f:
         config = json.load(f)
-    config["architectures"] = ["LlamaForCausalLM"]
+    config["architectures"] = ["MambaForCausalLM"]
     with open(path / "config.json", "w") as f:
         json.dump(config, f)
-    with pytest.raises(ValueError, match="LlamaForCausalLM"):
+    with pytest.raises(ValueError, match="MambaForCausalLM.*supported.*Qwen3ForCausalLM"):
         LLM(str(path))
 
 

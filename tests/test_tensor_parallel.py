@@ -191,6 +191,32 @@ def test_tp2_equals_tp1_and_hf_with_prefix_hits_chunking_and_preemption(ckpt, re
     assert outputs[2] == outputs[1] == [expected, expected]
 
 
+@pytest.fixture(scope="module")
+def gpt2_tiny_even(tmp_path_factory) -> str:
+    """GPT-2 with 4 heads, which split over 2 ranks (gpt2_tiny's 5 do not)."""
+    return build_checkpoint(str(tmp_path_factory.mktemp("gpt2_tiny_even")), "gpt2", n_positions=128)
+
+
+@pytest.mark.parametrize("ckpt", ["llama_tiny", "qwen3_moe_mixed", "gpt2_tiny_even"])
+def test_tp2_other_families_equal_hf_with_prefix_hits_and_preemption(ckpt, request):
+    """Llama (llama3 rope scaling), Qwen3-MoE (experts split over their intermediate dimension, a
+    dense layer, a tied head) and GPT-2 (biases on row-parallel layers, replicated positions):
+    TP=1 and TP=2 give HF's greedy tokens."""
+    path = request.getfixturevalue(ckpt)
+    shared = random_prompts(200, [40], seed=30)[0]
+    prompts = [shared + tail for tail in random_prompts(200, [1, 9], seed=31)] + random_prompts(200, [5, 33], seed=32)
+    expected = hf_greedy(path, prompts, 12)
+    for tp in (1, 2):
+        # 6 blocks of 16 tokens: the first three prompts fill them and the first to grow preempts another.
+        llm = engine(path, tp, num_kvcache_blocks=6)
+        first = llm.generate(prompts[:1], greedy(12), use_tqdm=False)
+        batch = llm.generate(prompts, greedy(12), use_tqdm=False)  # the shared prefix's blocks are cached
+        assert [o["token_ids"] for o in first + batch] == expected[:1] + expected, f"tensor_parallel_size={tp}"
+        assert llm.scheduler.num_preemptions > 0
+        assert sum(o["num_cached_tokens"] for o in batch) >= 32
+        llm.exit()
+
+
 def test_step_message_larger_than_a_pipe_buffer(qwen3_tiny):
     """One prefill step of ~30k tokens: its message is far over the OS pipe buffer (64 KiB) and
     must reach the worker whole."""

@@ -1,9 +1,14 @@
-"""SwiGLU's activation: silu(gate) * up on the merged gate_up projection (compiled on CUDA)."""
+"""Activations: SwiGLU's silu(gate) * up on the merged gate_up projection, and GELU in the
+variants checkpoints name in config.json (all compiled on CUDA)."""
+import math
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from nanovllm.utils.compile import compilable
+
+SQRT_2_OVER_PI = math.sqrt(2.0 / math.pi)
 
 
 @compilable
@@ -17,3 +22,36 @@ class SiluAndMul(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return silu_and_mul(x)
+
+
+@compile_on_cuda
+def gelu_new(x: torch.Tensor) -> torch.Tensor:
+    """GPT-2's tanh approximation, written as HF's NewGELUActivation writes it: torch's own
+    F.gelu(approximate="tanh") rounds differently, and the float32 oracle must match bit for bit."""
+    return 0.5 * x * (1.0 + torch.tanh(SQRT_2_OVER_PI * (x + 0.044715 * torch.pow(x, 3.0))))
+
+
+@compile_on_cuda
+def gelu_tanh(x: torch.Tensor) -> torch.Tensor:
+    return F.gelu(x, approximate="tanh")
+
+
+@compile_on_cuda
+def gelu_exact(x: torch.Tensor) -> torch.Tensor:
+    return F.gelu(x)
+
+
+# config.json's activation name -> the function HF transformers runs for it.
+GELU_VARIANTS = {"gelu_new": gelu_new, "gelu_pytorch_tanh": gelu_tanh, "gelu": gelu_exact}
+
+
+class GELU(nn.Module):
+
+    def __init__(self, name: str):
+        super().__init__()
+        if name not in GELU_VARIANTS:
+            raise ValueError(f"activation_function={name!r} is not supported; supported: {list(GELU_VARIANTS)}")
+        self.fn = GELU_VARIANTS[name]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fn(x)

@@ -1,4 +1,5 @@
-"""Token embedding and LM head, split by vocabulary across tensor-parallel ranks.
+"""Token embedding and LM head, split by vocabulary across tensor-parallel ranks, and learned
+absolute position embeddings (GPT-2), replicated.
 
 Each rank holds a contiguous slice of the vocabulary; embedding lookups outside it produce
 zeros and are summed across ranks; the LM head's logits are gathered on rank 0.
@@ -46,3 +47,15 @@ class ParallelLMHead(VocabParallelEmbedding):
         parts = [torch.empty_like(logits) for _ in range(self.tp_size)] if self.tp_rank == 0 else None
         dist.gather(logits, parts, 0)
         return torch.cat(parts, -1) if self.tp_rank == 0 else None
+
+
+class PositionEmbedding(nn.Module):
+    """One learned vector per position, [num_positions, dim], whole on every rank (it is small).
+    Positions at or past num_positions have no vector: the engine caps max_model_len to it."""
+
+    def __init__(self, num_positions: int, embedding_dim: int):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(num_positions, embedding_dim))
+
+    def forward(self, positions: torch.Tensor) -> torch.Tensor:
+        return F.embedding(positions, self.weight)  # [num_tokens, dim]

@@ -1,9 +1,11 @@
-"""RMSNorm, optionally fused with the residual add that precedes it (as in nano-vllm).
+"""RMSNorm, optionally fused with the residual add that precedes it (as in nano-vllm), and
+LayerNorm with a bias (GPT-2).
 
-Computed in float32 and cast back, exactly as HF transformers' Qwen RMSNorm does; compiled into
-one kernel on CUDA.
+RMSNorm is computed in float32 and cast back, exactly as HF transformers' Qwen RMSNorm does;
+compiled into one kernel on CUDA. LayerNorm is torch's, as HF's nn.LayerNorm.
 """
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from nanovllm.utils.compile import compilable
@@ -39,3 +41,16 @@ class RMSNorm(nn.Module):
         if residual is None:
             return rms_norm(x, self.weight, self.eps)
         return add_rms_norm(x, residual, self.weight, self.eps)
+
+
+class LayerNorm(nn.Module):
+    """(x - mean) / sqrt(var + eps) * weight + bias over the last dimension; replicated on every rank."""
+
+    def __init__(self, hidden_size: int, eps: float = 1e-5):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(hidden_size))
+        self.bias = nn.Parameter(torch.zeros(hidden_size))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.layer_norm(x, self.weight.shape, self.weight, self.bias, self.eps)

@@ -35,6 +35,14 @@ def _divide(numerator: int, denominator: int, what: str) -> int:
     return numerator // denominator
 
 
+def _expect_shards(layer: nn.Module, shard_ids: tuple) -> None:
+    """Tell the loader which checkpoint pieces fill a fused layer's parameters, so that one
+    missing piece is reported by name."""
+    for param in (layer.weight, layer.bias):
+        if param is not None:
+            param.shard_ids = shard_ids
+
+
 class LinearBase(nn.Module):
 
     def __init__(self, input_size: int, output_size: int, bias: bool, tp_dim: int | None):
@@ -76,6 +84,7 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
     def __init__(self, input_size: int, output_sizes: list[int], bias: bool = False):
         self.output_sizes = output_sizes
         super().__init__(input_size, sum(output_sizes), bias)
+        _expect_shards(self, tuple(range(len(output_sizes))))
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, name: str, shard_id: int) -> None:
         offset = sum(self.output_sizes[:shard_id]) // self.tp_size
@@ -93,6 +102,7 @@ class QKVParallelLinear(ColumnParallelLinear):
         self.num_heads = _divide(num_heads, size, "num_attention_heads")
         self.num_kv_heads = _divide(num_kv_heads, size, "num_key_value_heads")
         super().__init__(hidden_size, (num_heads + 2 * num_kv_heads) * head_dim, bias)
+        _expect_shards(self, ("q", "k", "v"))
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, name: str, shard_id: str) -> None:
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim

@@ -1,17 +1,19 @@
 """Random-weight checkpoints and a small tokenizer, built locally in seconds.
 
 Tests, example.py and bench.py use these so that they run with no model download: a byte-level
-BPE tokenizer trained in-process on a built-in English text, and Qwen3 / Qwen2 checkpoints
-(config.json + model.safetensors) saved by HF transformers itself, so the tensor names and
-config fields are exactly what a real checkpoint of that architecture has.
+BPE tokenizer trained in-process on a built-in English text, and checkpoints of every supported
+family (Qwen3, Qwen2, Llama, Mistral, GPT-2, Qwen3-MoE; config.json + model.safetensors) saved by
+HF transformers itself, so the tensor names and config fields are exactly what a real checkpoint
+of that architecture has (GPT-2's transposed Conv1D weights, Qwen3-MoE's per-expert tensors).
 """
 import os
 
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from torch import nn
-from transformers import (PretrainedConfig, PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM,
-                          Qwen3Config, Qwen3ForCausalLM)
+from transformers import (GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM, MistralConfig,
+                          MistralForCausalLM, PretrainedConfig, PreTrainedTokenizerFast, Qwen2Config,
+                          Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM)
 
 EOS_TOKEN = "<|endoftext|>"  # Qwen's end of text; also its pad token
 SPECIAL_TOKENS = [EOS_TOKEN, "<|im_start|>", "<|im_end|>"]
@@ -64,7 +66,31 @@ distribution, sharpened or flattened by the temperature. Generation stops at the
 token, or when the request has made as many tokens as it asked for.
 """
 
-ARCHITECTURES = {"qwen3": (Qwen3Config, Qwen3ForCausalLM), "qwen2": (Qwen2Config, Qwen2ForCausalLM)}
+ARCHITECTURES = {
+    "qwen3": (Qwen3Config, Qwen3ForCausalLM),
+    "qwen2": (Qwen2Config, Qwen2ForCausalLM),
+    "llama": (LlamaConfig, LlamaForCausalLM),
+    "mistral": (MistralConfig, MistralForCausalLM),
+    "gpt2": (GPT2Config, GPT2LMHeadModel),
+    "qwen3_moe": (Qwen3MoeConfig, Qwen3MoeForCausalLM),
+}
+# The tiny shape of each family (HF config field names); build_checkpoint's keyword arguments
+# override any of them. GQA with 3 query heads per KV head where the family has GQA.
+_DECODER = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=6,
+                num_key_value_heads=2, head_dim=16, max_position_embeddings=1024, tie_word_embeddings=False)
+TINY_CONFIGS: dict[str, dict] = {
+    "qwen3": _DECODER,
+    "qwen2": _DECODER,
+    # Llama's config requires hidden_size = heads x head_dim.
+    "llama": {**_DECODER, "hidden_size": 96},
+    "mistral": {**_DECODER, "hidden_size": 96, "sliding_window": None},
+    # Multi-head attention, 4 heads of 16; n_inner None = 4 * n_embd; the LM head is the embedding.
+    "gpt2": dict(n_embd=64, n_layer=2, n_head=4, n_positions=1024, n_inner=None, activation_function="gelu_new",
+                 tie_word_embeddings=True),
+    # 8 experts, top-2, renormalised as Qwen3-30B-A3B's config (norm_topk_prob); every layer sparse.
+    "qwen3_moe": {**_DECODER, "num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+                  "norm_topk_prob": True, "decoder_sparse_step": 1, "mlp_only_layers": []},
+}
 
 # Qwen3-0.6B's config.json values (HF hub Qwen/Qwen3-0.6B), for throughput runs.
 QWEN3_0_6B_CONFIG: dict = {
@@ -82,6 +108,30 @@ QWEN3_0_6B_CONFIG: dict = {
     "torch_dtype": "bfloat16",
     "hidden_act": "silu",
     "attention_bias": False,
+}
+
+# GPT-2 small's config.json values (HF hub openai-community/gpt2), 124M parameters.
+GPT2_CONFIG: dict = {
+    "n_embd": 768, "n_layer": 12, "n_head": 12, "n_positions": 1024, "n_inner": None, "vocab_size": 50257,
+    "activation_function": "gelu_new", "layer_norm_epsilon": 1e-5, "tie_word_embeddings": True,
+}
+# Llama-3.2-1B's config.json values (HF hub meta-llama/Llama-3.2-1B), llama3 rope scaling included.
+LLAMA_3_2_1B_CONFIG: dict = {
+    "hidden_size": 2048, "intermediate_size": 8192, "num_hidden_layers": 16, "num_attention_heads": 32,
+    "num_key_value_heads": 8, "head_dim": 64, "vocab_size": 128256, "max_position_embeddings": 131072,
+    "rms_norm_eps": 1e-5, "tie_word_embeddings": True, "hidden_act": "silu", "attention_bias": False,
+    "mlp_bias": False,
+    "rope_parameters": {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 32.0, "low_freq_factor": 1.0,
+                        "high_freq_factor": 4.0, "original_max_position_embeddings": 8192},
+}
+# Qwen3-30B-A3B's config.json values (HF hub Qwen/Qwen3-30B-A3B): 48 layers of 128 experts, top-8.
+QWEN3_30B_A3B_CONFIG: dict = {
+    "hidden_size": 2048, "intermediate_size": 6144, "moe_intermediate_size": 768, "num_hidden_layers": 48,
+    "num_attention_heads": 32, "num_key_value_heads": 4, "head_dim": 128, "vocab_size": 151936,
+    "max_position_embeddings": 40960, "rms_norm_eps": 1e-6, "tie_word_embeddings": False, "hidden_act": "silu",
+    "attention_bias": False, "num_experts": 128, "num_experts_per_tok": 8, "norm_topk_prob": True,
+    "decoder_sparse_step": 1, "mlp_only_layers": [],
+    "rope_parameters": {"rope_type": "default", "rope_theta": ROPE_THETA},
 }
 
 
@@ -117,12 +167,16 @@ def _round_up(n: int, multiple: int) -> int:
 def _randomize(model: nn.Module, std: float, seed: int) -> None:
     """Draw every parameter from a generator seeded with `seed` (torch's global RNG is left alone):
     weights and biases ~ N(0, std^2), norm gains ~ 1 + N(0, NORM_JITTER^2) (all ones would hide a
-    swapped q_norm/k_norm load)."""
+    swapped q_norm/k_norm load), LayerNorm biases ~ N(0, NORM_JITTER^2)."""
     generator = torch.Generator().manual_seed(seed)
+    layer_norms = {f"{name}.{kind}" for name, module in model.named_modules() if isinstance(module, nn.LayerNorm)
+                   for kind in ("weight", "bias")}
     for name, param in model.named_parameters():  # a tied lm_head is the embedding: drawn once
-        if name.endswith("norm.weight"):
+        if name.endswith("norm.weight") or name in layer_norms and name.endswith(".weight"):
             param.normal_(1.0, NORM_JITTER, generator=generator)
-        else:  # [out, in] linear weights, [vocab, hidden] embedding, Qwen2's q/k/v biases
+        elif name in layer_norms:  # a LayerNorm's bias (GPT-2): small, like the gains' jitter
+            param.normal_(0.0, NORM_JITTER, generator=generator)
+        else:  # [out, in] linear weights (GPT-2: [in, out]), embeddings, stacked experts, biases
             param.normal_(0.0, std, generator=generator)
 
 
@@ -143,15 +197,16 @@ def _save_random_model(path: str, model_class: type, config: PretrainedConfig, s
     model.save_pretrained(path, safe_serialization=True)
 
 
-def build_checkpoint(path: str, arch: str = "qwen3", *, hidden_size: int = 64, intermediate_size: int = 128,
-                     num_hidden_layers: int = 2, num_attention_heads: int = 6, num_key_value_heads: int = 2,
-                     head_dim: int = 16, vocab_size: int | None = None, tie_word_embeddings: bool = False,
-                     max_position_embeddings: int = 1024, weight_scale: float = WEIGHT_SCALE, seed: int = 0,
-                     dtype: torch.dtype = torch.float32) -> str:
-    """Write a random-weight `arch` ("qwen3" or "qwen2") checkpoint plus the small tokenizer to `path`.
+def build_checkpoint(path: str, arch: str = "qwen3", *, vocab_size: int | None = None,
+                     weight_scale: float = WEIGHT_SCALE, seed: int = 0, dtype: torch.dtype = torch.float32,
+                     **config_fields) -> str:
+    """Write a random-weight `arch` checkpoint (a key of ARCHITECTURES) plus the small tokenizer to `path`.
 
-    The same arguments give the same weights. head_dim is written to config.json for both
-    architectures (HF's Qwen2 and the engine read it when present).
+    The shape is TINY_CONFIGS[arch], with any HF config field overridden by `config_fields`
+    (hidden_size, num_attention_heads, tie_word_embeddings, rope_parameters, num_experts, ...). The
+    same arguments give the same weights. head_dim is written to config.json for the Qwen and Llama
+    families (HF and the engine read it when present). The vocabulary defaults to the tokenizer's,
+    rounded up to VOCAB_MULTIPLE.
     """
     if arch not in ARCHITECTURES:
         raise ValueError(f"arch={arch!r} is not one of {list(ARCHITECTURES)}")
@@ -162,14 +217,11 @@ def build_checkpoint(path: str, arch: str = "qwen3", *, hidden_size: int = 64, i
         vocab_size = _round_up(num_tokens, VOCAB_MULTIPLE)
     if vocab_size < num_tokens:
         raise ValueError(f"vocab_size={vocab_size} is smaller than the tokenizer's {num_tokens} tokens")
-    config = config_class(
-        vocab_size=vocab_size, hidden_size=hidden_size, intermediate_size=intermediate_size,
-        num_hidden_layers=num_hidden_layers, num_attention_heads=num_attention_heads,
-        num_key_value_heads=num_key_value_heads, head_dim=head_dim,
-        max_position_embeddings=max_position_embeddings, tie_word_embeddings=tie_word_embeddings,
-        rope_parameters={"rope_type": "default", "rope_theta": ROPE_THETA}, initializer_range=INIT_STD,
-        bos_token_id=eos_id, eos_token_id=eos_id, pad_token_id=eos_id,
-    )
+    fields = {**TINY_CONFIGS[arch], **config_fields}
+    if arch != "gpt2":  # GPT-2 has learned positions, no rotary embedding
+        fields.setdefault("rope_parameters", {"rope_type": "default", "rope_theta": ROPE_THETA})
+    config = config_class(vocab_size=vocab_size, initializer_range=INIT_STD, bos_token_id=eos_id,
+                          eos_token_id=eos_id, pad_token_id=eos_id, **fields)
     _save_random_model(path, model_class, config, INIT_STD * weight_scale, seed, dtype)
     return path
 
@@ -185,4 +237,19 @@ def build_qwen3_0_6b(path: str, dtype: torch.dtype = torch.bfloat16) -> str:
                          initializer_range=INIT_STD, bos_token_id=eos_id, eos_token_id=eos_id,
                          pad_token_id=eos_id)
     _save_random_model(path, Qwen3ForCausalLM, config, INIT_STD, seed=0, dtype=dtype)
+    return path
+
+
+def build_shaped(path: str, arch: str, config_fields: dict, dtype: torch.dtype = torch.bfloat16) -> str:
+    """Write a random-weight `arch` checkpoint with a real model's config (GPT2_CONFIG,
+    LLAMA_3_2_1B_CONFIG, QWEN3_30B_A3B_CONFIG, ...) for throughput runs, not output quality:
+    weights at transformers' init scale, the small tokenizer (its ids fit any of these vocabularies)."""
+    if arch not in ARCHITECTURES:
+        raise ValueError(f"arch={arch!r} is not one of {list(ARCHITECTURES)}")
+    config_class, model_class = ARCHITECTURES[arch]
+    build_tokenizer(path)
+    _, eos_id = _token_ids(path)
+    config = config_class(**config_fields, initializer_range=INIT_STD, bos_token_id=eos_id, eos_token_id=eos_id,
+                          pad_token_id=eos_id)
+    _save_random_model(path, model_class, config, INIT_STD, seed=0, dtype=dtype)
     return path

@@ -1,17 +1,29 @@
 """Loads a checkpoint's weights from *.safetensors only (a format that cannot carry code).
 
-Checkpoint names map onto the model's parameters directly or, for fused layers, through the
-model's `packed_modules_mapping` (q/k/v -> qkv_proj, gate/up -> gate_up_proj). A missing,
-unexpected or mis-shaped tensor is an error naming it, and so is a file safetensors cannot
-read (truncated or corrupt). Tied embeddings share one parameter, so a checkpoint may omit
-lm_head.weight.
+Each checkpoint tensor becomes one or more `WeightTarget`s: a model parameter, the tensor (or the
+part of it) to copy there, and which piece of a fused parameter it is. By default names map onto
+parameters directly or, for fused layers, through the model's `packed_modules_mapping` (q/k/v ->
+qkv_proj, gate/up -> gate_up_proj); a model whose checkpoint is laid out differently (GPT-2's
+transposed Conv1D weights and fused c_attn, Qwen3-MoE's per-expert tensors) maps its own names
+in `checkpoint_targets`. A missing, unexpected or mis-shaped tensor is an error naming it; a fused
+parameter lists the pieces it expects in `param.shard_ids`, so a missing piece is named too.
+A file safetensors cannot read (truncated or corrupt) is an error naming it. Tied embeddings
+share one parameter, so a checkpoint may omit lm_head.weight.
 """
 import glob
 import os
+from typing import NamedTuple
 
 import torch
 from safetensors import SafetensorError, safe_open
 from torch import nn
+
+
+class WeightTarget(NamedTuple):
+    param: str  # the model parameter's name
+    tensor: torch.Tensor  # what to copy into it (this rank's shard is cut by its weight_loader)
+    shard_id: object  # which piece of a fused parameter, or None for the whole parameter
+    source: str  # the checkpoint tensor, as error messages name it
 
 
 def _default_weight_loader(param: nn.Parameter, loaded: torch.Tensor, name: str) -> None:
@@ -20,28 +32,30 @@ def _default_weight_loader(param: nn.Parameter, loaded: torch.Tensor, name: str)
     param.data.copy_(loaded)
 
 
-def _resolve(weight_name: str, packed: dict) -> tuple[str, object]:
-    """Checkpoint name -> (model parameter name, shard id or None)."""
+def packed_target(weight_name: str, tensor: torch.Tensor, packed: dict) -> WeightTarget:
+    """A checkpoint tensor whose name is the parameter's, or a piece of a fused parameter."""
     for fragment, (fused, shard_id) in packed.items():
         if fragment in weight_name:
-            return weight_name.replace(fragment, fused), shard_id
-    return weight_name, None
+            return WeightTarget(weight_name.replace(fragment, fused), tensor, shard_id, weight_name)
+    return WeightTarget(weight_name, tensor, None, weight_name)
 
 
-def _load_file(file: str, params: dict[str, nn.Parameter], packed: dict, loaded: set[tuple[int, object]]) -> None:
-    """Load every tensor of one *.safetensors file into its parameter, noting each in `loaded`."""
+def _load_file(file: str, params: dict[str, nn.Parameter], packed: dict, custom, loaded: set[tuple[int, object]]
+               ) -> None:
+    """Load every tensor of one *.safetensors file into its parameters, noting each in `loaded`."""
     with safe_open(file, "pt", device="cpu") as f:
         for weight_name in f.keys():
-            name, shard_id = _resolve(weight_name, packed)
-            param = params.get(name)
-            if param is None:
-                raise ValueError(f"checkpoint tensor {weight_name} has no matching model parameter")
             tensor = f.get_tensor(weight_name)
-            if shard_id is None:
-                getattr(param, "weight_loader", _default_weight_loader)(param, tensor, weight_name)
-            else:
-                param.weight_loader(param, tensor, weight_name, shard_id)
-            loaded.add((id(param), shard_id))
+            targets = custom(weight_name, tensor) if custom else [packed_target(weight_name, tensor, packed)]
+            for target in targets:
+                param = params.get(target.param)
+                if param is None:
+                    raise ValueError(f"checkpoint tensor {target.source} has no matching model parameter")
+                if target.shard_id is None:
+                    getattr(param, "weight_loader", _default_weight_loader)(param, target.tensor, target.source)
+                else:
+                    param.weight_loader(param, target.tensor, target.source, target.shard_id)
+                loaded.add((id(param), target.shard_id))
 
 
 def load_model(model: nn.Module, path: str) -> None:
@@ -50,16 +64,17 @@ def load_model(model: nn.Module, path: str) -> None:
         raise ValueError(f"model={path!r} has no *.safetensors files (other weight formats are not loaded)")
     params = dict(model.named_parameters(remove_duplicate=False))  # tied weights appear under both names
     packed = getattr(model, "packed_modules_mapping", {})
+    custom = getattr(model, "checkpoint_targets", None)
     loaded: set[tuple[int, object]] = set()  # (id of parameter, shard id)
     for file in files:
         try:
-            _load_file(file, params, packed, loaded)
+            _load_file(file, params, packed, custom, loaded)
         except SafetensorError as error:  # the parser's message alone does not say which file
             raise ValueError(f"checkpoint file {file} cannot be read as safetensors ({error}); it may be "
                              "truncated or corrupt: copy or download it again") from None
     missing = []
     for name, param in params.items():
-        shard_ids = [sid for fused, sid in packed.values() if f".{fused}." in name] or [None]
+        shard_ids = getattr(param, "shard_ids", None) or [None]
         missing += [name if sid is None else f"{name} (shard {sid!r})"
                     for sid in shard_ids if (id(param), sid) not in loaded]
     if missing:
