@@ -1,5 +1,5 @@
 """Activations: SwiGLU's silu(gate) * up on the merged gate_up projection, and GELU in the
-variants checkpoints name in config.json (all compiled on CUDA)."""
+variants checkpoints name in config.json (compiled where the engine's compile mode says)."""
 import math
 
 import torch
@@ -24,19 +24,19 @@ class SiluAndMul(nn.Module):
         return silu_and_mul(x)
 
 
-@compile_on_cuda
+@compilable
 def gelu_new(x: torch.Tensor) -> torch.Tensor:
     """GPT-2's tanh approximation, written as HF's NewGELUActivation writes it: torch's own
     F.gelu(approximate="tanh") rounds differently, and the float32 oracle must match bit for bit."""
     return 0.5 * x * (1.0 + torch.tanh(SQRT_2_OVER_PI * (x + 0.044715 * torch.pow(x, 3.0))))
 
 
-@compile_on_cuda
+@compilable
 def gelu_tanh(x: torch.Tensor) -> torch.Tensor:
     return F.gelu(x, approximate="tanh")
 
 
-@compile_on_cuda
+@compilable
 def gelu_exact(x: torch.Tensor) -> torch.Tensor:
     return F.gelu(x)
 
