@@ -31,6 +31,8 @@ from nanovllm.engine.sequence import Sequence
 from nanovllm.engine.stop_checker import StopChecker
 from nanovllm.runner.tensor_parallel import create_model_runner
 from nanovllm.sampling_params import SamplingParams
+from nanovllm.utils.math_utils import cdiv
+from nanovllm.utils.validation import is_int
 
 Prompt = str | list[int]
 
@@ -137,7 +139,7 @@ class LLMEngine:
                 raise ValueError(f"prompt={prompt!r:.80} is a string, but this engine has no tokenizer "
                                  "(skip_tokenizer_init=True); give each prompt as a list of token ids")
             token_ids = self.tokenizer.encode(prompt)
-        elif isinstance(prompt, (list, tuple)) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+        elif isinstance(prompt, (list, tuple)) and all(is_int(t) for t in prompt):
             token_ids = list(prompt)
         else:
             raise ValueError(f"prompt={prompt!r:.80} is not allowed; a prompt must be a str or a list of int token ids")
@@ -159,7 +161,7 @@ class LLMEngine:
         # The longest this sequence can grow must fit in the whole cache, or it could never run.
         bs = self.config.kvcache_block_size
         longest = min(len(token_ids) + params.max_tokens, max_len)
-        needed = (longest + bs - 1) // bs
+        needed = cdiv(longest, bs)
         if needed > self.block_manager.num_blocks:
             raise ValueError(f"a request of {len(token_ids)} prompt tokens and max_tokens={params.max_tokens} "
                              f"needs {needed} KV blocks of {bs} tokens, more than the whole cache "
