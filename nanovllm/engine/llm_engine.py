@@ -85,8 +85,8 @@ class LLMEngine:
         self._news: dict[str, None] = {}  # add_request()'s requests with news not yet popped (an ordered set)
         self._lock = threading.Lock()  # held by the thread inside the engine
         self._inside: str | None = None  # that thread's name, for the refusal message
-        # Calls whose requests were released by a thread that could not enter; the thread inside
-        # frees them at its next step.
+        # Calls whose requests were released by a thread that could not enter; they are freed at
+        # the next step or the next entry, whichever comes first.
         self._deferred: list[list[Request]] = []
         self._exited = False
         self._prefill_tps = self._decode_tps = 0.0  # the latest step's throughput, for the progress bar
@@ -121,7 +121,7 @@ class LLMEngine:
                                "nanovllm.entrypoints does")
         self._inside = threading.current_thread().name
         try:
-            if self._exited:  # exited while this thread waited to enter
+            if self._exited:  # another thread exited it between the check above and the lock
                 raise RuntimeError(EXITED_MESSAGE)
             self._free_deferred()
             yield
@@ -222,8 +222,8 @@ class LLMEngine:
             request.inbox.pop(request.request_id, None)
 
     def _release(self, requests: list[Request]) -> None:
-        """_forget() from a call that has ended, possibly in a thread that is not the one inside
-        the engine now: then the thread inside does it at its next step."""
+        """_forget() from a call that has ended (a stream closed, finished or dropped), which may
+        happen while another thread is inside the engine: then that thread does it at its next step."""
         if not any(r.request_id is not None for r in requests):  # never submitted
             return
         if self._lock.acquire(blocking=False):
