@@ -14,22 +14,17 @@ REPO = Path(__file__).resolve().parents[1]
 WORKLOAD = ["--num-seqs", "4", "--min-len", "8", "--max-len", "16"]
 SCRIPT_TIMEOUT_S = 120  # far above the few seconds a run takes, so a hang fails instead of blocking CI
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
-# bench.py's JSON rounds times to 1 ms, throughputs to 0.01 tok/s and the ratio to 0.001: each
-# value is off by at most half its step, and the bounds below carry that into what is recomputed here.
-TIME_STEP_S, THROUGHPUT_STEP, RATIO_STEP = 0.001, 0.01, 0.001
-FLOAT_SLACK = 1e-9
+# bench.py's JSON rounds times to 1 ms, throughputs to 0.01 tok/s and the ratio to 0.001; these
+# bound what that rounding can change in the quantities recomputed here.
+TIME_TOLERANCE_S = 0.001
+THROUGHPUT_ROUNDING = 0.005  # half of 0.01 tok/s
 
 
-def time_matches_throughput(time_s: float, tokens: int, throughput: float) -> bool:
-    """time_s (rounded) against tokens / throughput (throughput rounded): a slow run's small
-    throughput makes its rounding weigh more in the time, so the bound grows with time / throughput."""
-    bound = TIME_STEP_S / 2 + time_s * (THROUGHPUT_STEP / 2) / throughput + FLOAT_SLACK
-    return abs(time_s - tokens / throughput) <= bound
-
-
-def ratio_matches_throughputs(ratio: float, throughput: float, hf_throughput: float) -> bool:
-    bound = RATIO_STEP / 2 + ratio * (THROUGHPUT_STEP / 2) * (1 / throughput + 1 / hf_throughput) + FLOAT_SLACK
-    return abs(ratio - throughput / hf_throughput) <= bound
+def time_tolerance(time_s: float, throughput: float) -> float:
+    """How far tokens / rounded throughput may lie from the rounded time: half a millisecond,
+    plus what rounding the throughput moves it (time * 0.005 / throughput; ~2 ms on a slow run)."""
+    return TIME_TOLERANCE_S / 2 + time_s * THROUGHPUT_ROUNDING / throughput
+RATIO_TOLERANCE = 0.002
 
 
 def run_script(args: list[str], cwd: Path, env: dict | None = None) -> subprocess.CompletedProcess:
@@ -61,7 +56,8 @@ def check_nanovllm(run: dict) -> None:
     assert 4 * 8 <= run["total_output_tokens"] <= 4 * 16
     assert 4 * 8 <= run["total_input_tokens"] <= 4 * 16
     assert run["time_s"] > 0 and run["throughput_tok_s"] > 0
-    assert time_matches_throughput(run["time_s"], run["total_output_tokens"], run["throughput_tok_s"])
+    assert run["time_s"] == pytest.approx(run["total_output_tokens"] / run["throughput_tok_s"],
+                                          abs=time_tolerance(run["time_s"], run["throughput_tok_s"]))
 
 
 @pytest.fixture(scope="module")
@@ -88,8 +84,10 @@ def test_bench_compare_hf(hf_run, plain_run):
     assert run["total_input_tokens"] == plain_run[0]["total_input_tokens"]
     assert run["hf_time_s"] > 0 and run["hf_throughput_tok_s"] > 0
     # HF's throughput counts the requested output tokens, the same as nanovllm's.
-    assert time_matches_throughput(run["hf_time_s"], run["total_output_tokens"], run["hf_throughput_tok_s"])
-    assert ratio_matches_throughputs(run["speedup_vs_hf"], run["throughput_tok_s"], run["hf_throughput_tok_s"])
+    assert run["hf_time_s"] == pytest.approx(run["total_output_tokens"] / run["hf_throughput_tok_s"],
+                                             abs=time_tolerance(run["hf_time_s"], run["hf_throughput_tok_s"]))
+    assert run["speedup_vs_hf"] == pytest.approx(run["throughput_tok_s"] / run["hf_throughput_tok_s"],
+                                                 rel=RATIO_TOLERANCE, abs=RATIO_TOLERANCE)
     # One batch of all 4 (the CPU default batch size is 16) runs to its longest output length:
     # the same length for all 4, and at least the requested work.
     assert run["hf_batch_size"] == 16 and run["hf_num_batches"] == 1

@@ -1,6 +1,7 @@
 """Tensor parallelism across processes, on CPU over gloo: tensor_parallel_size=2 gives exactly the
 greedy tokens of one process and of HF transformers; engines never collide; sizes that do not
 divide are refused before any process starts; a worker that dies is a prompt, clear error."""
+import gc
 import json
 import multiprocessing
 import os
@@ -10,6 +11,7 @@ import subprocess
 import sys
 import threading
 import time
+import weakref
 from pathlib import Path
 
 import pytest
@@ -45,6 +47,21 @@ def pid_gone(pid: int, within_s: float = 5.0) -> bool:
         try:
             os.kill(pid, 0)
         except ProcessLookupError:
+            return True
+        time.sleep(0.05)
+    return False
+
+
+def pid_ended(pid: int, within_s: float = 5.0) -> bool:
+    """The process has exited, reaped or not (a child stays a zombie, state Z, until its parent
+    joins it), as /proc says."""
+    deadline = time.monotonic() + within_s
+    while time.monotonic() < deadline:
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                if f.read().rsplit(")", 1)[1].split()[0] == "Z":
+                    return True
+        except FileNotFoundError:
             return True
         time.sleep(0.05)
     return False
@@ -167,8 +184,21 @@ def test_new_engine_after_exit_in_the_same_process(qwen3_tiny):
     again.exit()
 
 
+def test_dropped_engine_stops_its_workers(qwen3_tiny):
+    """The engine's exit hook holds it weakly: dropping a tensor-parallel engine without exit()
+    lets the garbage collector free it, workers and process group included."""
+    llm = engine(qwen3_tiny, 2, num_kvcache_blocks=64)
+    pids = llm.model_runner.worker_pids
+    llm.generate(random_prompts(200, [9], seed=17), greedy(4), use_tqdm=False)
+    ref = weakref.ref(llm)
+    del llm
+    gc.collect()
+    assert ref() is None
+    assert all(pid_gone(pid) for pid in pids) and not dist.is_initialized()
+
+
 # Each run of this script is an engine in a process of its own; it prints its tokens and worker pids.
-# One run leaves the engine to interpreter exit (atexit), the other calls exit() itself.
+# One run leaves the engine to interpreter exit (its exit hook), the other calls exit() itself.
 ENGINE_SCRIPT = """
 import json, sys
 from nanovllm import LLM, SamplingParams
@@ -248,3 +278,44 @@ def test_worker_exception_reported_with_its_traceback(qwen3_tiny):
     assert "worker rank 1" in str(error) and "Traceback" in str(error)
     assert "ValueError: unknown step message 'no-such-message'" in str(error)
     llm.exit()
+
+
+# Shortened for the test (the default is 30 s); a stopped worker must be reported well within
+# this plus FAILURE_DEADLINE_S, where without heartbeats rank 0 would wait out the process
+# group's 30-minute timeout.
+HEARTBEAT_TIMEOUT_S = 3.0
+
+
+def test_stopped_worker_is_reported_by_its_silence_and_killed(qwen3_tiny, monkeypatch):
+    """SIGSTOP the worker in the middle of a step: it neither dies nor answers, and rank 0 is
+    blocked in the step's collectives until the watcher notices the missing heartbeats."""
+    llm = engine(qwen3_tiny, 2, num_kvcache_blocks=64, tensor_parallel_heartbeat_timeout_s=HEARTBEAT_TIMEOUT_S)
+    (pid,) = llm.model_runner.worker_pids
+    prompts = random_prompts(200, [9, 30], seed=17)
+    assert len(llm.generate(prompts, greedy(4), use_tqdm=False)) == 2  # healthy beats are not silence
+    steps = []
+    run = ModelRunner.run
+
+    def stopping_run(self, seqs, is_prefill):
+        steps.append(is_prefill)
+        if len(steps) == 3:  # rank 0 has sent the step; the worker stops before (or while) running it
+            os.kill(pid, signal.SIGSTOP)
+        return run(self, seqs, is_prefill)
+    monkeypatch.setattr(ModelRunner, "run", stopping_run)
+    try:
+        error, _ = call_with_deadline(lambda: llm.generate(prompts, greedy(), use_tqdm=False),
+                                      HEARTBEAT_TIMEOUT_S + FAILURE_DEADLINE_S)
+    finally:
+        monkeypatch.undo()
+    assert len(steps) >= 3, "the worker was never stopped"
+    assert isinstance(error, TensorParallelError), error
+    assert f"worker rank 1 (pid {pid}) sent no heartbeat" in str(error)
+    assert "tensor_parallel_heartbeat_timeout_s=3" in str(error)
+    assert pid_ended(pid), "the stopped worker was left in place, not killed"
+    # The group stays stopped; exit() frees the rest, and no thread or process of it is left.
+    error, _ = call_with_deadline(lambda: llm.generate(prompts, greedy(), use_tqdm=False), FAILURE_DEADLINE_S)
+    assert isinstance(error, TensorParallelError) and "sent no heartbeat" in str(error)
+    call_with_deadline(llm.exit, FAILURE_DEADLINE_S)
+    assert pid_gone(pid)
+    assert not dist.is_initialized() and not multiprocessing.active_children()
+    assert not [t for t in threading.enumerate() if t.name == "nanovllm-tp-watcher"]
