@@ -15,7 +15,7 @@ from nanovllm.config import Config
 from nanovllm.sampling_params import MAX_SEED, MIN_SEED
 
 BLOCK = 16
-ENGINE = dict(kvcache_block_size=BLOCK, num_kvcache_blocks=32, max_model_len=256)
+ENGINE = dict(device="cpu", kvcache_block_size=BLOCK, num_kvcache_blocks=32, max_model_len=256)
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
 # The bound on the heartbeat timeout's default: a silent worker is reported within a
 # minute unless the user asks for longer.
