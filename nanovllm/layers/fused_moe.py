@@ -17,7 +17,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from nanovllm.layers.linear import _copy_checked, _divide, _shard
+from nanovllm.layers.linear import _divide, _shard
+from nanovllm.utils.loader import copy_checked
 from nanovllm.utils.parallel import tp_rank, tp_size
 
 EXPERT_PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
@@ -101,11 +102,11 @@ class FusedMoE(nn.Module):
                              f"{self.num_experts}")
         size = self.inter_per_rank
         if proj == "down_proj":  # [hidden, inter]: this rank's columns
-            _copy_checked(param.data[expert], _shard(loaded, 1, self.tp_rank, size, self.tp_size, name), name)
+            copy_checked(param.data[expert], _shard(loaded, 1, self.tp_rank, size, self.tp_size, name), name)
         else:  # [inter, hidden]: this rank's rows, into the gate or the up half
             offset = 0 if proj == "gate_proj" else size
-            _copy_checked(param.data[expert, offset:offset + size],
-                          _shard(loaded, 0, self.tp_rank, size, self.tp_size, name), name)
+            copy_checked(param.data[expert, offset:offset + size],
+                         _shard(loaded, 0, self.tp_rank, size, self.tp_size, name), name)
 
     def forward(self, x: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
         # x: [num_tokens, hidden]; router_logits: [num_tokens, num_experts]

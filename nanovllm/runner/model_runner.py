@@ -27,6 +27,7 @@ from nanovllm.sampling_params import SamplingParams
 from nanovllm.utils.compile import compiling
 from nanovllm.utils.context import forward_context
 from nanovllm.utils.loader import load_model
+from nanovllm.utils.math_utils import cdiv
 from nanovllm.utils.parallel import tp_rank, tp_size
 
 logger = logging.getLogger("nanovllm")
@@ -85,7 +86,7 @@ class ModelRunner:
         self.num_kv_heads = self.attention_layers[0].num_kv_heads
         self.head_dim = self.attention_layers[0].head_dim
         self.sampler = Sampler()
-        self.max_blocks_per_seq = (config.max_model_len + self.block_size - 1) // self.block_size
+        self.max_blocks_per_seq = cdiv(config.max_model_len, self.block_size)
         self.warmup_model()
         self.num_kvcache_blocks = self.allocate_kv_cache()
         with torch.inference_mode():  # like every step's other inputs, so compiled code sees one kind

@@ -26,10 +26,16 @@ class WeightTarget(NamedTuple):
     source: str  # the checkpoint tensor, as error messages name it
 
 
+def copy_checked(dst: torch.Tensor, src: torch.Tensor, name: str) -> None:
+    """Copy checkpoint tensor `name` into `dst` (a parameter or this rank's slice of one), which
+    must have its shape: every weight loader ends here."""
+    if dst.shape != src.shape:
+        raise ValueError(f"checkpoint tensor {name} has shape {tuple(src.shape)}; expected {tuple(dst.shape)}")
+    dst.copy_(src)
+
+
 def _default_weight_loader(param: nn.Parameter, loaded: torch.Tensor, name: str) -> None:
-    if param.shape != loaded.shape:
-        raise ValueError(f"checkpoint tensor {name} has shape {tuple(loaded.shape)}; expected {tuple(param.shape)}")
-    param.data.copy_(loaded)
+    copy_checked(param.data, loaded, name)
 
 
 def packed_target(weight_name: str, tensor: torch.Tensor, packed: dict) -> WeightTarget:
