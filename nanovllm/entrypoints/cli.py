@@ -16,6 +16,8 @@ from pathlib import Path
 
 from nanovllm.config import ATTENTION_BACKENDS, DEVICES, DTYPES, Config
 from nanovllm.entrypoints.cli_args import add_dataclass_flags, dataclass_kwargs
+from nanovllm.entrypoints.server_settings import (DEFAULT_HOST, DEFAULT_PORT, DEFAULT_SHUTDOWN_TIMEOUT,
+                                                  ServerSettings, api_key_from_env)
 from nanovllm.sampling_params import SamplingParams
 
 PROG = "nanovllm"
@@ -36,19 +38,16 @@ def _add_model(parser: argparse.ArgumentParser) -> None:
 
 
 def _add_engine_flags(parser: argparse.ArgumentParser) -> list[str]:
-    group = parser.add_argument_group("engine", "Config fields (see nanovllm/config.py)")
+    group = parser.add_argument_group("engine", "Config fields (nanovllm/config.py)")
     return add_dataclass_flags(group, Config, skip=("model",), choices=CONFIG_CHOICES)
 
 
 def _add_sampling_flags(parser: argparse.ArgumentParser) -> list[str]:
-    group = parser.add_argument_group("sampling", "SamplingParams fields (see nanovllm/sampling_params.py)")
+    group = parser.add_argument_group("sampling", "SamplingParams fields (nanovllm/sampling_params.py)")
     return add_dataclass_flags(group, SamplingParams)
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from nanovllm.entrypoints.openai_server import (DEFAULT_HOST, DEFAULT_PORT, DEFAULT_SHUTDOWN_TIMEOUT,
-                                                    ServerSettings)
-
     parser = argparse.ArgumentParser(prog=PROG, description="nanovllm: a small LLM inference engine.")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
@@ -64,7 +63,7 @@ def build_parser() -> argparse.ArgumentParser:
                        help="seconds in-flight requests get to finish after SIGTERM/SIGINT before they are "
                             "aborted (default: %(default)s)")
     serve.add_argument("--log-level", default="info", choices=UVICORN_LOG_LEVELS, help="(default: %(default)s)")
-    server_group = serve.add_argument_group("server", "ServerSettings fields (see nanovllm/entrypoints/openai_server.py)")
+    server_group = serve.add_argument_group("server", "ServerSettings fields (nanovllm/entrypoints/server_settings.py)")
     server_fields = add_dataclass_flags(server_group, ServerSettings, skip=("model", "engine_kwargs"))
     engine_fields = _add_engine_flags(serve)
     serve.set_defaults(run=_serve, engine_fields=engine_fields, server_fields=server_fields)
@@ -121,7 +120,7 @@ def _sampling_params(args: argparse.Namespace) -> SamplingParams:
 
 
 def _serve(args: argparse.Namespace) -> int:
-    from nanovllm.entrypoints.openai_server import ServerSettings, api_key_from_env, serve
+    from nanovllm.entrypoints.openai_server import serve  # the web stack, only when serving
 
     _check_model_dir(args.model)
     settings = ServerSettings(args.model, dataclass_kwargs(args, args.engine_fields),

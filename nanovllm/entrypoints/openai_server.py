@@ -10,13 +10,11 @@ import asyncio
 import hmac
 import json
 import logging
-import os
 import signal
 import socket
 import uuid
 from collections.abc import AsyncIterator, Awaitable
 from contextlib import asynccontextmanager
-from dataclasses import dataclass, field
 
 import uvicorn
 from fastapi import APIRouter, Depends, FastAPI, Request
@@ -37,32 +35,11 @@ from nanovllm.entrypoints.protocol import (APIError, AssistantMessage, ChatCompl
                                            ChatLogprobs, CompletionChoice, CompletionLogprobs, CompletionRequest,
                                            CompletionResponse, DeltaMessage, ModelCard, ModelList, TokenLogprob,
                                            TopLogprob, UsageInfo, request_error, validation_error)
+from nanovllm.entrypoints.server_settings import (DEFAULT_HOST, DEFAULT_PORT, DEFAULT_SHUTDOWN_TIMEOUT,
+                                                  RETRY_AFTER_SECONDS, ServerSettings)
 from nanovllm.sampling_params import SamplingParams
 
 logger = logging.getLogger("nanovllm")
-
-DEFAULT_HOST = "127.0.0.1"  # loopback: exposing the server is a deliberate --host choice
-DEFAULT_PORT = 8000  # vLLM's
-# Sequences that may wait for their first token; beyond it a request gets 503 (no unbounded backlog).
-DEFAULT_MAX_QUEUE_LEN = 1024
-# Seconds a refused client is told to wait: about one batch of short requests on a busy server.
-RETRY_AFTER_SECONDS = 1
-# Seconds in-flight requests get to finish after SIGTERM/SIGINT before they are aborted.
-DEFAULT_SHUTDOWN_TIMEOUT = 30.0
-API_KEY_ENV = "NANOVLLM_API_KEY"
-
-
-@dataclass
-class ServerSettings:
-    model: str  # checkpoint directory
-    engine_kwargs: dict = field(default_factory=dict)  # Config fields for LLM(model, **engine_kwargs)
-    served_model_name: str | None = None  # the name clients pass as "model"; default: `model` as given
-    api_key: str | None = None  # required as "Authorization: Bearer <key>" on /v1/* when set
-    max_queue_len: int = DEFAULT_MAX_QUEUE_LEN
-
-    @property
-    def model_name(self) -> str:
-        return self.served_model_name or self.model
 
 
 # ---- app ----
@@ -432,7 +409,7 @@ async def _chat_events(state, body: ChatCompletionRequest, params: SamplingParam
 
 # ---- running it ----
 
-def _listening_socket(host: str, port: int) -> socket.socket:
+def listening_socket(host: str, port: int) -> socket.socket:
     """Bind and listen before the engine is built: the port is known (and can be 0 for any free
     one) and early clients wait in the backlog instead of being refused."""
     family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
@@ -447,7 +424,7 @@ def serve(settings: ServerSettings, host: str = DEFAULT_HOST, port: int = DEFAUL
           shutdown_timeout: float = DEFAULT_SHUTDOWN_TIMEOUT, log_level: str = "info") -> int:
     """Run the server until SIGTERM/SIGINT; then stop accepting, give in-flight requests
     `shutdown_timeout` seconds, abort the rest, free the engine and return 0."""
-    sock = _listening_socket(host, port)
+    sock = listening_socket(host, port)
     bound_host, bound_port = sock.getsockname()[:2]
     url_host = f"[{bound_host}]" if ":" in bound_host else bound_host
     logger.info("listening on http://%s:%d (requests wait until the engine is ready)", url_host, bound_port)
@@ -466,7 +443,3 @@ def serve(settings: ServerSettings, host: str = DEFAULT_HOST, port: int = DEFAUL
     if not server.started:  # the lifespan (building the engine) failed; uvicorn has logged why
         return 1
     return 0
-
-
-def api_key_from_env() -> str | None:
-    return os.environ.get(API_KEY_ENV) or None

@@ -10,7 +10,7 @@ import re
 import time
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_serializer, field_validator
 
 from nanovllm.sampling_params import SamplingParams
 
@@ -46,10 +46,17 @@ class ErrorResponse(BaseModel):
     error: ErrorInfo
 
 
+# Names pydantic puts in an error's location for the member of a union it tried ("str",
+# "list[str]"): they are not fields, so the param leaves them out.
+_UNION_MEMBER_TAGS = {"str", "int", "float", "bool", "none", "dict", "list"}
+
+
 def _loc_to_param(loc: tuple) -> str | None:
     """("body", "messages", 0, "role") -> "messages[0].role"; None for the body as a whole."""
     param = ""
     for part in loc[1:] if loc and loc[0] == "body" else loc:
+        if isinstance(part, str) and (not part.isidentifier() or part in _UNION_MEMBER_TAGS):
+            continue
         if isinstance(part, int):
             param += f"[{part}]"
         else:
@@ -292,6 +299,10 @@ class ChatCompletionStreamChoice(BaseModel):
     logprobs: ChatLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+
+    @field_serializer("delta")
+    def _delta_without_nulls(self, delta: DeltaMessage) -> dict:
+        return delta.model_dump(exclude_none=True)  # as OpenAI: {"content": "..."}, and {} at the end
 
 
 class ChatCompletionChunk(BaseModel):
