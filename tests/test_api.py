@@ -230,12 +230,14 @@ def test_weights_only_from_safetensors(qwen3_tiny, tmp_path):
 
 
 def test_step_reports_what_it_computed(llm):
-    (seq_id,) = llm.add_request([3, 1, 4, 1, 5, 9, 2], greedy(3))
+    request_id = llm.add_request([3, 1, 4, 1, 5, 9, 2], greedy(3))
     prefill = llm.step()
     assert prefill.is_prefill and prefill.num_tokens == 7
-    assert [seq.seq_id for seq in prefill.advanced] == [seq_id] and prefill.finished == []
+    assert [seq.request_id for seq in prefill.advanced] == [request_id] and prefill.finished == []
+    assert prefill.request_ids == [request_id]
     decode = llm.step()
     assert not decode.is_prefill and decode.num_tokens == 1
     last = llm.step()
-    assert [seq.seq_id for seq in last.finished] == [seq_id]
+    assert [seq.request_id for seq in last.finished] == [request_id]
     assert last.finished[0].finish_reason == "length" and llm.is_finished()
+    assert llm.pop_output(request_id).finished

@@ -1,6 +1,7 @@
 """Tensor parallelism across processes, on CPU over gloo: tensor_parallel_size=2 gives exactly the
 greedy tokens of one process and of HF transformers; engines never collide; sizes that do not
 divide are refused before any process starts; a worker that dies is a prompt, clear error."""
+import gc
 import json
 import multiprocessing
 import os
@@ -10,6 +11,7 @@ import subprocess
 import sys
 import threading
 import time
+import weakref
 from pathlib import Path
 
 import pytest
@@ -167,8 +169,21 @@ def test_new_engine_after_exit_in_the_same_process(qwen3_tiny):
     again.exit()
 
 
+def test_dropped_engine_stops_its_workers(qwen3_tiny):
+    """The engine's exit hook holds it weakly: dropping a tensor-parallel engine without exit()
+    lets the garbage collector free it, workers and process group included."""
+    llm = engine(qwen3_tiny, 2, num_kvcache_blocks=64)
+    pids = llm.model_runner.worker_pids
+    llm.generate(random_prompts(200, [9], seed=17), greedy(4), use_tqdm=False)
+    ref = weakref.ref(llm)
+    del llm
+    gc.collect()
+    assert ref() is None
+    assert all(pid_gone(pid) for pid in pids) and not dist.is_initialized()
+
+
 # Each run of this script is an engine in a process of its own; it prints its tokens and worker pids.
-# One run leaves the engine to interpreter exit (atexit), the other calls exit() itself.
+# One run leaves the engine to interpreter exit (its exit hook), the other calls exit() itself.
 ENGINE_SCRIPT = """
 import json, sys
 from nanovllm import LLM, SamplingParams

@@ -1,12 +1,21 @@
 """The engine loop: validates and queues requests, steps the scheduler and the model runner,
-and hands back finished outputs in the order they were asked for.
+and routes every sequence's output to the request it belongs to.
 
 Every request is checked in full before any of a call's requests is queued, so a bad one
-raises a clear error and leaves the engine as it was.
+raises a clear error and leaves the engine as it was. Whoever drives a step, each request's
+news goes to its own inbox: a generate()/stream()/chat() call reads only its own requests, and
+requests made by add_request() are read with pop_output(). So calls may interleave in one
+thread (a generate() inside a stream() loop, two streams read in turn) and each gets exactly
+what it would get alone.
+
+The engine is single-threaded: a call from a second thread while one thread is inside it is
+refused with a RuntimeError (a server drives it from one engine loop). Its only exit hook
+(weakref.finalize) holds the model runner, not the engine, so a dropped engine is freed by the
+garbage collector; exit() (or leaving `with LLM(...) as llm:`) frees it at once.
 """
-import atexit
-import logging
-from dataclasses import dataclass
+import threading
+import weakref
+from contextlib import contextmanager
 from itertools import count
 from time import perf_counter
 from typing import Iterator, NamedTuple
@@ -17,14 +26,15 @@ from transformers import AutoTokenizer
 from nanovllm.config import Config
 from nanovllm.engine.block_manager import BlockManager
 from nanovllm.engine.detokenizer import Detokenizer
-from nanovllm.engine.tensor_parallel import create_model_runner
+from nanovllm.engine.request import Request, RequestOutput
 from nanovllm.engine.scheduler import Scheduler
 from nanovllm.engine.sequence import Sequence
+from nanovllm.engine.tensor_parallel import create_model_runner
 from nanovllm.sampling_params import SamplingParams
 
-logger = logging.getLogger("nanovllm")
-
 Prompt = str | list[int]
+
+EXITED_MESSAGE = "this engine has exited (exit() was called); create a new LLM to generate again"
 
 
 class StreamOutput(NamedTuple):
@@ -41,15 +51,9 @@ class StepOutput(NamedTuple):
     finished: list[Sequence]  # those among them that finished
     num_tokens: int  # tokens the model computed
     is_prefill: bool
-
-
-@dataclass
-class Request:
-    """One prompt of a call and its n samples (sample i is seqs[i])."""
-    index: int
-    prompt_token_ids: list[int]
-    params: SamplingParams
-    seqs: list[Sequence]
+    # Requests made by add_request() with news not yet popped (new tokens, finished or aborted),
+    # in the order their news came; the requests of generate()/stream()/chat() go to their calls.
+    request_ids: list[str]
 
 
 class LLMEngine:
@@ -62,23 +66,70 @@ class LLMEngine:
         eos = self.tokenizer.eos_token_id
         config.eos = eos if eos is not None else getattr(config.hf_config, "eos_token_id", None) or -1
         self.model_runner = create_model_runner(config)  # tensor_parallel_size > 1 spawns the other ranks
+        # The one exit hook of the whole engine (tensor-parallel workers included). It holds the
+        # runner, not the engine, so dropping the engine lets the garbage collector run it; it
+        # also runs at interpreter exit if the engine is still alive then.
+        self._finalizer = weakref.finalize(self, self.model_runner.exit)
         self.block_manager = BlockManager(self.model_runner.num_kvcache_blocks, config.kvcache_block_size,
                                           config.enable_prefix_caching)
         self.scheduler = Scheduler(config.max_num_seqs, config.max_num_batched_tokens, config.max_model_len,
                                    config.eos, self.block_manager)
         self._seq_ids = count()
+        self._request_ids = count()
+        self._requests: dict[str, Request] = {}  # every live request, whoever made it
+        self._news: dict[str, None] = {}  # add_request()'s requests with news not yet popped (an ordered set)
+        self._lock = threading.Lock()  # held by the thread inside the engine
+        self._inside: str | None = None  # that thread's name, for the refusal message
+        # Calls whose requests were released by a thread that could not enter; the thread inside
+        # frees them at its next step.
+        self._deferred: list[list[Request]] = []
         self._exited = False
-        atexit.register(self.exit)
+        self._prefill_tps = self._decode_tps = 0.0  # the latest step's throughput, for the progress bar
+
+    # --- lifetime and the single-thread rule ---
 
     def exit(self) -> None:
+        """Free the model and the KV cache (and stop tensor-parallel workers) now. Idempotent;
+        every later call raises RuntimeError."""
         if self._exited:
             return
-        self._exited = True
-        atexit.unregister(self.exit)
-        self.model_runner.exit()
+        with self._entered():
+            self._exited = True
+            self._finalizer()
 
-    def _make_request(self, index: int, prompt: Prompt, params: SamplingParams, stream: bool = False) -> Request:
-        """Validate one prompt and build its sequences; nothing is queued here."""
+    def __enter__(self) -> "LLMEngine":
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.exit()
+
+    @contextmanager
+    def _entered(self) -> Iterator[None]:
+        """Hold the engine for one call: refused once it has exited, or while another thread is inside."""
+        if self._exited:
+            raise RuntimeError(EXITED_MESSAGE)
+        if not self._lock.acquire(blocking=False):
+            inside = self._inside
+            raise RuntimeError(f"the engine is single-threaded and another thread ({inside}) is inside it now; "
+                               f"call it from one thread only (thread {threading.current_thread().name} was "
+                               "refused). To serve many clients, let one engine loop own it, as the server in "
+                               "nanovllm.entrypoints does")
+        self._inside = threading.current_thread().name
+        try:
+            if self._exited:  # exited while this thread waited to enter
+                raise RuntimeError(EXITED_MESSAGE)
+            self._free_deferred()
+            yield
+        finally:
+            self._inside = None
+            self._lock.release()
+
+    # --- making and releasing requests ---
+
+    def _make_request(self, index: int, prompt: Prompt, params: SamplingParams, inbox: dict[str, None],
+                      deltas: bool = False, request_id: str | None = None) -> Request:
+        """Validate one prompt and build its sequences; nothing is queued here. With `deltas`,
+        every sample detokenizes incrementally (for stream() and pop_output())."""
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling_params={params!r} is not allowed; it must be a SamplingParams")
         if isinstance(prompt, str):
@@ -111,13 +162,13 @@ class LLMEngine:
         for i in range(params.n):
             seq = Sequence(next(self._seq_ids), token_ids, params, bs)
             seq.seed = None if params.seed is None else params.seed + i
-            if stream or params.stop_strings:
+            if deltas or params.stop_strings:  # generate() alone decodes each sample's text once, at the end
                 seq.detokenizer = Detokenizer(self.tokenizer, params)
             seqs.append(seq)
-        return Request(index, token_ids, params, seqs)
+        return Request(index, token_ids, params, seqs, request_id, inbox)
 
     def _make_requests(self, prompts: list[Prompt], sampling_params: SamplingParams | list[SamplingParams],
-                       stream: bool = False) -> list[Request]:
+                       inbox: dict[str, None], deltas: bool = False) -> list[Request]:
         """Validate a whole call before any of it is queued."""
         if not isinstance(prompts, (list, tuple)):
             raise ValueError(f"prompts={prompts!r:.80} is not allowed; prompts must be a list of str or of token-id lists")
@@ -127,28 +178,117 @@ class LLMEngine:
                                  "give one per prompt or a single SamplingParams")
         else:
             sampling_params = [sampling_params] * len(prompts)
-        return [self._make_request(i, p, sp, stream) for i, (p, sp) in enumerate(zip(prompts, sampling_params))]
+        return [self._make_request(i, p, sp, inbox, deltas) for i, (p, sp) in enumerate(zip(prompts, sampling_params))]
 
-    def _queue(self, request: Request) -> None:
-        first, *others = request.seqs
-        self.scheduler.add(first)
-        if self.config.enable_prefix_caching:  # the other samples follow once the prompt is cached
-            first.pending_siblings = others
+    def _new_request_id(self) -> str:
+        while True:
+            request_id = str(next(self._request_ids))
+            if request_id not in self._requests:  # a caller may have chosen this one
+                return request_id
+
+    def _submit(self, requests: list[Request]) -> None:
+        """Register validated requests and queue their samples."""
+        for request in requests:
+            if request.request_id is None:
+                request.request_id = self._new_request_id()
+            self._requests[request.request_id] = request
+            first, *others = request.seqs
+            for seq in request.seqs:
+                seq.request_id = request.request_id
+            self.scheduler.add(first)
+            if self.config.enable_prefix_caching:  # the other samples follow once the prompt is cached
+                first.pending_siblings = others
+            else:
+                for seq in others:
+                    self.scheduler.add(seq)
+
+    def _forget(self, requests: list[Request]) -> None:
+        """Abort what is unfinished of these requests (freeing their blocks at once) and forget
+        them. The caller is inside the engine."""
+        submitted = [r for r in requests if self._requests.get(r.request_id) is r]
+        unfinished = [seq for r in submitted for seq in r.seqs if not seq.is_finished]
+        if unfinished:
+            self.scheduler.abort(unfinished)
+        for request in submitted:
+            del self._requests[request.request_id]
+            request.inbox.pop(request.request_id, None)
+
+    def _release(self, requests: list[Request]) -> None:
+        """_forget() from a call that has ended, possibly in a thread that is not the one inside
+        the engine now: then the thread inside does it at its next step."""
+        if not any(r.request_id is not None for r in requests):  # never submitted
+            return
+        if self._lock.acquire(blocking=False):
+            try:
+                self._forget(requests)
+            finally:
+                self._lock.release()
         else:
-            for seq in others:
-                self.scheduler.add(seq)
+            self._deferred.append(requests)
 
-    def add_request(self, prompt: Prompt, sampling_params: SamplingParams) -> list[int]:
-        """Queue one prompt; returns the seq_ids of its samples (as step() reports them)."""
-        request = self._make_request(0, prompt, sampling_params)
-        self._queue(request)
-        return [seq.seq_id for seq in request.seqs]
+    def _free_deferred(self) -> None:
+        while self._deferred:
+            self._forget(self._deferred.pop())
+
+    # --- the online API: add_request / step / pop_output / abort ---
+
+    def add_request(self, prompt: Prompt, sampling_params: SamplingParams, request_id: str | None = None) -> str:
+        """Validate and queue one prompt; returns its request id (a unique string unless given).
+        Its output is read with pop_output() as step() reports news of it."""
+        with self._entered():
+            if request_id is not None and (not isinstance(request_id, str) or not request_id):
+                raise ValueError(f"request_id={request_id!r} is not allowed; it must be None or a non-empty str")
+            if request_id in self._requests:
+                raise ValueError(f"request_id={request_id!r} is already a live request; request ids must be unique")
+            request = self._make_request(0, prompt, sampling_params, self._news, deltas=True, request_id=request_id)
+            self._submit([request])
+            return request.request_id
+
+    def abort(self, request_id: str) -> bool:
+        """Stop a request now and free its blocks: its unfinished samples finish with finish_reason
+        "abort", and its final output is still delivered by pop_output(). Returns whether it was
+        running or waiting (False for an unknown or already finished request)."""
+        with self._entered():
+            request = self._requests.get(request_id) if isinstance(request_id, str) else None
+            if request is None or request.finished:
+                return False
+            self.scheduler.abort([seq for seq in request.seqs if not seq.is_finished])
+            request.inbox[request_id] = None
+            return True
+
+    def pop_output(self, request_id: str) -> RequestOutput:
+        """What is new in an add_request() request since its last pop (new token ids, text and
+        logprobs of the samples with news). Once `finished`, `final` holds generate()'s dict for
+        it and the engine forgets the id."""
+        with self._entered():
+            request = self._requests.get(request_id) if isinstance(request_id, str) else None
+            if request is None or request.inbox is not self._news:
+                raise ValueError(f"request_id={request_id!r} is not a live request made by add_request() "
+                                 "(unknown, or finished and already popped)")
+            self._news.pop(request_id, None)
+            output = request.pop(self.tokenizer)
+            if output.finished:
+                del self._requests[request_id]
+            return output
+
+    def has_unfinished_requests(self) -> bool:
+        return not self.scheduler.is_finished()
+
+    def is_finished(self) -> bool:
+        return self.scheduler.is_finished()
 
     def step(self) -> StepOutput:
-        """Run one scheduled batch and apply the stopping rules to its new tokens."""
+        """Run one scheduled batch and apply the stopping rules to its new tokens; every request
+        that got news is told through its inbox."""
+        with self._entered():
+            return self._step()
+
+    def _step(self) -> StepOutput:
+        self._free_deferred()
+        start = perf_counter()
         batch = self.scheduler.schedule()
-        if not batch.seqs:  # everything was preempted; the next step prefills again
-            return StepOutput([], [], 0, True)
+        if not batch.seqs:  # idle, or everything was preempted (the next step prefills again)
+            return StepOutput([], [], 0, True, list(self._news))
         num_tokens = batch.num_tokens  # before postprocess clears the scheduled counts
         out = self.model_runner.run(batch.seqs, batch.is_prefill)
         advanced = self.scheduler.postprocess(batch, out.token_ids)
@@ -169,62 +309,50 @@ class LLMEngine:
             elif stop is not None:
                 self.scheduler.finish(seq, "stop", stop)
         self.scheduler.drop_finished()
-        return StepOutput(advanced, [seq for seq in advanced if seq.is_finished], num_tokens, batch.is_prefill)
+        for request_id in dict.fromkeys(seq.request_id for seq in advanced):  # each request once
+            request = self._requests.get(request_id)
+            if request is not None:
+                request.inbox[request_id] = None
+        tps = num_tokens / max(perf_counter() - start, 1e-9)
+        if batch.is_prefill:
+            self._prefill_tps = tps
+        else:
+            self._decode_tps = tps
+        return StepOutput(advanced, [seq for seq in advanced if seq.is_finished], num_tokens, batch.is_prefill,
+                          list(self._news))
 
-    def is_finished(self) -> bool:
-        return self.scheduler.is_finished()
+    def _next_news(self, inbox: dict[str, None]) -> list[str]:
+        """Step until one of a caller's requests has news; returns (and clears) their ids."""
+        while not inbox:
+            if self.scheduler.is_finished():  # the caller's requests are unfinished, so they must be queued
+                raise RuntimeError("internal error: a call's requests are unfinished but nothing is scheduled; "
+                                   "please report it")
+            self._step()
+        request_ids = list(inbox)
+        inbox.clear()
+        return request_ids
 
-    def _drive(self, requests: list[Request], use_tqdm: bool) -> Iterator[StepOutput]:
-        """Queue the requests and step until all of them finish, yielding each step. If the
-        caller stops early (or a step raises), the unfinished ones are dropped, freeing their blocks."""
-        seqs = [seq for r in requests for seq in r.seqs]
-        ours = {seq.seq_id for seq in seqs}
-        for request in requests:
-            self._queue(request)
-        remaining = len(seqs)
-        pbar = tqdm(total=len(seqs), desc="Generating", dynamic_ncols=True, disable=not use_tqdm)
-        prefill_tps = decode_tps = 0.0
+    # --- the offline API: generate / stream / chat, on the same per-request machinery ---
+
+    def _run_to_end(self, requests: list[Request], inbox: dict[str, None], use_tqdm: bool) -> list[dict]:
+        """Submit a call's requests and step until all have finished; their outputs in order. If
+        a step raises (Ctrl-C included), the call's unfinished requests are aborted."""
+        pbar = tqdm(total=len(requests), desc="Generating", dynamic_ncols=True, disable=not use_tqdm)
         try:
-            while remaining:
-                t = perf_counter()
-                step = self.step()
-                tps = step.num_tokens / max(perf_counter() - t, 1e-9)
-                if step.is_prefill:
-                    prefill_tps = tps
-                else:
-                    decode_tps = tps
-                pbar.set_postfix({"Prefill": f"{int(prefill_tps)}tok/s", "Decode": f"{int(decode_tps)}tok/s"})
-                done = sum(seq.seq_id in ours for seq in step.finished)
-                remaining -= done
-                pbar.update(done)
-                yield step
+            self._submit(requests)
+            unfinished = {r.request_id: r for r in requests}
+            while unfinished:
+                for request_id in self._next_news(inbox):
+                    if unfinished[request_id].finished:
+                        del unfinished[request_id]
+                        pbar.update(1)
+                if use_tqdm:
+                    pbar.set_postfix({"Prefill": f"{int(self._prefill_tps)}tok/s",
+                                      "Decode": f"{int(self._decode_tps)}tok/s"})
+            return [r.final_output(self.tokenizer) for r in requests]
         finally:
             pbar.close()
-            self.scheduler.abort([seq for seq in seqs if not seq.is_finished])
-
-    def _sample_output(self, seq: Sequence) -> dict:
-        params = seq.sampling_params
-        if seq.detokenizer is not None:
-            text = seq.detokenizer.final_text()
-        else:
-            text = self.tokenizer.decode(seq.completion_token_ids, skip_special_tokens=params.skip_special_tokens)
-        out = {
-            "text": text,
-            "token_ids": seq.completion_token_ids,
-            "finish_reason": seq.finish_reason,
-            "stop_reason": seq.stop_reason,
-            "num_cached_tokens": seq.num_cached_tokens,
-        }
-        if params.logprobs is not None:
-            out["logprobs"] = [lp._asdict() for lp in seq.logprobs]
-        return out
-
-    def _output(self, request: Request) -> dict:
-        samples = [self._sample_output(seq) for seq in request.seqs]
-        out = {**samples[0], "prompt_token_ids": request.prompt_token_ids}
-        if len(samples) > 1:
-            out["outputs"] = samples
-        return out
+            self._forget(requests)
 
     def generate(
         self,
@@ -235,41 +363,60 @@ class LLMEngine:
         """One output dict per prompt, in input order: "text", "token_ids", "finish_reason",
         "stop_reason", "prompt_token_ids", "num_cached_tokens", "logprobs" when asked, and for
         n > 1 every sample under "outputs" (the top-level fields are sample 0's)."""
-        requests = self._make_requests(prompts, sampling_params)
-        for _ in self._drive(requests, use_tqdm):
-            pass
-        return [self._output(r) for r in requests]
+        with self._entered():
+            inbox: dict[str, None] = {}
+            requests = self._make_requests(prompts, sampling_params, inbox)
+            return self._run_to_end(requests, inbox, use_tqdm)
 
     def stream(self, prompts: list[Prompt], sampling_params: SamplingParams | list[SamplingParams]
                ) -> Iterator[StreamOutput]:
         """Yield each sample's new text and token ids as they are produced; the concatenated
-        text of a sample equals what generate() returns for it."""
-        requests = self._make_requests(prompts, sampling_params, stream=True)
-        where = {seq.seq_id: (r.index, i) for r in requests for i, seq in enumerate(r.seqs)}
-        for step in self._drive(requests, use_tqdm=False):
-            for seq in step.advanced:
-                if seq.seq_id in where:
-                    index, sample = where[seq.seq_id]
-                    yield StreamOutput(index, sample, seq.detokenizer.stream_delta(seq.is_finished), [seq.last_token],
-                                       seq.is_finished, seq.finish_reason)
+        text of a sample equals what generate() returns for it. The prompts are checked now and
+        queued at the first next(); closing the generator aborts what is unfinished at once."""
+        with self._entered():
+            inbox: dict[str, None] = {}
+            requests = self._make_requests(prompts, sampling_params, inbox, deltas=True)
+        return self._stream(requests, inbox)
+
+    def _stream(self, requests: list[Request], inbox: dict[str, None]) -> Iterator[StreamOutput]:
+        # The generator stream() returns. Its own finally releases its requests, so close() (or an
+        # error) frees them at once; nothing here waits on another generator being finalised.
+        try:
+            with self._entered():
+                self._submit(requests)
+            mine = {r.request_id: r for r in requests}
+            num_unfinished = len(requests)
+            while num_unfinished:
+                with self._entered():
+                    outputs = [mine[request_id].pop(self.tokenizer) for request_id in self._next_news(inbox)]
+                for out in outputs:
+                    num_unfinished -= out.finished
+                    index = mine[out.request_id].index
+                    for s in out.samples:
+                        yield StreamOutput(index, s.index, s.text, s.token_ids, s.finished, s.finish_reason)
+        finally:
+            self._release(requests)
 
     def chat(self, messages: list[dict] | list[list[dict]], sampling_params: SamplingParams | None = None,
              use_tqdm: bool = True, add_generation_prompt: bool = True, **template_kwargs) -> list[dict]:
         """generate() over conversations rendered by the tokenizer's chat template; takes one
         conversation (a list of {"role", "content"} dicts) or a list of them."""
-        if not isinstance(messages, list) or not messages:
-            raise ValueError("messages must be a non-empty list of {'role', 'content'} dicts, or a list of such lists")
-        conversations = [messages] if isinstance(messages[0], dict) else messages
-        for conversation in conversations:
-            if not isinstance(conversation, list) or not all(
-                    isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
-                    for m in conversation):
-                raise ValueError(f"conversation {conversation!r:.80} is not allowed; "
-                                 "it must be a list of {'role': str, 'content': str} dicts")
-        if not getattr(self.tokenizer, "chat_template", None):
-            raise ValueError(f"the tokenizer of {self.config.model!r} has no chat_template; use generate()")
-        texts = [self.tokenizer.apply_chat_template(c, tokenize=False, add_generation_prompt=add_generation_prompt,
-                                                    **template_kwargs) for c in conversations]
-        # The template already holds any special tokens, so none are added again.
-        prompts = [self.tokenizer.encode(text, add_special_tokens=False) for text in texts]
-        return self.generate(prompts, sampling_params or SamplingParams(), use_tqdm=use_tqdm)
+        with self._entered():
+            if not isinstance(messages, list) or not messages:
+                raise ValueError("messages must be a non-empty list of {'role', 'content'} dicts, or a list of such lists")
+            conversations = [messages] if isinstance(messages[0], dict) else messages
+            for conversation in conversations:
+                if not isinstance(conversation, list) or not all(
+                        isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
+                        for m in conversation):
+                    raise ValueError(f"conversation {conversation!r:.80} is not allowed; "
+                                     "it must be a list of {'role': str, 'content': str} dicts")
+            if not getattr(self.tokenizer, "chat_template", None):
+                raise ValueError(f"the tokenizer of {self.config.model!r} has no chat_template; use generate()")
+            texts = [self.tokenizer.apply_chat_template(c, tokenize=False, add_generation_prompt=add_generation_prompt,
+                                                        **template_kwargs) for c in conversations]
+            # The template already holds any special tokens, so none are added again.
+            prompts = [self.tokenizer.encode(text, add_special_tokens=False) for text in texts]
+            inbox: dict[str, None] = {}
+            requests = self._make_requests(prompts, sampling_params or SamplingParams(), inbox)
+            return self._run_to_end(requests, inbox, use_tqdm)

@@ -44,10 +44,14 @@ class Scheduler:
 
     def schedule(self) -> ScheduledBatch:
         batch = self._schedule_prefill()
-        if batch.seqs:
+        if batch.seqs or not self.waiting and not self.running:  # an idle engine has an empty batch
             return batch
-        # Requests are refused up front if they could never fit, so an idle engine always admits one.
-        assert self.running, f"waiting request cannot be admitted with {self.block_manager.num_free_blocks} free blocks"
+        if not self.running:
+            # Requests that could never fit are refused up front, and nothing but running sequences
+            # holds blocks, so an engine with nothing running always admits the head of the queue.
+            raise RuntimeError(f"internal error: no waiting request can be admitted ({len(self.waiting)} waiting, "
+                               f"{self.block_manager.num_free_blocks} of {self.block_manager.num_blocks} KV blocks "
+                               "free) and none is running; please report it")
         return self._schedule_decode()
 
     def _schedule_prefill(self) -> ScheduledBatch:
@@ -138,12 +142,14 @@ class Scheduler:
             self.num_unswept_finished = 0
 
     def abort(self, seqs: list[Sequence]) -> None:
-        """Drop unfinished sequences (a stream its caller stopped reading) and free their blocks."""
+        """Finish unfinished sequences with finish_reason "abort" (a request aborted, or a call its
+        caller stopped early) and free their blocks at once."""
         doomed = {id(s) for seq in seqs for s in [seq, *seq.pending_siblings]}
         for seq in seqs:
             seq.pending_siblings = []
             if not seq.is_finished:
                 seq.status = SequenceStatus.FINISHED
+                seq.finish_reason, seq.stop_reason = "abort", None
                 self.num_unswept_finished += 1
                 if seq.block_table:
                     self.block_manager.deallocate(seq)

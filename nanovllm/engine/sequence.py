@@ -16,8 +16,10 @@ class SequenceStatus(Enum):
 
 class Sequence:
 
-    def __init__(self, seq_id: int, token_ids: list[int], sampling_params: SamplingParams, block_size: int):
+    def __init__(self, seq_id: int, token_ids: list[int], sampling_params: SamplingParams, block_size: int,
+                 request_id: str | None = None):
         self.seq_id = seq_id
+        self.request_id = request_id  # the request it is a sample of, whose caller gets its output
         self.status = SequenceStatus.WAITING
         self.token_ids = list(token_ids)
         self.num_prompt_tokens = len(self.token_ids)
@@ -32,7 +34,7 @@ class Sequence:
         # Prompt tokens served from the prefix cache at first scheduling (reported to the user).
         self.num_cached_tokens = 0
         self.scheduled_once = False
-        self.finish_reason: str | None = None  # "stop" | "length"
+        self.finish_reason: str | None = None  # "stop" | "length" | "abort"
         self.stop_reason: int | str | None = None  # the stop token id or stop string that ended it
         self.sampling_params = sampling_params
         self.seed = sampling_params.seed  # this sample's seed (the request's seed + sample index)

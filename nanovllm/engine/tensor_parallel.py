@@ -17,7 +17,6 @@ two counts, never whole sequences or their sampling fields.
 Messages, rank 0 -> worker: (RUN, seqs, is_prefill) or (EXIT,).
 Worker -> rank 0: (STARTED,) once, just before it joins the process group, or (FAILED, traceback).
 """
-import atexit
 import logging
 import multiprocessing as mp
 import os
@@ -311,8 +310,7 @@ class TensorParallelRunner(ModelRunner):
     def __init__(self, config: Config):
         self._forwarding = False  # the warm-up in ModelRunner.__init__ runs on every rank by itself
         self.workers = WorkerGroup(config)
-        atexit.register(self.exit)
-        self._exited = False
+        self._exited = False  # the engine's exit hook calls exit(); this runner registers none of its own
         try:
             with tensor_parallel_rank(0, config.tensor_parallel_size):
                 super().__init__(config)
@@ -344,7 +342,6 @@ class TensorParallelRunner(ModelRunner):
         if self._exited:
             return
         self._exited = True
-        atexit.unregister(self.exit)
         # Workers first: under NCCL, freeing this rank's cache synchronises the GPU, which must not
         # wait on a collective a dead worker will never join.
         self.workers.close()

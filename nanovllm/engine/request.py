@@ -1,0 +1,105 @@
+"""One request as its caller sees it: a prompt, its n samples (sequences), what of their output
+the caller has already been handed, and where news of it is reported.
+
+Whoever drives a step, each sequence's new tokens land on the sequence itself; `Request.pop`
+hands the caller what is new since the last pop (a RequestOutput), so every caller gets exactly
+its own requests' output. It also builds the final output dict that generate() returns. It
+knows nothing of scheduling or tensors.
+"""
+from dataclasses import dataclass
+
+from transformers import PreTrainedTokenizerBase
+
+from nanovllm.engine.sequence import Sequence
+from nanovllm.sampling_params import SamplingParams
+
+
+@dataclass
+class SampleDelta:
+    """What is new in one sample since its request was last popped."""
+    index: int  # which of the request's n samples
+    token_ids: list[int]  # token ids new since then
+    text: str  # text new since then; a sample's texts concatenate to its final text
+    logprobs: list[dict]  # one per new token, when the request asked for logprobs
+    finished: bool
+    finish_reason: str | None  # "stop" | "length" | "abort" once finished
+    stop_reason: int | str | None  # the stop token id or stop string that ended it
+
+
+@dataclass
+class RequestOutput:
+    """A request's news since its last pop: only samples with news are listed. `final` is set
+    once every sample has finished: the same dict generate() returns for that prompt."""
+    request_id: str
+    prompt_token_ids: list[int]
+    samples: list[SampleDelta]
+    finished: bool
+    final: dict | None
+
+
+class Request:
+    """One prompt of a call (or of add_request) and its n samples; sample i is seqs[i]."""
+
+    def __init__(self, index: int, prompt_token_ids: list[int], params: SamplingParams, seqs: list[Sequence],
+                 request_id: str | None, inbox: dict[str, None]):
+        self.index = index  # its position in the call that made it
+        self.prompt_token_ids = prompt_token_ids
+        self.params = params
+        self.seqs = seqs
+        self.request_id = request_id  # None until the engine registers it
+        # The ordered set its news is reported into: the engine's (for add_request) or its call's.
+        self.inbox = inbox
+        self.num_tokens_handed = [0] * len(seqs)  # completion tokens already popped, per sample
+        self.num_logprobs_handed = [0] * len(seqs)
+        self.finish_handed = [False] * len(seqs)
+
+    @property
+    def finished(self) -> bool:
+        return all(seq.is_finished for seq in self.seqs)
+
+    def pop(self, tokenizer: PreTrainedTokenizerBase) -> RequestOutput:
+        """The news since the last pop; once finished, with the final output."""
+        samples = []
+        for i, seq in enumerate(self.seqs):
+            start = seq.num_prompt_tokens + self.num_tokens_handed[i]
+            new_tokens = seq.token_ids[start:]
+            finished_now = seq.is_finished and not self.finish_handed[i]
+            if not new_tokens and not finished_now:
+                continue
+            self.num_tokens_handed[i] += len(new_tokens)
+            self.finish_handed[i] = seq.is_finished
+            logprobs = [lp._asdict() for lp in seq.logprobs[self.num_logprobs_handed[i]:]]
+            self.num_logprobs_handed[i] = len(seq.logprobs)
+            text = seq.detokenizer.stream_delta(seq.is_finished) if seq.detokenizer is not None else ""
+            samples.append(SampleDelta(i, new_tokens, text, logprobs, seq.is_finished, seq.finish_reason,
+                                       seq.stop_reason))
+        finished = self.finished
+        final = self.final_output(tokenizer) if finished else None
+        return RequestOutput(self.request_id, self.prompt_token_ids, samples, finished, final)
+
+    def final_output(self, tokenizer: PreTrainedTokenizerBase) -> dict:
+        """generate()'s dict for this prompt: sample 0's fields at the top, every sample under
+        "outputs" when n > 1."""
+        samples = [_sample_output(seq, tokenizer) for seq in self.seqs]
+        out = {**samples[0], "prompt_token_ids": self.prompt_token_ids}
+        if len(samples) > 1:
+            out["outputs"] = samples
+        return out
+
+
+def _sample_output(seq: Sequence, tokenizer: PreTrainedTokenizerBase) -> dict:
+    params = seq.sampling_params
+    if seq.detokenizer is not None:
+        text = seq.detokenizer.final_text()
+    else:
+        text = tokenizer.decode(seq.completion_token_ids, skip_special_tokens=params.skip_special_tokens)
+    out = {
+        "text": text,
+        "token_ids": seq.completion_token_ids,
+        "finish_reason": seq.finish_reason,
+        "stop_reason": seq.stop_reason,
+        "num_cached_tokens": seq.num_cached_tokens,
+    }
+    if params.logprobs is not None:
+        out["logprobs"] = [lp._asdict() for lp in seq.logprobs]
+    return out
