@@ -5,7 +5,8 @@
     streamlit run chat_ui.py
 
 The sidebar sets the server URL, the model (empty: the server's own), temperature and max
-tokens; the defaults come from NANOVLLM_BASE_URL, NANOVLLM_MODEL and NANOVLLM_API_KEY. Answers
+tokens; the defaults come from NANOVLLM_BASE_URL, NANOVLLM_MODEL, NANOVLLM_API_KEY and
+NANOVLLM_MAX_TOKENS. Answers
 stream in as they are written; the conversation is kept until "Clear conversation". This page
 knows only the HTTP API: it imports nothing of nanovllm (no torch), so it runs anywhere.
 """
@@ -15,6 +16,8 @@ import openai
 import streamlit as st
 
 DEFAULT_BASE_URL = "http://127.0.0.1:8000/v1"  # `nanovllm serve`'s default address
+DEFAULT_MAX_TOKENS = 256  # a few paragraphs
+MAX_TOKENS_LIMIT = 2048  # the slider's end
 # Seconds to wait for the server to answer "which models?"; it is local, so a short wait suffices.
 STATUS_TIMEOUT = 3.0
 # Seconds a whole answer may take: a long one on a CPU is slow.
@@ -50,7 +53,8 @@ def main() -> None:
         model = st.text_input("Model", os.environ.get("NANOVLLM_MODEL", ""), help="empty: the server's model")
         api_key = st.text_input("API key", os.environ.get("NANOVLLM_API_KEY", ""), type="password")
         temperature = st.slider("Temperature", 0.0, 2.0, 0.7, 0.05)
-        max_tokens = st.slider("Max tokens", 1, 2048, 256)
+        max_tokens = st.slider("Max tokens", 1, MAX_TOKENS_LIMIT,
+                               int(os.environ.get("NANOVLLM_MAX_TOKENS", DEFAULT_MAX_TOKENS)))
         if st.button("Clear conversation"):
             messages.clear()
 
