@@ -278,26 +278,37 @@ def _drained(server) -> str:
 
 
 def test_disconnects_abort_and_free_blocks(server, offline):
-    num = 50
+    """50 clients leave before their answer is done: 10 that wait for a whole (non-streamed)
+    answer, then 40 in mid-stream. Each request is aborted and every KV block is free after."""
+    num, num_plain = 50, 10
     prompts = random_prompts(TEXT_TOKEN_LIMIT, [4 + i % 9 for i in range(num)], seed=1)
     aborted_before = metric(_drained(server), "nanovllm_request_finished_total", 'finish_reason="abort"')
+    long = {"max_tokens": 1000, "temperature": 0, "extra_body": {"ignore_eos": True}}
 
-    async def leave_early(client: openai.AsyncOpenAI, prompt: list[int], chat: bool) -> None:
+    async def leave_mid_stream(client: openai.AsyncOpenAI, prompt: list[int], chat: bool) -> None:
         if chat:
             stream = await client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}],
-                                                          max_tokens=500, temperature=0, stream=True,
-                                                          extra_body={"ignore_eos": True})
+                                                          stream=True, **long)
         else:
-            stream = await client.completions.create(model=MODEL, prompt=prompt, max_tokens=500, temperature=0,
-                                                     stream=True, extra_body={"ignore_eos": True})
+            stream = await client.completions.create(model=MODEL, prompt=prompt, stream=True, **long)
         async for _ in stream:  # the first chunk came: the engine has the request
             break
         await stream.close()
 
     async def run():
         client = openai.AsyncOpenAI(base_url=server.base_url, api_key=API_KEY, max_retries=0, timeout=300)
-        async with client:
-            await asyncio.gather(*[leave_early(client, p, chat=i % 5 == 0) for i, p in enumerate(prompts)])
+        async with client, httpx.AsyncClient(base_url=server.url) as http:
+            waiting = [asyncio.ensure_future(client.completions.create(model=MODEL, prompt=p, **long))
+                       for p in prompts[:num_plain]]
+            end = time.monotonic() + DRAIN_TIMEOUT
+            while metric((await http.get("/metrics")).text, "nanovllm_num_requests_running") < num_plain:
+                assert time.monotonic() < end, "the non-streaming requests never ran"
+                await asyncio.sleep(0.05)
+            for task in waiting:  # their clients give up: the connections close
+                task.cancel()
+            await asyncio.gather(*waiting, return_exceptions=True)
+            await asyncio.gather(*[leave_mid_stream(client, p, chat=i % 5 == 0)
+                                   for i, p in enumerate(prompts[num_plain:])])
             # The server is still good for requests that stay.
             return await _complete(client, prompts[0], MAX_TOKENS, stream=True)
 
