@@ -98,6 +98,10 @@ class EngineClient:
         self.max_queue_len = max_queue_len
         self.metrics = metrics or ServerMetrics()
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
+        # Held to put a command, and by the loop thread to close the inbox when it stops: a
+        # command is either taken by the loop or refused, never left unanswered.
+        self._inbox_lock = threading.Lock()
+        self._inbox_closed = False
         self._submissions: dict[str, Submission] = {}  # by live request id; touched by the event loop only
         self._num_queued = 0  # sequences accepted whose request has had no output yet
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -120,13 +124,13 @@ class EngineClient:
         """Abort whatever is still running, free the engine and stop the thread."""
         if self._thread is None:
             return
-        self._inbox.put(_Stop())
+        self._send(_Stop())
         await asyncio.to_thread(self._thread.join)
         self._thread = None
 
     @property
     def is_running(self) -> bool:
-        return self._thread is not None and self._thread.is_alive() and self._dead is None
+        return self._thread is not None and self._thread.is_alive() and not self._inbox_closed
 
     @property
     def num_queued(self) -> int:
@@ -138,8 +142,6 @@ class EngineClient:
         """Queue the prompts (request ids `{request_id}-{i}`), once the engine has accepted all of
         them. Raises ValueError if it refused one (then none is queued), QueueFullError if the
         queue is full, EngineDeadError if the loop has stopped."""
-        if not self.is_running:
-            raise EngineDeadError("the engine is not running") from self._dead
         weight = len(prompts) * params.n
         if weight > self.max_queue_len:
             raise ValueError(f"n={params.n} samples of {len(prompts)} prompt(s) make {weight} sequences, more than "
@@ -148,12 +150,14 @@ class EngineClient:
             raise QueueFullError(f"the server's queue is full ({self._num_queued} of {self.max_queue_len} sequences "
                                  "wait for their first token); retry later")
         submission = Submission([f"{request_id}-{i}" for i in range(len(prompts))], params.n)
+        accepted = self._loop.create_future()
+        if not self._send(_Add(list(zip(submission.request_ids, prompts, [params] * len(prompts))), accepted,
+                               time.monotonic())):
+            raise EngineDeadError("the engine is not running") from self._dead
+        # Registered before this coroutine yields, so before any output can be delivered.
         for rid in submission.request_ids:
             self._submissions[rid] = submission
         self._num_queued += weight
-        accepted = self._loop.create_future()
-        self._inbox.put(_Add(list(zip(submission.request_ids, prompts, [params] * len(prompts))), accepted,
-                             time.monotonic()))
         try:
             await accepted
         except BaseException:  # refused, or the caller was cancelled while waiting
@@ -167,8 +171,16 @@ class EngineClient:
     def abort(self, request_ids: list[str]) -> None:
         """Stop these requests (unknown or finished ones are ignored); their final outputs, with
         finish_reason "abort", still arrive."""
-        if request_ids and self._thread is not None:
-            self._inbox.put(_Abort(list(request_ids)))
+        if request_ids:
+            self._send(_Abort(list(request_ids)))
+
+    def _send(self, command: "_Add | _Abort | _Stop") -> bool:
+        """Put a command in the loop's inbox; False if the loop has stopped taking commands."""
+        with self._inbox_lock:
+            if self._thread is None or self._inbox_closed:
+                return False
+            self._inbox.put(command)
+            return True
 
     def _release(self, request_id: str) -> None:
         """Give back a request's queue places (once): it has started, or will never start."""
@@ -202,6 +214,7 @@ class EngineClient:
             engine = self._build_engine()
         except BaseException as exc:  # handed to start(), which re-raises it
             self._dead = exc
+            self._close_inbox([], exc)
             self._post(_settle, ready, exc)
             return
         self.config = engine.config
@@ -214,8 +227,8 @@ class EngineClient:
             logger.exception("the engine loop stopped on an error; failing every live request")
             self._dead = exc
             error = EngineDeadError(f"the engine loop stopped: {exc!r}")
+            self._close_inbox([], error)  # first: whoever sees the error finds the client stopped
             self._post(self._deliver, [(request_id, error) for request_id in live])
-            self._fail_pending(error)
         finally:
             engine.exit()
 
@@ -229,11 +242,11 @@ class EngineClient:
                 except queue.Empty:
                     break
             outputs: list[tuple[str, RequestOutput]] = []
-            for command in commands:
+            for i, command in enumerate(commands):
                 if isinstance(command, _Stop):
                     self._abort(engine, list(live), outputs, live)
                     self._post(self._deliver, outputs)
-                    self._fail_pending(EngineDeadError("the server is shutting down"))
+                    self._close_inbox(commands[i + 1:], EngineDeadError("the server is shutting down"))
                     return
                 if isinstance(command, _Add):
                     self._accept(engine, command, live)
@@ -268,13 +281,17 @@ class EngineClient:
             if request_id in live and engine.abort(request_id):
                 outputs.append((request_id, engine.pop_output(request_id)))
 
-    def _fail_pending(self, error: EngineDeadError) -> None:
-        """Refuse the calls still in the inbox (the loop will not take them)."""
+    def _close_inbox(self, taken: list, error: BaseException) -> None:
+        """Take no more commands, and refuse the calls among those taken but not done and those
+        still in the inbox."""
+        with self._inbox_lock:
+            self._inbox_closed = True
         while True:
             try:
-                command = self._inbox.get_nowait()
+                taken.append(self._inbox.get_nowait())
             except queue.Empty:
-                return
+                break
+        for command in taken:
             if isinstance(command, _Add):
                 self._post(_settle, command.accepted, error)
 
