@@ -41,6 +41,8 @@ from nanovllm.sampling_params import SamplingParams
 
 logger = logging.getLogger("nanovllm")
 
+SSE_DONE = "data: [DONE]\n\n"  # OpenAI's end of a stream
+
 
 # ---- app ----
 
@@ -53,11 +55,12 @@ def build_app(settings: ServerSettings) -> FastAPI:
                               app.state.metrics)
         await client.start()
         app.state.engine_client = client
-        # A tokenizer of the server's own for chat templates and logprob strings: the engine's
-        # stays with the engine thread (a fast tokenizer is not to be shared across threads).
-        app.state.tokenizer = AutoTokenizer.from_pretrained(settings.model, use_fast=True, trust_remote_code=False)
-        logger.info("engine ready: serving %r as model %r", settings.model, settings.model_name)
         try:
+            # A tokenizer of the server's own for chat templates and logprob strings: the engine's
+            # stays with the engine thread (a fast tokenizer is not to be shared across threads).
+            app.state.tokenizer = AutoTokenizer.from_pretrained(settings.model, use_fast=True,
+                                                                trust_remote_code=False)
+            logger.info("engine ready: serving %r as model %r", settings.model, settings.model_name)
             yield
         finally:
             await client.shutdown()
@@ -70,6 +73,7 @@ def build_app(settings: ServerSettings) -> FastAPI:
     app.add_exception_handler(RequestValidationError, _validation_error_handler)
     app.add_exception_handler(StarletteHTTPException, _http_error_handler)
     app.add_exception_handler(EngineDeadError, _engine_dead_handler)
+    app.add_exception_handler(Exception, _internal_error_handler)
     app.include_router(_plain_router)
     app.include_router(_v1_router)
     return app
@@ -104,6 +108,12 @@ async def _http_error_handler(request: Request, exc: StarletteHTTPException) -> 
 
 async def _engine_dead_handler(request: Request, exc: EngineDeadError) -> JSONResponse:
     return await _api_error_handler(request, APIError(503, str(exc), type="server_error"))
+
+
+async def _internal_error_handler(request: Request, exc: Exception) -> JSONResponse:
+    # A bug, not a bad request: the client gets OpenAI's error shape, the log gets the traceback
+    # (Starlette re-raises it to the server after this response).
+    return await _api_error_handler(request, APIError(500, f"internal error: {exc!r}", type="server_error"))
 
 
 @_plain_router.get("/health")
@@ -171,9 +181,6 @@ async def _unless_disconnected(request: Request, work: Awaitable[Response], subm
 def _sse(payload: BaseModel | dict) -> str:
     data = payload.model_dump_json() if isinstance(payload, BaseModel) else json.dumps(payload)
     return f"data: {data}\n\n"
-
-
-SSE_DONE = "data: [DONE]\n\n"
 
 
 def _sse_response(events: AsyncIterator[str]) -> StreamingResponse:
