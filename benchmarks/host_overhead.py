@@ -53,6 +53,7 @@ def build_engine(num_seqs: int, context: int, steps: int) -> LLMEngine:
     max_len = context + PROMPT_JITTER + steps + 8
     max_blocks = -(-max_len // BLOCK_SIZE)
     engine = object.__new__(LLMEngine)  # the real step(), without loading a model
+    engine._init_routing()
     engine.block_manager = BlockManager(num_seqs * max_blocks, BLOCK_SIZE)
     engine.scheduler = Scheduler(num_seqs, num_seqs * max_len, max_len, EOS, engine.block_manager)
     engine.model_runner = StandInRunner(num_seqs, max_blocks)

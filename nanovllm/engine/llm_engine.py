@@ -74,14 +74,19 @@ class LLMEngine:
                                           config.enable_prefix_caching)
         self.scheduler = Scheduler(config.max_num_seqs, config.max_num_batched_tokens, config.max_model_len,
                                    config.eos, self.block_manager)
+        self._init_routing()
+
+    def _init_routing(self) -> None:
+        """The request bookkeeping, the single-thread lock and the exit flag (apart, so that a
+        benchmark can build an engine around a stand-in runner)."""
         self._seq_ids = count()
         self._request_ids = count()
         self._requests: dict[str, Request] = {}  # every live request, whoever made it
         self._news: dict[str, None] = {}  # add_request()'s requests with news not yet popped (an ordered set)
         self._lock = threading.Lock()  # held by the thread inside the engine
         self._inside: str | None = None  # that thread's name, for the refusal message
-        # Calls whose requests were released by a thread that could not enter; the thread inside
-        # frees them at its next step.
+        # Calls whose requests were released by a thread that could not enter; they are freed at
+        # the next step or the next entry, whichever comes first.
         self._deferred: list[list[Request]] = []
         self._exited = False
         self._prefill_tps = self._decode_tps = 0.0  # the latest step's throughput, for the progress bar
@@ -116,7 +121,7 @@ class LLMEngine:
                                "nanovllm.entrypoints does")
         self._inside = threading.current_thread().name
         try:
-            if self._exited:  # exited while this thread waited to enter
+            if self._exited:  # another thread exited it between the check above and the lock
                 raise RuntimeError(EXITED_MESSAGE)
             self._free_deferred()
             yield
@@ -162,7 +167,10 @@ class LLMEngine:
         for i in range(params.n):
             seq = Sequence(next(self._seq_ids), token_ids, params, bs)
             seq.seed = None if params.seed is None else params.seed + i
-            if deltas or params.stop_strings:  # generate() alone decodes each sample's text once, at the end
+            # generate() decodes a sample's text once, at the end, unless stop strings need it on the
+            # way. A sample with a detokenizer reports each new token to its caller (see _step): so
+            # every sample of stream() and add_request() does.
+            if deltas or params.stop_strings:
                 seq.detokenizer = Detokenizer(self.tokenizer, params)
             seqs.append(seq)
         return Request(index, token_ids, params, seqs, request_id, inbox)
@@ -214,8 +222,8 @@ class LLMEngine:
             request.inbox.pop(request.request_id, None)
 
     def _release(self, requests: list[Request]) -> None:
-        """_forget() from a call that has ended, possibly in a thread that is not the one inside
-        the engine now: then the thread inside does it at its next step."""
+        """_forget() from a call that has ended (a stream closed, finished or dropped), which may
+        happen while another thread is inside the engine: then that thread does it at its next step."""
         if not any(r.request_id is not None for r in requests):  # never submitted
             return
         if self._lock.acquire(blocking=False):
@@ -297,29 +305,31 @@ class LLMEngine:
             n = seq.sampling_params.logprobs
             if lp is not None and n is not None:
                 seq.logprobs.append(lp._replace(top_logprobs=dict(list(lp.top_logprobs.items())[:n])))
+        requests, finished = self._requests, []
         for seq in advanced:
-            params = seq.sampling_params
-            if seq.detokenizer is None:
+            detokenizer = seq.detokenizer
+            if detokenizer is not None:
+                # A stop token ends a sequence before any stop string; min_tokens delays both.
+                check = seq.finish_reason != "stop" and seq.num_completion_tokens >= seq.sampling_params.min_tokens
+                stop = detokenizer.add_token(seq.last_token, check)
+                if stop is not None and seq.is_finished:  # the last allowed token completed a stop string
+                    seq.finish_reason, seq.stop_reason = "stop", stop
+                elif stop is not None:
+                    self.scheduler.finish(seq, "stop", stop)
+            if seq.is_finished:
+                finished.append(seq)
+            elif detokenizer is None:  # no text deltas (generate()): its caller needs only its finish
                 continue
-            # A stop token ends a sequence before any stop string; min_tokens delays both.
-            check = seq.finish_reason != "stop" and seq.num_completion_tokens >= params.min_tokens
-            stop = seq.detokenizer.add_token(seq.last_token, check)
-            if stop is not None and seq.is_finished:  # the last allowed token completed a stop string
-                seq.finish_reason, seq.stop_reason = "stop", stop
-            elif stop is not None:
-                self.scheduler.finish(seq, "stop", stop)
+            request = requests.get(seq.request_id)
+            if request is not None:  # a benchmark may step bare sequences
+                request.inbox[seq.request_id] = None
         self.scheduler.drop_finished()
-        for request_id in dict.fromkeys(seq.request_id for seq in advanced):  # each request once
-            request = self._requests.get(request_id)
-            if request is not None:
-                request.inbox[request_id] = None
         tps = num_tokens / max(perf_counter() - start, 1e-9)
         if batch.is_prefill:
             self._prefill_tps = tps
         else:
             self._decode_tps = tps
-        return StepOutput(advanced, [seq for seq in advanced if seq.is_finished], num_tokens, batch.is_prefill,
-                          list(self._news))
+        return StepOutput(advanced, finished, num_tokens, batch.is_prefill, list(self._news))
 
     def _next_news(self, inbox: dict[str, None]) -> list[str]:
         """Step until one of a caller's requests has news; returns (and clears) their ids."""
