@@ -14,6 +14,7 @@ import sys
 import threading
 from pathlib import Path
 
+from nanovllm import LLM
 from nanovllm.config import ATTENTION_BACKENDS, DEVICES, DTYPES, Config
 from nanovllm.entrypoints.cli_args import add_dataclass_flags, dataclass_kwargs
 from nanovllm.entrypoints.server_settings import (DEFAULT_HOST, DEFAULT_PORT, DEFAULT_SHUTDOWN_TIMEOUT,
@@ -101,10 +102,8 @@ def _check_model_dir(model: str) -> None:
         raise CLIError(f"{model!r} has no config.json; MODEL must be a checkpoint directory")
 
 
-def _make_llm(args: argparse.Namespace):
+def _make_llm(args: argparse.Namespace) -> LLM:
     """The engine, or a one-line CLIError when it refuses the model or the settings."""
-    from nanovllm import LLM
-
     _check_model_dir(args.model)
     try:
         return LLM(args.model, **dataclass_kwargs(args, args.engine_fields))
@@ -128,8 +127,15 @@ def _serve(args: argparse.Namespace) -> int:
     if settings.api_key is None:
         settings.api_key = api_key_from_env()
     if settings.max_queue_len < 1:
-        raise CLIError(f"--max-queue-len={settings.max_queue_len} is not allowed; it must be >= 1")
-    return serve(settings, args.host, args.port, args.shutdown_timeout, args.log_level)
+        raise CLIError(f"max_queue_len={settings.max_queue_len} is not allowed; it must be >= 1")
+    try:  # the engine is built later, inside the server: check its settings now, in one line
+        Config.from_kwargs(args.model, settings.engine_kwargs)
+    except ValueError as exc:
+        raise CLIError(str(exc)) from None
+    try:
+        return serve(settings, args.host, args.port, args.shutdown_timeout, args.log_level)
+    except OSError as exc:  # from binding the address, the only OSError serve() lets out
+        raise CLIError(f"cannot listen on {args.host}:{args.port}: {exc.strerror or exc}") from None
 
 
 def _generate(args: argparse.Namespace) -> int:

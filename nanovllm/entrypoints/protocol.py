@@ -82,10 +82,11 @@ def request_error(exc: ValueError, fields: set[str], prompt_field: str = "prompt
     """A 400 for a ValueError from SamplingParams or the engine; their messages open with (or
     name) the field at fault, which becomes `param` (the engine's "prompt" is the chat's "messages")."""
     message = str(exc)
-    names = re.findall(r"[a-z_]+", message)
-    param = next((n for n in names[:1] if n in fields or n == "prompt"), None)
-    if param is None:
-        param = next((n for n in names if n in fields or n == "prompt"), None)
+    known = fields | {"prompt"}
+    words = re.findall(r"[a-z_]+", message)
+    # The message's first word, else the first `name=value` it quotes, else any field it names.
+    candidates = words[:1] + re.findall(r"([a-z_]+)=", message) + words
+    param = next((name for name in candidates if name in known), None)
     if param == "prompt":
         param = prompt_field
     return APIError(400, message, param=param)
