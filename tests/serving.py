@@ -14,6 +14,11 @@ from typing import Iterator
 import uvicorn
 from fastapi import FastAPI
 
+try:  # the HTTP client the installed `openai` is built on: httpx2 for openai 3, httpx before
+    import httpx2 as httpx
+except ImportError:
+    import httpx  # noqa: F401 (re-exported for the tests)
+
 from nanovllm.entrypoints.openai_server import build_app, listening_socket
 from nanovllm.entrypoints.server_settings import ServerSettings
 

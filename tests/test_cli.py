@@ -112,6 +112,13 @@ def test_generate_json_equals_llm_generate(runs, offline):
         [(e["token_ids"], e["text"], e["finish_reason"]) for e in expected]
 
 
+def test_generate_prints_the_completion(qwen3_tiny, offline, capsys):
+    args = ["generate", qwen3_tiny, PROMPTS[0], "--temperature", "0", "--max-tokens", "5", *ENGINE_FLAGS]
+    assert main(args) == 0
+    expected = offline.generate(PROMPTS[:1], SamplingParams(temperature=0, max_tokens=5), use_tqdm=False)[0]
+    assert capsys.readouterr().out == expected["text"] + "\n"
+
+
 class Terminal:
     """A command on a pseudo-terminal that is its controlling terminal, so Ctrl-C is SIGINT."""
 

@@ -6,13 +6,12 @@ import asyncio
 import json
 import time
 
-import httpx2 as httpx
 import openai
 import pytest
 
 from helpers import random_prompts
 from nanovllm import LLM, SamplingParams
-from serving import ENGINE_KWARGS, metric, server_thread
+from serving import ENGINE_KWARGS, httpx, metric, server_thread
 
 API_KEY = "test-key"
 MODEL = "tiny"
@@ -68,6 +67,24 @@ def test_completions_equal_offline(client, offline):
     assert response.usage.prompt_tokens == sum(len(e["prompt_token_ids"]) for e in expected[:3])
     assert response.usage.completion_tokens == sum(len(e["token_ids"]) for e in expected[:3])
     assert single.usage.total_tokens == len(TOKEN_PROMPT) + len(expected[3]["token_ids"])
+    id_lists = client.completions.create(model=MODEL, prompt=[TOKEN_PROMPT, TOKEN_PROMPT[:3]], max_tokens=MAX_TOKENS,
+                                         temperature=0)
+    assert [c.text for c in id_lists.choices] == \
+        [e["text"] for e in offline.generate([TOKEN_PROMPT, TOKEN_PROMPT[:3]], greedy(), use_tqdm=False)]
+
+
+def test_sampling_knobs_equal_offline(client, offline):
+    """Every sampling field reaches the engine: seeded top-k/top-p/min-p sampling with penalties."""
+    knobs = dict(temperature=0.8, top_p=0.9, top_k=20, min_p=0.05, seed=3, presence_penalty=0.5,
+                 frequency_penalty=0.3, repetition_penalty=1.2, min_tokens=4)
+    expected = offline.generate(PROMPTS, SamplingParams(max_tokens=12, **knobs), use_tqdm=False)
+    openai_names = ("temperature", "top_p", "seed", "presence_penalty", "frequency_penalty")
+    response = client.completions.create(model=MODEL, prompt=PROMPTS, max_tokens=12,
+                                         **{k: v for k, v in knobs.items() if k in openai_names},
+                                         extra_body={k: v for k, v in knobs.items() if k not in openai_names})
+    assert [c.text for c in response.choices] == [e["text"] for e in expected]
+    plain = offline.generate(PROMPTS, SamplingParams(max_tokens=12, seed=3, temperature=0.8), use_tqdm=False)
+    assert [e["text"] for e in plain] != [e["text"] for e in expected]  # the knobs changed something
 
 
 def test_completion_stream_equals_offline(client, offline):
