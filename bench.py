@@ -6,6 +6,11 @@ every request makes exactly its max_tokens, temperature 0.6, random.seed(seed). 
 default is nano-vllm's 256 sequences of 100..1024 tokens; on CPU it is scaled down (see the
 defaults of --num-seqs, --min-len and --max-len) unless the sizes are given.
 
+With no --model or --synthetic, as nano-vllm's bench.py, it loads ~/huggingface/Qwen3-0.6B/
+when that directory exists; else it builds a random-weight checkpoint: Qwen3-0.6B's shapes
+(--synthetic qwen3-0.6b) on CUDA, the tiny model (--synthetic tiny) on CPU. The first line it
+prints says which model and workload it chose, and why.
+
 Throughput counts output tokens only (sum of max_tokens), over the timed generate call.
 
 With --compare-hf the same prompts and output lengths then go through HuggingFace transformers'
@@ -44,6 +49,11 @@ HF_BATCH_SIZE_CUDA, HF_BATCH_SIZE_CPU = 64, 16
 # torch's scaled_dot_product_attention: transformers' fastest attention that needs no extra package.
 HF_ATTN_IMPLEMENTATION = "sdpa"
 HF_PROBE_NEW_TOKENS = 32  # decode steps timed per KV-cache setup when --hf-cache auto chooses on CUDA
+# nano-vllm's bench.py loads this checkpoint; with no --model or --synthetic so do we, when it exists.
+NANO_VLLM_CHECKPOINT = "~/huggingface/Qwen3-0.6B/"
+# What runs with no --model or --synthetic when that checkpoint is absent: nano-vllm's model size
+# where a GPU makes it quick, and on CPU the tiny model, so a bare `python bench.py` takes seconds.
+DEFAULT_SYNTHETIC_CUDA, DEFAULT_SYNTHETIC_CPU = "qwen3-0.6b", "tiny"
 
 SYNTHETIC = {
     "qwen3-0.6b": ("qwen3-0.6b-random-bf16", "Qwen3-0.6B (random weights)", build_qwen3_0_6b),
@@ -77,11 +87,49 @@ def device_name(device: str) -> str:
     return f"{model}, {torch.get_num_threads()} threads"
 
 
+class ModelChoice(NamedTuple):
+    path: str | None  # a checkpoint directory to load, or None for a synthetic one
+    synthetic: str | None  # a SYNTHETIC kind to build (once) and load, or None
+    reason: str  # why, in words, for the first line printed
+
+
+def choose_model(model: str | None, synthetic: str | None, on_cpu: bool) -> ModelChoice:
+    """The checkpoint to benchmark: the one given, else nano-vllm's default path when it exists,
+    else a random-weight one suited to the device."""
+    if model is not None:
+        return ModelChoice(model, None, "given by --model")
+    if synthetic is not None:
+        return ModelChoice(None, synthetic, "given by --synthetic")
+    default = os.path.expanduser(NANO_VLLM_CHECKPOINT)
+    if os.path.isdir(default):
+        return ModelChoice(default, None, f"no --model or --synthetic given; nano-vllm's default checkpoint "
+                                          f"{NANO_VLLM_CHECKPOINT} exists")
+    kind = DEFAULT_SYNTHETIC_CPU if on_cpu else DEFAULT_SYNTHETIC_CUDA
+    return ModelChoice(None, kind, f"no --model or --synthetic given and {NANO_VLLM_CHECKPOINT} does not exist, "
+                                   f"so --synthetic {kind}, the default on {'CPU' if on_cpu else 'CUDA'}")
+
+
+def workload_reason(args: argparse.Namespace, on_cpu: bool) -> str:
+    """Why the workload has its sizes, for the first line printed."""
+    given = [name for name, value in (("--num-seqs", args.num_seqs), ("--min-len", args.min_len),
+                                      ("--max-len", args.max_len)) if value is not None]
+    if len(given) == 3:
+        return "given by --num-seqs, --min-len and --max-len"
+    if on_cpu:
+        defaults = (f"the CPU default, scaled down from nano-vllm's {GPU_NUM_SEQS} seqs of "
+                    f"{GPU_MIN_LEN}..{GPU_MAX_LEN}; --num-seqs/--min-len/--max-len change it")
+    else:
+        defaults = "nano-vllm's workload"
+    return defaults + (f", with {', '.join(given)} given" if given else "")
+
+
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    source = parser.add_mutually_exclusive_group(required=True)
-    source.add_argument("--model", help="local checkpoint directory")
-    source.add_argument("--synthetic", choices=list(SYNTHETIC), help="build (once) and use a random-weight checkpoint")
+    source = parser.add_mutually_exclusive_group()
+    source.add_argument("--model", help=f"local checkpoint directory (default: {NANO_VLLM_CHECKPOINT} if it exists)")
+    source.add_argument("--synthetic", choices=list(SYNTHETIC), help="build (once) and use a random-weight checkpoint "
+                        f"(default when {NANO_VLLM_CHECKPOINT} does not exist: {DEFAULT_SYNTHETIC_CUDA} on CUDA, "
+                        f"{DEFAULT_SYNTHETIC_CPU} on CPU)")
     parser.add_argument("--workdir", default="./checkpoints/", help="where --synthetic checkpoints are cached")
     parser.add_argument("--num-seqs", type=int, help=f"default {GPU_NUM_SEQS} on CUDA, {CPU_NUM_SEQS} on CPU")
     parser.add_argument("--min-len", type=int, help=f"shortest input/output; default {GPU_MIN_LEN} on CUDA, "
@@ -268,15 +316,16 @@ def main() -> None:
         raise ValueError(f"--hf-batch-size={args.hf_batch_size} is not allowed; it must be >= 1")
     hf_batch_size = args.hf_batch_size or (HF_BATCH_SIZE_CPU if on_cpu else HF_BATCH_SIZE_CUDA)
     scaled_down = on_cpu and (args.num_seqs, args.min_len, args.max_len) == (None, None, None)
-    if scaled_down:
-        print(f"NOTE: CPU run, so the workload is scaled down to {num_seqs} seqs of {min_len}..{max_len} tokens "
-              f"(nano-vllm's is {GPU_NUM_SEQS} seqs of {GPU_MIN_LEN}..{GPU_MAX_LEN}); "
-              "set --num-seqs/--min-len/--max-len to change it.")
+    choice = choose_model(args.model, args.synthetic, on_cpu)
+    model_name = (os.path.basename(os.path.normpath(choice.path)) if choice.path is not None
+                  else SYNTHETIC[choice.synthetic][1])
+    print(f"bench: model {model_name} ({choice.reason}); workload {num_seqs} seqs with input and output lengths "
+          f"{min_len}..{max_len} ({workload_reason(args, on_cpu)})", flush=True)
 
-    if args.model is not None:
-        path, model_name = args.model, os.path.basename(os.path.normpath(args.model))
+    if choice.path is not None:
+        path = choice.path
     else:
-        path, model_name = synthetic_checkpoint(args.synthetic, args.workdir)
+        path, model_name = synthetic_checkpoint(choice.synthetic, args.workdir)
     llm = LLM(path, device=args.device, dtype=args.dtype, enforce_eager=args.enforce_eager,
               max_model_len=args.max_model_len)
     device = llm.config.device

@@ -12,11 +12,6 @@ import argparse
 import json
 import os
 
-import matplotlib
-
-matplotlib.use("Agg")  # writes files only; never needs a display
-import matplotlib.pyplot as plt  # noqa: E402
-
 REQUIRED_KEYS = ("device", "device_name", "model", "dtype", "num_seqs", "input_len_range", "output_len_range",
                  "throughput_tok_s", "date")
 HF_COLOR, NANOVLLM_COLOR = "#9e9e9e", "#1f77b4"
@@ -68,6 +63,12 @@ def run_label(run: dict) -> str:
 
 
 def plot(runs: list[dict], out: str) -> None:
+    # Imported only to draw, after the inputs are checked: matplotlib is an optional extra (`bench`),
+    # absent from some machines that run bench.py.
+    import matplotlib
+    matplotlib.use("Agg")  # writes files only; never needs a display
+    import matplotlib.pyplot as plt
+
     fig, axes = plt.subplots(1, len(runs), figsize=(PANEL_WIDTH_IN * len(runs), FIGURE_HEIGHT_IN), squeeze=False)
     for ax, run in zip(axes[0], runs):
         names, values, colors = [], [], []

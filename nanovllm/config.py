@@ -4,6 +4,7 @@ Owns validation of every user-facing knob and the facts read from the checkpoint
 `config.json`. It does not know how the model runs; the runner reads the resolved values.
 """
 import json
+import math
 import os
 from dataclasses import dataclass, field, fields
 
@@ -21,6 +22,9 @@ MIN_BLOCK_SIZE = 16
 MAX_TENSOR_PARALLEL_SIZE = 8
 # Model sizes split across tensor-parallel ranks (heads, KV heads, vocabulary, MLP width).
 TENSOR_PARALLEL_DIVIDES = ("num_attention_heads", "num_key_value_heads", "vocab_size", "intermediate_size")
+# A worker beats several times per timeout from a thread that competes with its compute for the
+# CPU; below a second, a busy but healthy worker could be taken for a silent one.
+MIN_HEARTBEAT_TIMEOUT_S = 1.0
 
 
 def _require(ok: bool, name: str, value, allowed: str) -> None:
@@ -51,6 +55,12 @@ class Config:
     # VLLM_CPU_KVCACHE_SPACE), per tensor-parallel rank; it is capped by what max_num_seqs sequences
     # of max_model_len need.
     cpu_kvcache_space_gib: float = 4.0
+    # True: no tokenizer is loaded (as vLLM's option): prompts are token ids, outputs carry token ids
+    # and empty text, and end-of-text is the checkpoint config's eos_token_id.
+    skip_tokenizer_init: bool = False
+    # A tensor-parallel worker that sends no heartbeat for this long (its process stopped or wedged)
+    # is reported and killed, instead of blocking rank 0 until the process group's 30-minute timeout.
+    tensor_parallel_heartbeat_timeout_s: float = 30.0
     hf_config: PretrainedConfig = field(init=False, repr=False)
     eos: int = field(init=False, default=-1)
 
@@ -85,7 +95,7 @@ class Config:
                  f"a power of two >= {MIN_BLOCK_SIZE}")
         n = self.num_kvcache_blocks
         _require(_is_int(n) and (n == -1 or n >= 1), "num_kvcache_blocks", n, "-1 (size from memory) or >= 1")
-        for name in ("enforce_eager", "enable_prefix_caching"):
+        for name in ("enforce_eager", "enable_prefix_caching", "skip_tokenizer_init"):
             _require(isinstance(getattr(self, name), bool), name, getattr(self, name), "True or False")
         _require(self.device in DEVICES, "device", self.device, f"one of {DEVICES}")
         _require(self.attention_backend in ATTENTION_BACKENDS, "attention_backend", self.attention_backend,
@@ -94,6 +104,9 @@ class Config:
                  self.dtype, f"'auto', one of {list(DTYPES)} or the matching torch.dtype")
         g = self.cpu_kvcache_space_gib
         _require(isinstance(g, (int, float)) and g > 0, "cpu_kvcache_space_gib", g, "a number > 0")
+        t = self.tensor_parallel_heartbeat_timeout_s
+        _require(isinstance(t, (int, float)) and not isinstance(t, bool) and MIN_HEARTBEAT_TIMEOUT_S <= t < math.inf,
+                 "tensor_parallel_heartbeat_timeout_s", t, f"a finite number of seconds >= {MIN_HEARTBEAT_TIMEOUT_S}")
 
     def _check_tensor_parallel(self) -> None:
         """Each rank holds 1/tensor_parallel_size of these, so each must divide; checked here,
@@ -118,13 +131,24 @@ class Config:
         path = os.path.join(self.model, "config.json")
         if not os.path.isfile(path):
             raise ValueError(f"model={self.model!r} has no config.json")
-        with open(path) as f:
-            architectures = json.load(f).get("architectures") or []
+        try:
+            with open(path, encoding="utf-8") as f:
+                raw = json.load(f)
+        except (json.JSONDecodeError, UnicodeDecodeError) as error:
+            raise ValueError(f"{path} is not valid JSON ({error}); config.json must be the checkpoint's "
+                             "transformers config, a JSON object") from None
+        if not isinstance(raw, dict):
+            raise ValueError(f"{path} holds a JSON {type(raw).__name__}, not an object; config.json must be "
+                             "the checkpoint's transformers config, a JSON object")
+        architectures = raw.get("architectures") or []
         if not any(a in SUPPORTED_ARCHITECTURES for a in architectures):
             raise ValueError(f"model={self.model!r} has architectures {architectures}; "
                              f"supported: {list(SUPPORTED_ARCHITECTURES)}")
         # A local directory and no trust_remote_code: nothing from the checkpoint is executed.
-        return AutoConfig.from_pretrained(self.model, trust_remote_code=False)
+        try:
+            return AutoConfig.from_pretrained(self.model, trust_remote_code=False)
+        except (ValueError, KeyError, TypeError) as error:  # fields transformers cannot make a config of
+            raise ValueError(f"{path} is not a config transformers can read: {error}") from error
 
     def _resolve_device(self) -> str:
         if self.device == "auto":

@@ -2,14 +2,22 @@
 
 temperature 0 means greedy (argmax); nano-vllm forbids it, vLLM users expect it. The order
 the sampler applies them in (as vLLM): penalties, temperature, min_p, top_k, top_p.
+
+A SamplingParams is immutable: it is checked once, when it is made, so a later assignment
+could skip every check; a changed copy is a new one (`dataclasses.replace(params, top_k=5)`),
+checked again. Lists given for `stop` and `stop_token_ids` are kept as tuples, so the caller's
+own list cannot change them afterwards either.
 """
 import math
-from dataclasses import dataclass, field
+from dataclasses import FrozenInstanceError, dataclass, fields
 
 # vLLM's limits: penalties beyond +-2 make no useful distribution; 20 top logprobs is what
 # the OpenAI API allows and what the sampler is sized for.
 MAX_ABS_PENALTY = 2.0
 MAX_LOGPROBS = 20
+# What torch.Generator.manual_seed accepts (an int64 or a uint64); sample i of a request is
+# seeded with seed + i, so all n of them must fall in this range.
+MIN_SEED, MAX_SEED = -2**63, 2**64 - 1
 
 
 def _is_int(x) -> bool:
@@ -25,7 +33,26 @@ def _check(ok: bool, name: str, value, allowed: str) -> None:
         raise ValueError(f"{name}={value!r} is not allowed; {name} must be {allowed}")
 
 
-@dataclass
+def _explain_frozen(cls: type) -> type:
+    """A frozen dataclass's assignment error says only "cannot assign to field 'x'"; this one
+    also says why and what to do instead. (dataclass refuses a __setattr__ written in a frozen
+    class's own body, so it is put in place here, after the class is made.)"""
+    def __setattr__(self, name: str, value) -> None:
+        names = [f.name for f in fields(cls)]
+        if name not in names:
+            raise AttributeError(f"{cls.__name__} has no field {name!r}; its fields are {names}")
+        raise FrozenInstanceError(f"{cls.__name__} cannot be changed after it is made (it is checked once, then): "
+                                  f"{name}={value!r} refused; make a new one instead, e.g. "
+                                  f"dataclasses.replace(params, {name}=...)")
+
+    def __delattr__(self, name: str) -> None:
+        raise FrozenInstanceError(f"{cls.__name__} cannot be changed after it is made: deleting {name} refused")
+    cls.__setattr__, cls.__delattr__ = __setattr__, __delattr__
+    return cls
+
+
+@_explain_frozen
+@dataclass(frozen=True)
 class SamplingParams:
     n: int = 1  # samples per prompt; they share the prompt's KV blocks
     temperature: float = 1.0  # 0 means greedy (argmax)
@@ -33,8 +60,8 @@ class SamplingParams:
     top_k: int = 0  # 0 or -1: off
     min_p: float = 0.0  # drop tokens less likely than min_p times the most likely one; in [0, 1]
     seed: int | None = None  # per-request seed for reproducible sampling (sample i uses seed + i)
-    stop: str | list[str] | None = None  # strings that end generation when they appear in the text
-    stop_token_ids: list[int] | None = None  # token ids that end generation
+    stop: str | list[str] | tuple[str, ...] | None = None  # strings that end generation; kept as a tuple
+    stop_token_ids: list[int] | tuple[int, ...] | None = None  # token ids that end generation; kept as a tuple
     include_stop_str_in_output: bool = False  # keep the matched stop string in the text
     min_tokens: int = 0  # tokens to generate before end-of-text, a stop token or stop string may end it
     max_tokens: int = 64  # most tokens to generate
@@ -44,7 +71,6 @@ class SamplingParams:
     presence_penalty: float = 0.0  # in [-2, 2] (0 = off): subtracted from tokens already generated
     frequency_penalty: float = 0.0  # in [-2, 2] (0 = off): subtracted per occurrence of tokens already generated
     skip_special_tokens: bool = True  # leave special tokens out of the text
-    stop_strings: tuple[str, ...] = field(init=False, repr=False, default=())
 
     def __post_init__(self) -> None:
         _check(_is_int(self.n) and self.n >= 1, "n", self.n, "an integer >= 1")
@@ -55,14 +81,16 @@ class SamplingParams:
                "an integer >= 1, or 0 or -1 for off")
         _check(_is_number(self.min_p) and 0 <= self.min_p <= 1, "min_p", self.min_p, "in [0, 1]")
         _check(self.seed is None or _is_int(self.seed), "seed", self.seed, "None or an integer")
+        if self.seed is not None and not (MIN_SEED <= self.seed and self.seed + self.n - 1 <= MAX_SEED):
+            raise ValueError(f"seed={self.seed} is not allowed with n={self.n}: sample i is seeded with seed + i and "
+                             f"torch.Generator takes seeds in [-2**63, 2**64 - 1], so with n={self.n} seed must be in "
+                             f"[{MIN_SEED}, {MAX_SEED - self.n + 1}]")
         stop = [self.stop] if isinstance(self.stop, str) else self.stop
         _check(stop is None or (isinstance(stop, (list, tuple)) and all(isinstance(s, str) and s for s in stop)),
                "stop", self.stop, "None, a non-empty string or a list of non-empty strings")
-        self.stop_strings = tuple(stop or ())
         ids = self.stop_token_ids
         _check(ids is None or (isinstance(ids, (list, tuple)) and all(_is_int(t) and t >= 0 for t in ids)),
                "stop_token_ids", ids, "None or a list of token ids >= 0")
-        self.stop_token_ids = list(ids or [])
         _check(_is_int(self.max_tokens) and self.max_tokens >= 1, "max_tokens", self.max_tokens, "an integer >= 1")
         _check(_is_int(self.min_tokens) and 0 <= self.min_tokens <= self.max_tokens, "min_tokens", self.min_tokens,
                f"an integer in [0, max_tokens={self.max_tokens}]")
@@ -76,7 +104,16 @@ class SamplingParams:
                    f"a number in [-{MAX_ABS_PENALTY}, {MAX_ABS_PENALTY}] (0 = off)")
         for name in ("include_stop_str_in_output", "ignore_eos", "skip_special_tokens"):
             _check(isinstance(getattr(self, name), bool), name, getattr(self, name), "True or False")
-        self.temperature = float(self.temperature)
+        # The one place a field is stored after __init__: the checked values in the form they are
+        # kept in (tuples, which the caller cannot change later; a float temperature). Written as a
+        # frozen dataclass's own __init__ writes its fields, past the __setattr__ that refuses changes.
+        for name, value in (("stop", tuple(stop or ())), ("stop_token_ids", tuple(ids or ())),
+                            ("temperature", float(self.temperature))):
+            object.__setattr__(self, name, value)
+
+    @property
+    def stop_strings(self) -> tuple[str, ...]:
+        return self.stop
 
     @property
     def greedy(self) -> bool:

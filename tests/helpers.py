@@ -1,9 +1,23 @@
-"""Test helpers shared by the test modules: HF transformers as the greedy reference, and
-seeded random prompts. (A module of its own, since conftest.py is not meant to be imported.)"""
+"""Test helpers shared by the test modules: HF transformers as the greedy reference, seeded
+random prompts, and what each test needs to say which device it is about. (A module of its own,
+since conftest.py is not meant to be imported.)"""
+import importlib.util
 import random
 
+import pytest
 import torch
 from transformers import AutoModelForCausalLM, PreTrainedModel
+
+HAS_CUDA = torch.cuda.is_available()
+# What device="auto" must resolve to on the machine the tests run on.
+AUTO_DEVICE = "cuda" if HAS_CUDA else "cpu"
+# What attention_backend="auto" must pick here for KV blocks smaller than flash-attn's pages of
+# 256 (the tests use 16 or 32): our Triton kernels on CUDA when triton is installed, else torch.
+AUTO_BACKEND_SMALL_BLOCKS = "triton" if HAS_CUDA and importlib.util.find_spec("triton") else "torch"
+# A test about the CUDA path: marked `gpu`, and skipped where torch sees no GPU.
+GPU_ONLY = [pytest.mark.gpu, pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU; torch sees none here")]
+# Parametrize a test with this to run it on CPU everywhere and on CUDA where there is a GPU.
+EVERY_DEVICE = ["cpu", pytest.param("cuda", marks=GPU_ONLY)]
 
 _hf_models: dict[str, PreTrainedModel] = {}
 

@@ -1,15 +1,18 @@
 """The public API: outputs, stopping rules, config handling, and bad input refused up front
-with a clear error that leaves the engine clean for the next call."""
+with a clear error that leaves the engine clean for the next call. Engines run on CPU unless a
+test says otherwise: the start-up log on CUDA too, and what "auto" chooses on this machine."""
 import json
 import logging
 import os
 import shutil
 
 import pytest
+import torch
 
-from helpers import hf_greedy, random_prompts
+from helpers import AUTO_BACKEND_SMALL_BLOCKS, AUTO_DEVICE, EVERY_DEVICE, hf_greedy, random_prompts
 from nanovllm import LLM, SamplingParams
 from nanovllm.config import Config
+from nanovllm.engine.decode_inputs import graph_batch_sizes
 from nanovllm.layers.rotary_embedding import rope_theta_of
 
 BLOCK = 16
@@ -17,7 +20,7 @@ BLOCK = 16
 
 @pytest.fixture(scope="module")
 def llm(qwen3_tiny):
-    engine = LLM(qwen3_tiny, kvcache_block_size=BLOCK, num_kvcache_blocks=64, max_model_len=256)
+    engine = LLM(qwen3_tiny, device="cpu", kvcache_block_size=BLOCK, num_kvcache_blocks=64, max_model_len=256)
     yield engine
     engine.exit()
 
@@ -61,7 +64,7 @@ def test_eos_stops_unless_ignored(llm, qwen3_tiny):
 
 
 def test_max_model_len_ends_generation(qwen3_tiny):
-    llm = LLM(qwen3_tiny, kvcache_block_size=BLOCK, num_kvcache_blocks=16, max_model_len=40)
+    llm = LLM(qwen3_tiny, device="cpu", kvcache_block_size=BLOCK, num_kvcache_blocks=16, max_model_len=40)
     prompt = random_prompts(200, [30], seed=12)[0]
     (out,) = llm.generate([prompt], greedy(100), use_tqdm=False)
     assert len(prompt) + len(out["token_ids"]) == 40
@@ -84,29 +87,62 @@ def test_defaults_match_nano_vllm(qwen3_tiny):
             config.num_kvcache_blocks) == (16384, 512, 0.9, 1, False, 256, -1)
     assert config.enable_prefix_caching is True
     assert config.attention_backend == "auto"
-    assert str(config.dtype) == "torch.float32" and config.device == "cpu"  # the CPU defaults
+    # device="auto" resolves on the machine the test runs on; dtype="auto" is float32 on CPU and
+    # the checkpoint's dtype (float32 for this one) on CUDA.
+    assert config.device == AUTO_DEVICE and config.dtype == torch.float32
+
+
+@pytest.mark.parametrize("cuda_available", [False, True])
+def test_auto_device_and_dtype_follow_what_torch_sees(qwen3_tiny, tmp_path, monkeypatch, cuda_available):
+    """Config builds no tensors, so both of "auto"'s answers are checked on any machine by telling
+    it what torch sees; a bfloat16 checkpoint shows which dtype "auto" takes."""
+    with open(os.path.join(qwen3_tiny, "config.json")) as f:
+        hf_config = json.load(f)
+    hf_config["dtype"] = "bfloat16"
+    (tmp_path / "config.json").write_text(json.dumps(hf_config))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: cuda_available)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: int(cuda_available))
+    config = Config(str(tmp_path))
+    if cuda_available:
+        assert (config.device, config.dtype) == ("cuda", torch.bfloat16)
+    else:
+        assert (config.device, config.dtype) == ("cpu", torch.float32)
+        with pytest.raises(ValueError, match="device='cuda'"):
+            Config(str(tmp_path), device="cuda")
+    pinned = Config(str(tmp_path), device="cpu")
+    assert (pinned.device, pinned.dtype) == ("cpu", torch.float32)
 
 
 def test_cpu_kv_cache_sized_from_budget(qwen3_tiny):
-    llm = LLM(qwen3_tiny, kvcache_block_size=BLOCK, max_num_seqs=4, max_model_len=128)
+    llm = LLM(qwen3_tiny, device="cpu", kvcache_block_size=BLOCK, max_num_seqs=4, max_model_len=128)
     # The budget is far larger than the tiny model needs, so the cap (4 sequences x 128 tokens) applies.
     assert llm.block_manager.num_blocks == 4 * 128 // BLOCK
     llm.exit()
     with pytest.raises(ValueError, match="max_model_len"):
-        LLM(qwen3_tiny, kvcache_block_size=BLOCK, max_model_len=512, cpu_kvcache_space_gib=1e-6)
+        LLM(qwen3_tiny, device="cpu", kvcache_block_size=BLOCK, max_model_len=512, cpu_kvcache_space_gib=1e-6)
 
 
-def test_start_up_log_names_backend_dtype_device_and_capacity(qwen3_tiny, caplog):
+@pytest.mark.parametrize("device", EVERY_DEVICE)
+def test_start_up_log_names_backend_dtype_device_and_capacity(qwen3_tiny, caplog, device):
+    max_num_seqs = 4  # on CUDA: a few graph captures, not nano-vllm's 36
     with caplog.at_level(logging.INFO, logger="nanovllm"):
-        llm = LLM(qwen3_tiny, kvcache_block_size=BLOCK, num_kvcache_blocks=20)
+        llm = LLM(qwen3_tiny, device=device, kvcache_block_size=BLOCK, num_kvcache_blocks=20,
+                  max_num_seqs=max_num_seqs)
     text = caplog.text
-    assert "attention backend: torch" in text
-    assert "torch.float32" in text and "cpu" in text and f"20 blocks x {BLOCK} tokens = {20 * BLOCK} tokens" in text
+    # The checkpoint is float32, which is also "auto"'s dtype on CPU.
+    assert f"device {device}, dtype torch.float32, attention " in text
+    backend = AUTO_BACKEND_SMALL_BLOCKS if device == "cuda" else "torch"
+    assert f"attention backend: {backend} (requested 'auto', device {device})" in text
+    # Decode graphs are captured on CUDA with a backend that allows it (not the torch one).
+    captured = device == "cuda" and backend != "torch"
+    graphs = f"on ({len(graph_batch_sizes(max_num_seqs))} batch sizes)" if captured else "off"
+    assert f"CUDA graphs {graphs}" in text
+    assert f"20 blocks x {BLOCK} tokens = {20 * BLOCK} tokens" in text
     llm.exit()
 
 
 def test_exit_is_idempotent(qwen3_tiny):
-    llm = LLM(qwen3_tiny, kvcache_block_size=BLOCK, num_kvcache_blocks=8)
+    llm = LLM(qwen3_tiny, device="cpu", kvcache_block_size=BLOCK, num_kvcache_blocks=8)
     llm.exit()
     llm.exit()
     assert llm.model_runner.kv_cache is None
@@ -167,7 +203,7 @@ def test_bad_prompt_refused_and_engine_stays_clean(llm, bad_prompt, message):
 
 
 def test_request_larger_than_the_whole_cache_is_refused(qwen3_tiny):
-    llm = LLM(qwen3_tiny, kvcache_block_size=BLOCK, num_kvcache_blocks=4, max_model_len=256)
+    llm = LLM(qwen3_tiny, device="cpu", kvcache_block_size=BLOCK, num_kvcache_blocks=4, max_model_len=256)
     with pytest.raises(ValueError, match="whole cache"):
         llm.generate([[1] * 60], greedy(20), use_tqdm=False)  # 80 tokens need 5 blocks of 16
     assert llm.is_finished()
@@ -201,7 +237,7 @@ def test_mismatched_sampling_params_list_refused(llm):
 ])
 def test_bad_config_refused(qwen3_tiny, kwargs, field):
     with pytest.raises(ValueError, match=field):
-        LLM(qwen3_tiny, **kwargs)
+        LLM(qwen3_tiny, **{"device": "cpu", **kwargs})
 
 
 def test_missing_model_directory(tmp_path):
@@ -226,7 +262,7 @@ def test_weights_only_from_safetensors(qwen3_tiny, tmp_path):
         if name.endswith(".safetensors"):
             os.remove(path / name)
     with pytest.raises(ValueError, match="safetensors"):
-        LLM(str(path), num_kvcache_blocks=4, kvcache_block_size=BLOCK)
+        LLM(str(path), device="cpu", num_kvcache_blocks=4, kvcache_block_size=BLOCK)
 
 
 def test_step_reports_what_it_computed(llm):

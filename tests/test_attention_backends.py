@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import nanovllm.attention as attention
-from helpers import random_prompts
+from helpers import AUTO_BACKEND_SMALL_BLOCKS, AUTO_DEVICE, random_prompts
 from nanovllm import LLM, SamplingParams
 
 BLOCK = 16
@@ -44,6 +44,7 @@ def test_triton_backend_matches_torch_end_to_end(qwen3_tiny):
     assert [o["num_cached_tokens"] for o in second] == [32, 32, 16]
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(not (HAS_FLASH_ATTN and torch.cuda.is_available()),
                     reason="flash-attn is not installed here (it is an optional CUDA extra)")
 def test_flash_attn_backend_matches_torch_end_to_end(qwen3_tiny):
@@ -94,7 +95,11 @@ def test_forcing_a_backend_that_cannot_run_is_a_clear_error(installed, monkeypat
 
 
 def test_choice_is_logged_once(qwen3_tiny, caplog):
+    """device="auto" too: the log names what "auto" must choose on the machine the test runs on."""
     with caplog.at_level("INFO", logger="nanovllm"):
-        llm = LLM(qwen3_tiny, kvcache_block_size=BLOCK, num_kvcache_blocks=8)
-    assert caplog.text.count("attention backend: torch (requested 'auto'") == 1
+        # max_num_seqs=4: on CUDA, a few graph captures rather than nano-vllm's 36.
+        llm = LLM(qwen3_tiny, kvcache_block_size=BLOCK, num_kvcache_blocks=8, max_num_seqs=4)
+    assert llm.config.device == AUTO_DEVICE
+    assert caplog.text.count("attention backend: ") == 1
+    assert f"attention backend: {AUTO_BACKEND_SMALL_BLOCKS} (requested 'auto', device {AUTO_DEVICE})" in caplog.text
     llm.exit()

@@ -1,11 +1,12 @@
 """bench.py and benchmark_plot.py end to end on CPU: a tiny random-weight model and a tiny
 workload, each script run as a user runs it (a subprocess), writing only under tmp_path."""
+import importlib.util
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
 
-import matplotlib.image
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
@@ -16,12 +17,19 @@ PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 # bench.py's JSON rounds times to 1 ms, throughputs to 0.01 tok/s and the ratio to 0.001; these
 # bound what that rounding can change in the quantities recomputed here.
 TIME_TOLERANCE_S = 0.001
+THROUGHPUT_ROUNDING = 0.005  # half of 0.01 tok/s
 RATIO_TOLERANCE = 0.002
 
 
-def run_script(args: list[str], cwd: Path) -> subprocess.CompletedProcess:
+def time_tolerance(time_s: float, throughput: float) -> float:
+    """How far tokens / rounded throughput may lie from the rounded time: half a millisecond,
+    plus what rounding the throughput moves it (time * 0.005 / throughput; ~2 ms on a slow run)."""
+    return TIME_TOLERANCE_S / 2 + time_s * THROUGHPUT_ROUNDING / throughput
+
+
+def run_script(args: list[str], cwd: Path, env: dict | None = None) -> subprocess.CompletedProcess:
     result = subprocess.run([sys.executable, *args], check=False, cwd=cwd, capture_output=True, text=True,
-                            timeout=SCRIPT_TIMEOUT_S)
+                            timeout=SCRIPT_TIMEOUT_S, env=env)
     assert result.returncode == 0, f"{args} failed:\n{result.stdout}\n{result.stderr}"
     return result
 
@@ -48,7 +56,8 @@ def check_nanovllm(run: dict) -> None:
     assert 4 * 8 <= run["total_output_tokens"] <= 4 * 16
     assert 4 * 8 <= run["total_input_tokens"] <= 4 * 16
     assert run["time_s"] > 0 and run["throughput_tok_s"] > 0
-    assert run["time_s"] == pytest.approx(run["total_output_tokens"] / run["throughput_tok_s"], abs=TIME_TOLERANCE_S)
+    assert run["time_s"] == pytest.approx(run["total_output_tokens"] / run["throughput_tok_s"],
+                                          abs=time_tolerance(run["time_s"], run["throughput_tok_s"]))
 
 
 @pytest.fixture(scope="module")
@@ -76,7 +85,7 @@ def test_bench_compare_hf(hf_run, plain_run):
     assert run["hf_time_s"] > 0 and run["hf_throughput_tok_s"] > 0
     # HF's throughput counts the requested output tokens, the same as nanovllm's.
     assert run["hf_time_s"] == pytest.approx(run["total_output_tokens"] / run["hf_throughput_tok_s"],
-                                             abs=TIME_TOLERANCE_S)
+                                             abs=time_tolerance(run["hf_time_s"], run["hf_throughput_tok_s"]))
     assert run["speedup_vs_hf"] == pytest.approx(run["throughput_tok_s"] / run["hf_throughput_tok_s"],
                                                  rel=RATIO_TOLERANCE, abs=RATIO_TOLERANCE)
     # One batch of all 4 (the CPU default batch size is 16) runs to its longest output length:
@@ -88,6 +97,8 @@ def test_bench_compare_hf(hf_run, plain_run):
 
 
 def test_benchmark_plot_writes_png(plain_run, hf_run, tmp_path):
+    image_reader = pytest.importorskip("matplotlib.image", reason="matplotlib (the optional `bench` extra) "
+                                       "is not installed, and drawing needs it")
     # One file as --json-out writes it, one as JSON lines (two runs).
     lines = tmp_path / "runs.jsonl"
     lines.write_text(json.dumps(plain_run[0]) + "\n" + json.dumps(hf_run[0]) + "\n")
@@ -95,7 +106,7 @@ def test_benchmark_plot_writes_png(plain_run, hf_run, tmp_path):
     run_script([str(REPO / "benchmark_plot.py"), str(hf_run[1]), str(lines), "--out", str(out)], cwd=tmp_path)
     data = out.read_bytes()
     assert data.startswith(PNG_MAGIC) and len(data) > 1000
-    image = matplotlib.image.imread(out)  # [height, width, channels]
+    image = image_reader.imread(out)  # [height, width, channels]
     assert image.ndim == 3 and image.shape[0] > 100 and image.shape[1] > 100
 
 
@@ -107,3 +118,49 @@ def test_benchmark_plot_rejects_non_results(tmp_path):
                             timeout=SCRIPT_TIMEOUT_S)
     assert result.returncode != 0 and "lacks" in result.stderr
     assert not (tmp_path / "x.png").exists()
+
+
+# --- bench.py with no arguments, as nano-vllm's ---
+
+@pytest.fixture(scope="module")
+def bench():
+    """bench.py imported as a module, for its constants and its model choice."""
+    spec = importlib.util.spec_from_file_location("bench", REPO / "bench.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_bench_with_no_arguments_runs_and_says_what_it_chose(bench, tmp_path):
+    """A HOME without nano-vllm's checkpoint and no visible GPU (on any machine): the tiny model
+    and the CPU workload, said on the first line; the table and the JSON line follow."""
+    env = {**os.environ, "HOME": str(tmp_path), "CUDA_VISIBLE_DEVICES": ""}
+    result = run_script([str(REPO / "bench.py")], cwd=tmp_path, env=env)
+    lines = result.stdout.strip().splitlines()
+    name = bench.SYNTHETIC[bench.DEFAULT_SYNTHETIC_CPU][1]
+    assert lines[0].startswith(f"bench: model {name} (no --model or --synthetic given")
+    assert f"{bench.NANO_VLLM_CHECKPOINT} does not exist" in lines[0] and "default on CPU" in lines[0]
+    assert (f"workload {bench.CPU_NUM_SEQS} seqs with input and output lengths "
+            f"{bench.CPU_MIN_LEN}..{bench.CPU_MAX_LEN} (the CPU default") in lines[0]
+    assert any(line.startswith("nanovllm output tok/s") for line in lines[1:-1])
+    run = json.loads(lines[-1])
+    assert run["device"] == "cpu" and run["model"] == name and run["cpu_scaled_workload"] is True
+    assert run["num_seqs"] == bench.CPU_NUM_SEQS
+    assert run["input_len_range"] == run["output_len_range"] == [bench.CPU_MIN_LEN, bench.CPU_MAX_LEN]
+    assert (tmp_path / "checkpoints").is_dir(), "the synthetic checkpoint is built under ./checkpoints/"
+
+
+def test_bench_model_choice(bench, tmp_path, monkeypatch):
+    monkeypatch.setenv("HOME", str(tmp_path))
+    assert bench.choose_model("/some/dir", None, on_cpu=True).path == "/some/dir"
+    assert bench.choose_model(None, "qwen3-0.6b", on_cpu=True).synthetic == "qwen3-0.6b"
+    # No checkpoint at nano-vllm's path: a random-weight model sized for the device.
+    assert bench.choose_model(None, None, on_cpu=True).synthetic == "tiny"
+    on_cuda = bench.choose_model(None, None, on_cpu=False)
+    assert on_cuda.synthetic == "qwen3-0.6b" and on_cuda.path is None and "CUDA" in on_cuda.reason
+    # With one there, nano-vllm's checkpoint on either device.
+    default = tmp_path / "huggingface" / "Qwen3-0.6B"
+    default.mkdir(parents=True)
+    for on_cpu in (True, False):
+        choice = bench.choose_model(None, None, on_cpu=on_cpu)
+        assert choice.path == str(default) + os.sep and choice.synthetic is None and "exists" in choice.reason

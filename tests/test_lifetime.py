@@ -32,7 +32,7 @@ def kv_cache_bytes(llm: LLM) -> int:
 def use_and_drop(path: str, num_blocks: int) -> tuple[weakref.ref, int]:
     """Make an engine, use every way of calling it (leaving a stream open and an online request
     unread), and drop it without exit(). Returns a weak reference to it and its cache size."""
-    llm = LLM(path, kvcache_block_size=BLOCK, num_kvcache_blocks=num_blocks, max_model_len=256)
+    llm = LLM(path, device="cpu", kvcache_block_size=BLOCK, num_kvcache_blocks=num_blocks, max_model_len=256)
     llm.generate([[1, 2, 3]], greedy(), use_tqdm=False)
     stream = llm.stream([[4, 5, 6], "hello"], greedy(20))
     next(stream)
@@ -44,7 +44,7 @@ def use_and_drop(path: str, num_blocks: int) -> tuple[weakref.ref, int]:
 
 @pytest.fixture(scope="module")
 def blocks_for_target(qwen3_tiny) -> int:
-    with LLM(qwen3_tiny, kvcache_block_size=BLOCK, num_kvcache_blocks=16, max_model_len=256) as probe:
+    with LLM(qwen3_tiny, device="cpu", kvcache_block_size=BLOCK, num_kvcache_blocks=16, max_model_len=256) as probe:
         block_bytes = kv_cache_bytes(probe) // 16
     return KV_CACHE_TARGET_BYTES // block_bytes
 
@@ -70,7 +70,7 @@ def test_make_and_drop_does_not_grow_memory(qwen3_tiny, blocks_for_target):
 
 
 def test_with_form_frees_on_leaving(qwen3_tiny):
-    with LLM(qwen3_tiny, kvcache_block_size=BLOCK, num_kvcache_blocks=32) as llm:
+    with LLM(qwen3_tiny, device="cpu", kvcache_block_size=BLOCK, num_kvcache_blocks=32) as llm:
         out = llm.generate([[1, 2, 3]], greedy(), use_tqdm=False)
         assert len(out[0]["token_ids"]) == 6
     assert llm.model_runner.kv_cache is None
@@ -78,13 +78,13 @@ def test_with_form_frees_on_leaving(qwen3_tiny):
         llm.generate([[1, 2, 3]], greedy(), use_tqdm=False)
     # Leaving through an exception frees it too, and the exception goes on.
     with pytest.raises(KeyError):
-        with LLM(qwen3_tiny, kvcache_block_size=BLOCK, num_kvcache_blocks=32) as failing:
+        with LLM(qwen3_tiny, device="cpu", kvcache_block_size=BLOCK, num_kvcache_blocks=32) as failing:
             raise KeyError("in the block")
     assert failing.model_runner.kv_cache is None
 
 
 def test_every_call_after_exit_raises_before_any_work(qwen3_tiny):
-    llm = LLM(qwen3_tiny, kvcache_block_size=BLOCK, num_kvcache_blocks=32)
+    llm = LLM(qwen3_tiny, device="cpu", kvcache_block_size=BLOCK, num_kvcache_blocks=32)
     rid = llm.add_request([1, 2, 3], greedy())
     open_stream = llm.stream([[4, 5]], greedy())
     next(open_stream)

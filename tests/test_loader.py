@@ -14,7 +14,7 @@ from nanovllm.utils.loader import load_model
 
 
 def build_model(path: str) -> torch.nn.Module:
-    config = Config(path)
+    config = Config(path, device="cpu")
     return MODELS[config.architecture](config.hf_config)
 
 

@@ -1,8 +1,12 @@
 """End to end against HF transformers: greedy float32 tokens must be identical, for every batch
-mix, with prefix-cache hits, under preemption and with chunked prefill."""
+mix, with prefix-cache hits, under preemption and with chunked prefill.
+
+HF runs on CPU, the reference. The engine runs on CPU, and the tests parametrized with
+EVERY_DEVICE run on CUDA too where there is a GPU (the same float32 tokens are expected there).
+"""
 import pytest
 
-from helpers import hf_greedy, random_prompts
+from helpers import EVERY_DEVICE, hf_greedy, random_prompts
 from nanovllm import LLM, SamplingParams
 
 CHECKPOINTS = ["qwen3_tiny", "qwen3_tiny_tied", "qwen2_tiny"]
@@ -10,10 +14,17 @@ CHECKPOINTS = ["qwen3_tiny", "qwen3_tiny_tied", "qwen2_tiny"]
 MIXED_LENGTHS = [1, 2, 15, 16, 17, 31, 32, 33, 50, 64]
 MAX_TOKENS = 24
 BLOCK = 16
+# More than any test's batch; on CUDA it means 5 decode graphs to capture instead of nano-vllm's 36.
+MAX_NUM_SEQS = 16
 
 
 def greedy(max_tokens: int = MAX_TOKENS) -> SamplingParams:
     return SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+
+
+def engine(path: str, device: str, **kwargs) -> LLM:
+    return LLM(path, device=device, kvcache_block_size=kwargs.pop("kvcache_block_size", BLOCK),
+               max_num_seqs=MAX_NUM_SEQS, **kwargs)
 
 
 def record_prefill_chunks(llm: LLM) -> list[list[int]]:
@@ -30,13 +41,14 @@ def record_prefill_chunks(llm: LLM) -> list[list[int]]:
     return chunks
 
 
+@pytest.mark.parametrize("device", EVERY_DEVICE)
 @pytest.mark.parametrize("ckpt", CHECKPOINTS)
-def test_greedy_parity_mixed_batch(ckpt, request):
+def test_greedy_parity_mixed_batch(ckpt, device, request):
     path = request.getfixturevalue(ckpt)
     prompts = random_prompts(200, MIXED_LENGTHS, seed=1)
     # Different max_tokens per request, so sequences leave the batch at different steps.
     max_tokens = [MAX_TOKENS - 2 * (i % 4) for i in range(len(prompts))]
-    llm = LLM(path, kvcache_block_size=BLOCK, num_kvcache_blocks=256)
+    llm = engine(path, device, num_kvcache_blocks=256)
     outputs = llm.generate(prompts, [greedy(m) for m in max_tokens], use_tqdm=False)
     expected = hf_greedy(path, prompts, MAX_TOKENS)
     assert [o["token_ids"] for o in outputs] == [e[:m] for e, m in zip(expected, max_tokens)]
@@ -51,7 +63,7 @@ def test_prefix_cache_hits_keep_outputs(ckpt, request):
     shared = random_prompts(200, [40], seed=2)[0]
     tails = random_prompts(200, [1, 9, 16, 23], seed=3)
     prompts = [shared + tail for tail in tails] + [shared[:32], shared[:32]]  # 32 = 2 full blocks
-    llm = LLM(path, kvcache_block_size=BLOCK, num_kvcache_blocks=256)
+    llm = engine(path, "cpu", num_kvcache_blocks=256)
     first = llm.generate([shared], greedy(), use_tqdm=False)
     assert first[0]["num_cached_tokens"] == 0
     outputs = llm.generate(prompts, greedy(), use_tqdm=False)
@@ -71,7 +83,7 @@ def test_parity_under_preemption(ckpt, request):
     path = request.getfixturevalue(ckpt)
     prompts = random_prompts(200, MIXED_LENGTHS, seed=4)
     # 12 blocks of 16 hold 192 tokens: far less than the batch needs at once.
-    llm = LLM(path, kvcache_block_size=BLOCK, num_kvcache_blocks=12)
+    llm = engine(path, "cpu", num_kvcache_blocks=12)
     outputs = llm.generate(prompts, greedy(), use_tqdm=False)
     assert llm.scheduler.num_preemptions > 0
     assert [o["token_ids"] for o in outputs] == hf_greedy(path, prompts, MAX_TOKENS)
@@ -84,7 +96,7 @@ def test_parity_with_chunked_prefill(ckpt, request):
     path = request.getfixturevalue(ckpt)
     prompts = random_prompts(200, MIXED_LENGTHS, seed=5)
     budget = 24  # smaller than the longer prompts, and not a multiple of the block size
-    llm = LLM(path, kvcache_block_size=BLOCK, num_kvcache_blocks=256, max_num_batched_tokens=budget)
+    llm = engine(path, "cpu", num_kvcache_blocks=256, max_num_batched_tokens=budget)
     chunks = record_prefill_chunks(llm)
     outputs = llm.generate(prompts, greedy(), use_tqdm=False)
     assert [o["token_ids"] for o in outputs] == hf_greedy(path, prompts, MAX_TOKENS)
@@ -94,12 +106,13 @@ def test_parity_with_chunked_prefill(ckpt, request):
     llm.exit()
 
 
-def test_parity_with_everything_at_once(qwen3_tiny):
+@pytest.mark.parametrize("device", EVERY_DEVICE)
+def test_parity_with_everything_at_once(qwen3_tiny, device):
     """Prefix hits, chunked prefill and preemption in one run, over two generate() calls."""
     shared = random_prompts(200, [48], seed=6)[0]
     prompts = [shared + tail for tail in random_prompts(200, [3, 17, 30, 1, 12], seed=7)]
     prompts += random_prompts(200, [5, 40, 64], seed=8)
-    llm = LLM(qwen3_tiny, kvcache_block_size=BLOCK, num_kvcache_blocks=14, max_num_batched_tokens=40)
+    llm = engine(qwen3_tiny, device, num_kvcache_blocks=14, max_num_batched_tokens=40)
     expected = hf_greedy(qwen3_tiny, prompts, MAX_TOKENS)
     first = llm.generate(prompts, greedy(), use_tqdm=False)
     second = llm.generate(prompts, greedy(), use_tqdm=False)
@@ -110,10 +123,11 @@ def test_parity_with_everything_at_once(qwen3_tiny):
     llm.exit()
 
 
-def test_block_size_32_and_sampling_rows_beside_greedy(qwen3_tiny):
+@pytest.mark.parametrize("device", EVERY_DEVICE)
+def test_block_size_32_and_sampling_rows_beside_greedy(qwen3_tiny, device):
     """Another power-of-two block size; greedy rows stay argmax next to sampled rows."""
     prompts = random_prompts(200, [3, 31, 32, 33, 70], seed=9)
-    llm = LLM(qwen3_tiny, kvcache_block_size=32, num_kvcache_blocks=64)
+    llm = engine(qwen3_tiny, device, kvcache_block_size=32, num_kvcache_blocks=64)
     params = [greedy() if i % 2 == 0 else SamplingParams(temperature=1.0, max_tokens=MAX_TOKENS, ignore_eos=True)
               for i in range(len(prompts))]
     outputs = llm.generate(prompts, params, use_tqdm=False)

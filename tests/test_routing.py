@@ -18,7 +18,7 @@ THREAD_WAIT_S = 60.0  # generous bound on waiting for the other thread (never re
 
 @pytest.fixture(scope="module")
 def llm(qwen3_tiny):
-    engine = LLM(qwen3_tiny, kvcache_block_size=BLOCK, num_kvcache_blocks=64, max_model_len=256)
+    engine = LLM(qwen3_tiny, device="cpu", kvcache_block_size=BLOCK, num_kvcache_blocks=64, max_model_len=256)
     yield engine
     engine.exit()
 

@@ -18,7 +18,7 @@ MAX_TOKENS = 16
 
 @pytest.fixture(scope="module")
 def llm(qwen3_tiny):
-    engine = LLM(qwen3_tiny, kvcache_block_size=BLOCK, num_kvcache_blocks=128, max_model_len=256)
+    engine = LLM(qwen3_tiny, device="cpu", kvcache_block_size=BLOCK, num_kvcache_blocks=128, max_model_len=256)
     yield engine
     engine.exit()
 

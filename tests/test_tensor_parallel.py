@@ -38,7 +38,7 @@ def greedy(max_tokens: int = MAX_TOKENS) -> SamplingParams:
 
 
 def engine(path: str, tp: int, **kwargs) -> LLM:
-    return LLM(path, tensor_parallel_size=tp, kvcache_block_size=BLOCK, **kwargs)
+    return LLM(path, device="cpu", tensor_parallel_size=tp, kvcache_block_size=BLOCK, **kwargs)
 
 
 def pid_gone(pid: int, within_s: float = 5.0) -> bool:
@@ -47,6 +47,21 @@ def pid_gone(pid: int, within_s: float = 5.0) -> bool:
         try:
             os.kill(pid, 0)
         except ProcessLookupError:
+            return True
+        time.sleep(0.05)
+    return False
+
+
+def pid_ended(pid: int, within_s: float = 5.0) -> bool:
+    """The process has exited, reaped or not (a child stays a zombie, state Z, until its parent
+    joins it), as /proc says."""
+    deadline = time.monotonic() + within_s
+    while time.monotonic() < deadline:
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                if f.read().rsplit(")", 1)[1].split()[0] == "Z":
+                    return True
+        except FileNotFoundError:
             return True
         time.sleep(0.05)
     return False
@@ -189,7 +204,7 @@ import json, sys
 from nanovllm import LLM, SamplingParams
 if __name__ == "__main__":
     path, prompts, call_exit = sys.argv[1], json.loads(sys.argv[2]), sys.argv[3] == "1"
-    llm = LLM(path, tensor_parallel_size=2, kvcache_block_size=16, num_kvcache_blocks=64)
+    llm = LLM(path, device="cpu", tensor_parallel_size=2, kvcache_block_size=16, num_kvcache_blocks=64)
     out = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True), use_tqdm=False)
     print(json.dumps({"tokens": [o["token_ids"] for o in out], "pids": llm.model_runner.worker_pids}))
     if call_exit:
@@ -223,7 +238,7 @@ def test_indivisible_sizes_refused_before_any_process_starts(ckpt, tp, field, re
     monkeypatch.setattr(tensor_parallel.WorkerGroup, "__init__", no_spawning)
     children = multiprocessing.active_children()
     with pytest.raises(ValueError, match=f"tensor_parallel_size={tp}.*{field}.*allowed"):
-        LLM(request.getfixturevalue(ckpt), tensor_parallel_size=tp)
+        LLM(request.getfixturevalue(ckpt), device="cpu", tensor_parallel_size=tp)
     assert multiprocessing.active_children() == children and not dist.is_initialized()
 
 
@@ -263,3 +278,44 @@ def test_worker_exception_reported_with_its_traceback(qwen3_tiny):
     assert "worker rank 1" in str(error) and "Traceback" in str(error)
     assert "ValueError: unknown step message 'no-such-message'" in str(error)
     llm.exit()
+
+
+# Shortened for the test (the default is 30 s); a stopped worker must be reported well within
+# this plus FAILURE_DEADLINE_S, where without heartbeats rank 0 would wait out the process
+# group's 30-minute timeout.
+HEARTBEAT_TIMEOUT_S = 3.0
+
+
+def test_stopped_worker_is_reported_by_its_silence_and_killed(qwen3_tiny, monkeypatch):
+    """SIGSTOP the worker in the middle of a step: it neither dies nor answers, and rank 0 is
+    blocked in the step's collectives until the watcher notices the missing heartbeats."""
+    llm = engine(qwen3_tiny, 2, num_kvcache_blocks=64, tensor_parallel_heartbeat_timeout_s=HEARTBEAT_TIMEOUT_S)
+    (pid,) = llm.model_runner.worker_pids
+    prompts = random_prompts(200, [9, 30], seed=17)
+    assert len(llm.generate(prompts, greedy(4), use_tqdm=False)) == 2  # healthy beats are not silence
+    steps = []
+    run = ModelRunner.run
+
+    def stopping_run(self, seqs, is_prefill):
+        steps.append(is_prefill)
+        if len(steps) == 3:  # rank 0 has sent the step; the worker stops before (or while) running it
+            os.kill(pid, signal.SIGSTOP)
+        return run(self, seqs, is_prefill)
+    monkeypatch.setattr(ModelRunner, "run", stopping_run)
+    try:
+        error, _ = call_with_deadline(lambda: llm.generate(prompts, greedy(), use_tqdm=False),
+                                      HEARTBEAT_TIMEOUT_S + FAILURE_DEADLINE_S)
+    finally:
+        monkeypatch.undo()
+    assert len(steps) >= 3, "the worker was never stopped"
+    assert isinstance(error, TensorParallelError), error
+    assert f"worker rank 1 (pid {pid}) sent no heartbeat" in str(error)
+    assert "tensor_parallel_heartbeat_timeout_s=3" in str(error)
+    assert pid_ended(pid), "the stopped worker was left in place, not killed"
+    # The group stays stopped; exit() frees the rest, and no thread or process of it is left.
+    error, _ = call_with_deadline(lambda: llm.generate(prompts, greedy(), use_tqdm=False), FAILURE_DEADLINE_S)
+    assert isinstance(error, TensorParallelError) and "sent no heartbeat" in str(error)
+    call_with_deadline(llm.exit, FAILURE_DEADLINE_S)
+    assert pid_gone(pid)
+    assert not dist.is_initialized() and not multiprocessing.active_children()
+    assert not [t for t in threading.enumerate() if t.name == "nanovllm-tp-watcher"]

@@ -5,6 +5,8 @@ emit only the part past what was already emitted, holding it back while it ends 
 incomplete UTF-8 character. A stop string is searched only in the newly produced text (plus
 the few characters before it that a stop string spanning tokens needs) and the text is cut as
 vLLM cuts it: before the stop string, or after it with include_stop_str_in_output.
+Without a tokenizer (the engine's skip_tokenizer_init) all text is empty; the engine refuses
+stop strings then, since nothing could find them.
 """
 from transformers import PreTrainedTokenizerBase
 
@@ -15,7 +17,7 @@ REPLACEMENT_CHAR = "\ufffd"  # what a decoder yields for an incomplete UTF-8 seq
 
 class Detokenizer:
 
-    def __init__(self, tokenizer: PreTrainedTokenizerBase, params: SamplingParams):
+    def __init__(self, tokenizer: PreTrainedTokenizerBase | None, params: SamplingParams):
         self.tokenizer = tokenizer
         self.params = params
         self.token_ids: list[int] = []
@@ -28,6 +30,8 @@ class Detokenizer:
         self.num_streamed = 0  # characters of `text` handed to a stream so far
 
     def _decode(self, ids: list[int]) -> str:
+        if self.tokenizer is None:
+            return ""
         return self.tokenizer.decode(ids, skip_special_tokens=self.params.skip_special_tokens)
 
     def add_token(self, token_id: int, check_stop: bool) -> str | None:

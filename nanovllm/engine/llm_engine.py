@@ -21,7 +21,6 @@ from time import perf_counter
 from typing import Iterator, NamedTuple
 
 from tqdm.auto import tqdm
-from transformers import AutoTokenizer
 
 from nanovllm.config import Config
 from nanovllm.engine.block_manager import BlockManager
@@ -31,6 +30,7 @@ from nanovllm.engine.scheduler import Scheduler
 from nanovllm.engine.sequence import Sequence
 from nanovllm.engine.tensor_parallel import create_model_runner
 from nanovllm.sampling_params import SamplingParams
+from nanovllm.utils.tokenizer import end_of_text_id, load_tokenizer
 
 Prompt = str | list[int]
 
@@ -61,10 +61,9 @@ class LLMEngine:
     def __init__(self, model: str, **kwargs):
         config = Config.from_kwargs(model, kwargs)
         self.config = config
-        # A local directory and no trust_remote_code: no code from the checkpoint runs.
-        self.tokenizer = AutoTokenizer.from_pretrained(config.model, use_fast=True, trust_remote_code=False)
-        eos = self.tokenizer.eos_token_id
-        config.eos = eos if eos is not None else getattr(config.hf_config, "eos_token_id", None) or -1
+        # None with skip_tokenizer_init: token-id prompts only, and outputs have empty text.
+        self.tokenizer = None if config.skip_tokenizer_init else load_tokenizer(config.model)
+        config.eos = end_of_text_id(self.tokenizer, config.hf_config)
         self.model_runner = create_model_runner(config)  # tensor_parallel_size > 1 spawns the other ranks
         # The one exit hook of the whole engine (tensor-parallel workers included). It holds the
         # runner, not the engine, so dropping the engine lets the garbage collector run it; it
@@ -138,6 +137,9 @@ class LLMEngine:
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling_params={params!r} is not allowed; it must be a SamplingParams")
         if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError(f"prompt={prompt!r:.80} is a string, but this engine has no tokenizer "
+                                 "(skip_tokenizer_init=True); give each prompt as a list of token ids")
             token_ids = self.tokenizer.encode(prompt)
         elif isinstance(prompt, (list, tuple)) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
             token_ids = list(prompt)
@@ -149,6 +151,9 @@ class LLMEngine:
         bad = next((t for t in token_ids if not 0 <= t < vocab_size), None)
         if bad is not None:
             raise ValueError(f"prompt token id {bad} is outside the vocabulary; token ids must be in [0, {vocab_size})")
+        if params.stop_strings and self.tokenizer is None:
+            raise ValueError(f"stop={list(params.stop_strings)!r} needs a tokenizer to find the strings in the text, "
+                             "but this engine has none (skip_tokenizer_init=True); use stop_token_ids instead")
         bad = next((t for t in params.stop_token_ids if t >= vocab_size), None)
         if bad is not None:
             raise ValueError(f"stop_token_ids has {bad}, outside the vocabulary; ids must be in [0, {vocab_size})")
@@ -412,6 +417,10 @@ class LLMEngine:
         """generate() over conversations rendered by the tokenizer's chat template; takes one
         conversation (a list of {"role", "content"} dicts) or a list of them."""
         with self._entered():
+            if self.tokenizer is None:
+                raise ValueError("chat() needs the tokenizer's chat template, but this engine has no tokenizer "
+                                 "(skip_tokenizer_init=True); render the conversation yourself and call generate() "
+                                 "with token ids")
             if not isinstance(messages, list) or not messages:
                 raise ValueError("messages must be a non-empty list of {'role', 'content'} dicts, or a list of such lists")
             conversations = [messages] if isinstance(messages[0], dict) else messages

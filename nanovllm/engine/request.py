@@ -60,7 +60,7 @@ class Request:
                 return False
         return True
 
-    def pop(self, tokenizer: PreTrainedTokenizerBase) -> RequestOutput:
+    def pop(self, tokenizer: PreTrainedTokenizerBase | None) -> RequestOutput:
         """The news since the last pop; once finished, with the final output."""
         samples = []
         for i, seq in enumerate(self.seqs):
@@ -80,7 +80,7 @@ class Request:
         final = self.final_output(tokenizer) if finished else None
         return RequestOutput(self.request_id, self.prompt_token_ids, samples, finished, final)
 
-    def final_output(self, tokenizer: PreTrainedTokenizerBase) -> dict:
+    def final_output(self, tokenizer: PreTrainedTokenizerBase | None) -> dict:
         """generate()'s dict for this prompt: sample 0's fields at the top, every sample under
         "outputs" when n > 1."""
         samples = [_sample_output(seq, tokenizer) for seq in self.seqs]
@@ -90,10 +90,12 @@ class Request:
         return out
 
 
-def _sample_output(seq: Sequence, tokenizer: PreTrainedTokenizerBase) -> dict:
+def _sample_output(seq: Sequence, tokenizer: PreTrainedTokenizerBase | None) -> dict:
     params = seq.sampling_params
     if seq.detokenizer is not None:
         text = seq.detokenizer.final_text()
+    elif tokenizer is None:  # skip_tokenizer_init: token ids only
+        text = ""
     else:
         text = tokenizer.decode(seq.completion_token_ids, skip_special_tokens=params.skip_special_tokens)
     out = {

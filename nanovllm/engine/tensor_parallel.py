@@ -2,8 +2,9 @@
 spawned worker processes, each an ordinary ModelRunner over its shard of the weights.
 
 Owns the workers' lives, the process group (gloo on CPU, NCCL on CUDA with one GPU per rank),
-the channel that carries each step from rank 0 to the workers, and turning a worker's failure
-into a prompt, clear error on rank 0. It knows nothing of scheduling or sampling: the engine
+the channel that carries each step from rank 0 to the workers, the workers' heartbeats, and
+turning a worker's failure (an exception, its death, or its silence) into a prompt, clear
+error on rank 0. It knows nothing of scheduling or sampling: the engine
 hands rank 0 each step, rank 0 forwards it, and the parallel layers' collectives keep the ranks
 in step (only rank 0 samples).
 
@@ -16,6 +17,9 @@ two counts, never whole sequences or their sampling fields.
 
 Messages, rank 0 -> worker: (RUN, seqs, is_prefill) or (EXIT,).
 Worker -> rank 0: (STARTED,) once, just before it joins the process group, or (FAILED, traceback).
+Worker -> rank 0 on a second pipe, from a thread of the worker's own: (HEARTBEAT,) every
+tensor_parallel_heartbeat_timeout_s / HEARTBEATS_PER_TIMEOUT seconds. A pipe of its own means
+no two threads ever write to (or, on rank 0, read from) one connection.
 """
 import logging
 import multiprocessing as mp
@@ -28,7 +32,7 @@ from dataclasses import dataclass
 from datetime import timedelta
 from multiprocessing.connection import Connection, wait
 from multiprocessing.process import BaseProcess
-from time import monotonic
+from time import monotonic, sleep
 
 import torch
 import torch.distributed as dist
@@ -44,7 +48,8 @@ logger = logging.getLogger("nanovllm")
 LOOPBACK = "127.0.0.1"  # every rank runs on this host
 # Rendezvous and collectives. Generous, since ranks load their shards at the same time but may
 # reach the first collective far apart on a slow disk; a worker that dies is caught by its exit
-# (its connections close), never by waiting this out.
+# (its connections close) and one that stops answering by its missing heartbeats, never by
+# waiting this out (except while rank 0 is still in the rendezvous itself).
 PROCESS_GROUP_TIMEOUT = timedelta(minutes=30)
 # From spawn to a worker's STARTED: a fresh interpreter importing torch and nanovllm.
 WORKER_START_TIMEOUT_S = 300.0
@@ -52,8 +57,11 @@ WORKER_START_TIMEOUT_S = 300.0
 WORKER_JOIN_TIMEOUT_S = 10.0
 # After an error on rank 0, how long to wait for a worker to report the failure behind it.
 FAILURE_GRACE_S = 2.0
+# Heartbeats sent per heartbeat timeout: a few beats late (a worker thread briefly starved of CPU)
+# are not yet silence.
+HEARTBEATS_PER_TIMEOUT = 5
 
-RUN, EXIT, STARTED, FAILED = "run", "exit", "started", "failed"
+RUN, EXIT, STARTED, FAILED, HEARTBEAT = "run", "exit", "started", "failed", "heartbeat"
 
 
 class TensorParallelError(RuntimeError):
@@ -81,11 +89,30 @@ def _send(conn: Connection, *message) -> None:
     conn.send_bytes(pickle.dumps(message, pickle.HIGHEST_PROTOCOL))
 
 
-def _worker_main(config: Config, rank: int, store_port: int, conn: Connection, num_threads: int) -> None:
+def _heartbeat_interval_s(config: Config) -> float:
+    return config.tensor_parallel_heartbeat_timeout_s / HEARTBEATS_PER_TIMEOUT
+
+
+def _beat(conn: Connection, interval_s: float) -> None:
+    """A worker's heartbeat thread: says "alive" every interval_s for as long as the process runs
+    (a stopped or wedged process stops it too), until rank 0 is gone."""
+    message = pickle.dumps((HEARTBEAT,), pickle.HIGHEST_PROTOCOL)
+    while True:
+        try:
+            conn.send_bytes(message)
+        except OSError:  # rank 0's end is closed: nobody is listening any more
+            return
+        sleep(interval_s)
+
+
+def _worker_main(config: Config, rank: int, store_port: int, conn: Connection, heartbeat: Connection,
+                 num_threads: int) -> None:
     """Worker `rank`: join the group, build this rank's runner, then run every step rank 0 sends."""
     # Ctrl-C reaches every process in the terminal's group; rank 0 alone decides what it means.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     logging.getLogger("nanovllm").setLevel(logging.WARNING)  # rank 0 logs the start-up facts once
+    threading.Thread(target=_beat, args=(heartbeat, _heartbeat_interval_s(config)), name="nanovllm-tp-heartbeat",
+                     daemon=True).start()
     try:
         if config.device == "cuda":
             torch.cuda.set_device(rank)
@@ -123,6 +150,7 @@ class Worker:
     rank: int
     process: BaseProcess
     conn: Connection  # rank 0's end of this worker's pipe
+    heartbeat: Connection  # rank 0's end of its heartbeat pipe; only the watcher thread reads it
     started: bool = False
 
     @property
@@ -141,7 +169,8 @@ class Worker:
 class WorkerGroup:
     """Ranks 1..N-1 as rank 0 sees them: their processes and pipes, and the process group that
     rank 0 (this process) shares with them. Once anything fails the group is broken for good:
-    every later step raises, and close() terminates what is left."""
+    every later step raises, and close() terminates what is left. A watcher thread follows the
+    workers' heartbeats (see _watch); `failure` is written through _record_failure, by either thread."""
 
     def __init__(self, config: Config):
         if dist.is_initialized():
@@ -150,7 +179,8 @@ class WorkerGroup:
         self.config = config
         self.world_size = config.tensor_parallel_size
         self.workers: list[Worker] = []
-        self.failure: str | None = None  # why the group is broken
+        self.failure: str | None = None  # why the group is broken: the first failure recorded
+        self._failure_lock = threading.Lock()
         self.closed = False
         self._watcher: threading.Thread | None = None
         self._stop_watcher: Connection | None = None  # closing it wakes the watcher
@@ -169,20 +199,22 @@ class WorkerGroup:
         ctx = mp.get_context("spawn")  # a forked child would inherit CUDA and thread-pool state it cannot use
         for rank in range(1, self.world_size):
             conn, child_conn = ctx.Pipe()
-            process = ctx.Process(target=_worker_main, args=(config, rank, self.store.port, child_conn, num_threads),
+            heartbeat, child_heartbeat = ctx.Pipe(duplex=False)
+            process = ctx.Process(target=_worker_main, args=(config, rank, self.store.port, child_conn,
+                                                             child_heartbeat, num_threads),
                                   name=f"nanovllm-tp-rank{rank}", daemon=True)
             process.start()
             child_conn.close()  # the worker holds the only other end, so its death reads as EOF here
-            self.workers.append(Worker(rank, process, conn))
+            child_heartbeat.close()
+            self.workers.append(Worker(rank, process, conn, heartbeat))
         self._wait_started()
+        self._start_watcher()  # every worker beats from before its STARTED
         if config.device == "cuda":
             torch.cuda.set_device(0)
         else:
             self._saved_threads = torch.get_num_threads()
             torch.set_num_threads(num_threads)
         _join_process_group(config, 0, self.store)
-        if config.device == "cuda":
-            self._start_watcher()
         logger.info("tensor parallel: %d ranks over %s, workers %s, rendezvous on %s:%d%s", self.world_size,
                     _backend(config), self.pids, LOOPBACK, self.store.port,
                     "" if config.device == "cuda" else f", {num_threads} CPU thread(s) per rank")
@@ -217,9 +249,17 @@ class WorkerGroup:
     def _error(self) -> TensorParallelError:
         return TensorParallelError(f"{self.failure}\n(the tensor-parallel group is stopped; create a new engine)")
 
+    def _record_failure(self, failure: str) -> bool:
+        """Keep `failure` as the group's cause unless one is recorded already; True if it was kept."""
+        with self._failure_lock:
+            if self.failure is not None:
+                return False
+            self.failure = failure
+            return True
+
     def _raise_if_failed(self) -> None:
-        if self.failure is None:
-            self.failure = self._first_failure()
+        if self.failure is None and (failure := self._first_failure()) is not None:
+            self._record_failure(failure)
         if self.failure is not None:
             raise self._error()
 
@@ -243,28 +283,66 @@ class WorkerGroup:
         Returns the worker failure behind it (waiting up to FAILURE_GRACE_S for the report), if any."""
         deadline = monotonic() + (FAILURE_GRACE_S if isinstance(error, Exception) else 0)  # not on Ctrl-C
         while self.failure is None:
-            self.failure = self._first_failure()
-            if self.failure is not None or monotonic() >= deadline:
+            if (failure := self._first_failure()) is not None:
+                self._record_failure(failure)
+                break
+            if monotonic() >= deadline:
                 break
             wait([w.conn for w in self.workers] + [w.process.sentinel for w in self.workers], deadline - monotonic())
-        if self.failure is None:  # rank 0's own error; the workers may be stuck in a collective
-            self.failure = f"rank 0 failed: {error!r}"
+        if self._record_failure(f"rank 0 failed: {error!r}"):  # rank 0's own error; workers may be stuck
             return None
         return self._error()
 
     def _start_watcher(self) -> None:
-        """CUDA only. Under NCCL, a collective waiting on a dead peer never returns (gloo's sockets
-        report the loss instead), so a watcher aborts the group when a worker exits unexpectedly;
-        rank 0's blocked call then raises, and run() reports the worker."""
-        wake, self._stop_watcher = mp.Pipe(duplex=False)
-
-        def watch() -> None:
-            wait([w.process.sentinel for w in self.workers] + [wake])
-            wake.close()
-            if not self.closed and hasattr(dist.distributed_c10d, "_abort_process_group"):
-                dist.distributed_c10d._abort_process_group()
-        self._watcher = threading.Thread(target=watch, name="nanovllm-tp-watcher", daemon=True)
+        wake, self._stop_watcher = mp.Pipe(duplex=False)  # closing _stop_watcher wakes it to leave
+        self._watcher = threading.Thread(target=self._watch, args=(wake,), name="nanovllm-tp-watcher", daemon=True)
         self._watcher.start()
+
+    def _watch(self, wake: Connection) -> None:
+        """The watcher thread on rank 0. A worker silent for tensor_parallel_heartbeat_timeout_s
+        (stopped, hung) is recorded as the group's failure, then killed: a gloo collective waiting
+        on it fails at once, so rank 0's blocked call raises and run() reports the silent rank.
+        Under NCCL a collective waiting on a dead peer never returns, so on CUDA the watcher also
+        aborts the group, when a worker goes silent or exits. Returns at the first of these, or
+        when close() wakes it."""
+        timeout = self.config.tensor_parallel_heartbeat_timeout_s
+        interval = _heartbeat_interval_s(self.config)
+        beating = {w.heartbeat: w for w in self.workers}
+        sentinels = [w.process.sentinel for w in self.workers]
+        last_beat = {w.rank: monotonic() for w in self.workers}
+        previous = monotonic()
+        try:
+            while True:
+                ready = wait([wake, *beating, *sentinels], interval)
+                now = monotonic()
+                if now - previous > interval + timeout / 2:  # this process itself was paused (Ctrl-Z, a
+                    last_beat = dict.fromkeys(last_beat, now)  # debugger): silence counts only while watched
+                previous = now
+                if wake in ready or self.closed:
+                    return
+                for conn in (c for c in ready if c in beating):
+                    try:
+                        while conn.poll():
+                            conn.recv_bytes()
+                        last_beat[beating[conn].rank] = now
+                    except (EOFError, OSError):  # the worker is exiting; its sentinel will say so
+                        del beating[conn]
+                if any(sentinel in ready for sentinel in sentinels):  # a worker exited: run() reports it
+                    break
+                silent = [w for w in self.workers if now - last_beat[w.rank] > timeout]
+                if silent:
+                    self._record_failure(
+                        "; ".join(f"{w.name} sent no heartbeat for {now - last_beat[w.rank]:.1f} s (more than "
+                                  f"tensor_parallel_heartbeat_timeout_s={timeout:g}): it is stopped or hung, so it "
+                                  "was killed" for w in silent))
+                    for worker in silent:
+                        worker.process.kill()
+                    break
+        finally:
+            wake.close()
+        if self.config.device == "cuda" and dist.is_initialized() and not self.closed \
+                and hasattr(dist.distributed_c10d, "_abort_process_group"):
+            dist.distributed_c10d._abort_process_group()
 
     def close(self) -> None:
         """Stop every worker (politely when the group is healthy, by signal otherwise), then free
@@ -292,6 +370,7 @@ class WorkerGroup:
                 worker.process.join()
             worker.process.close()
             worker.conn.close()
+            worker.heartbeat.close()
         if dist.is_initialized():
             dist.destroy_process_group()
         self.store = None

@@ -73,7 +73,7 @@ def prepare_sampling(seqs: list[Sequence], vocab_size: int, eos: int, device: to
     banned_rows, banned_ids = [], []
     for row, (seq, p) in enumerate(zip(seqs, params)):
         if seq.num_completion_tokens < p.min_tokens:
-            stops = p.stop_token_ids + ([] if p.ignore_eos or eos < 0 else [eos])
+            stops = [*p.stop_token_ids, *([] if p.ignore_eos or eos < 0 else [eos])]
             banned_rows += [row] * len(stops)
             banned_ids += stops
     generators = []

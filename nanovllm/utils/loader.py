@@ -2,14 +2,15 @@
 
 Checkpoint names map onto the model's parameters directly or, for fused layers, through the
 model's `packed_modules_mapping` (q/k/v -> qkv_proj, gate/up -> gate_up_proj). A missing,
-unexpected or mis-shaped tensor is an error naming it. Tied embeddings share one parameter,
-so a checkpoint may omit lm_head.weight.
+unexpected or mis-shaped tensor is an error naming it, and so is a file safetensors cannot
+read (truncated or corrupt). Tied embeddings share one parameter, so a checkpoint may omit
+lm_head.weight.
 """
 import glob
 import os
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from torch import nn
 
 
@@ -27,6 +28,22 @@ def _resolve(weight_name: str, packed: dict) -> tuple[str, object]:
     return weight_name, None
 
 
+def _load_file(file: str, params: dict[str, nn.Parameter], packed: dict, loaded: set[tuple[int, object]]) -> None:
+    """Load every tensor of one *.safetensors file into its parameter, noting each in `loaded`."""
+    with safe_open(file, "pt", device="cpu") as f:
+        for weight_name in f.keys():
+            name, shard_id = _resolve(weight_name, packed)
+            param = params.get(name)
+            if param is None:
+                raise ValueError(f"checkpoint tensor {weight_name} has no matching model parameter")
+            tensor = f.get_tensor(weight_name)
+            if shard_id is None:
+                getattr(param, "weight_loader", _default_weight_loader)(param, tensor, weight_name)
+            else:
+                param.weight_loader(param, tensor, weight_name, shard_id)
+            loaded.add((id(param), shard_id))
+
+
 def load_model(model: nn.Module, path: str) -> None:
     files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
     if not files:
@@ -35,18 +52,11 @@ def load_model(model: nn.Module, path: str) -> None:
     packed = getattr(model, "packed_modules_mapping", {})
     loaded: set[tuple[int, object]] = set()  # (id of parameter, shard id)
     for file in files:
-        with safe_open(file, "pt", device="cpu") as f:
-            for weight_name in f.keys():
-                name, shard_id = _resolve(weight_name, packed)
-                param = params.get(name)
-                if param is None:
-                    raise ValueError(f"checkpoint tensor {weight_name} has no matching model parameter")
-                tensor = f.get_tensor(weight_name)
-                if shard_id is None:
-                    getattr(param, "weight_loader", _default_weight_loader)(param, tensor, weight_name)
-                else:
-                    param.weight_loader(param, tensor, weight_name, shard_id)
-                loaded.add((id(param), shard_id))
+        try:
+            _load_file(file, params, packed, loaded)
+        except SafetensorError as error:  # the parser's message alone does not say which file
+            raise ValueError(f"checkpoint file {file} cannot be read as safetensors ({error}); it may be "
+                             "truncated or corrupt: copy or download it again") from None
     missing = []
     for name, param in params.items():
         shard_ids = [sid for fused, sid in packed.values() if f".{fused}." in name] or [None]
