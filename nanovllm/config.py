@@ -36,20 +36,20 @@ MIN_HEARTBEAT_TIMEOUT_S = 1.0
 @dataclass
 class Config:
     model: str
-    max_num_batched_tokens: int = 16384
-    max_num_seqs: int = 512
+    max_num_batched_tokens: int = 16384  # most tokens computed in one step; a longer prompt is prefilled in chunks
+    max_num_seqs: int = 512  # most sequences in one batch
     max_model_len: int = 4096  # capped by the model's max_position_embeddings (GPT-2: n_positions)
-    gpu_memory_utilization: float = 0.9
+    gpu_memory_utilization: float = 0.9  # share of GPU memory the engine may fill (weights, activations, KV cache)
     tensor_parallel_size: int = 1  # ranks (processes; GPUs on CUDA) the model is sharded over
-    enforce_eager: bool = False
+    enforce_eager: bool = False  # True: never capture CUDA graphs (CPU runs are always eager)
     kvcache_block_size: int = 256  # 256 suits flash-attn; the torch/triton backends take any power of two >= 16
     num_kvcache_blocks: int = -1  # -1: size the KV cache from memory; > 0: exactly this many blocks
     device: str = "auto"  # "auto" = cuda when available, else cpu
-    # Given as "auto", "float32", "float16", "bfloat16" or a torch.dtype; always the torch.dtype once
-    # the Config is made. "auto" = the checkpoint's dtype on CUDA, float32 on CPU.
+    # "auto" = the checkpoint's dtype on CUDA, float32 on CPU; or "float32", "float16", "bfloat16"
+    # or a torch.dtype. Always the torch.dtype once the Config is made.
     dtype: torch.dtype | str = "auto"
-    attention_backend: str = "auto"
-    enable_prefix_caching: bool = True
+    attention_backend: str = "auto"  # "auto" = flash_attn on CUDA when installed, else triton on CUDA, else torch
+    enable_prefix_caching: bool = True  # reuse the KV blocks of a prompt prefix already computed
     # On CPU there is no device to measure, so the KV cache gets this fixed budget (as vLLM's
     # VLLM_CPU_KVCACHE_SPACE), per tensor-parallel rank; it is capped by what max_num_seqs sequences
     # of max_model_len need.

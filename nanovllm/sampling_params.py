@@ -42,23 +42,23 @@ def _explain_frozen(cls: type) -> type:
 @_explain_frozen
 @dataclass(frozen=True)
 class SamplingParams:
-    n: int = 1
-    temperature: float = 1.0
-    top_p: float = 1.0
+    n: int = 1  # samples per prompt; they share the prompt's KV blocks
+    temperature: float = 1.0  # 0 means greedy (argmax)
+    top_p: float = 1.0  # keep the fewest most likely tokens whose probabilities sum to top_p; in (0, 1]
     top_k: int = 0  # 0 or -1: off
-    min_p: float = 0.0
-    seed: int | None = None
-    stop: str | list[str] | tuple[str, ...] | None = None  # kept as a tuple of strings
-    stop_token_ids: list[int] | tuple[int, ...] | None = None  # kept as a tuple of ids
-    include_stop_str_in_output: bool = False
-    min_tokens: int = 0
-    max_tokens: int = 64
-    ignore_eos: bool = False
+    min_p: float = 0.0  # drop tokens less likely than min_p times the most likely one; in [0, 1]
+    seed: int | None = None  # per-request seed for reproducible sampling (sample i uses seed + i)
+    stop: str | list[str] | tuple[str, ...] | None = None  # strings that end generation; kept as a tuple
+    stop_token_ids: list[int] | tuple[int, ...] | None = None  # token ids that end generation; kept as a tuple
+    include_stop_str_in_output: bool = False  # keep the matched stop string in the text
+    min_tokens: int = 0  # tokens to generate before end-of-text, a stop token or stop string may end it
+    max_tokens: int = 64  # most tokens to generate
+    ignore_eos: bool = False  # keep generating past the end-of-text token
     logprobs: int | None = None  # top-N logprobs per generated token (the chosen token's too)
-    repetition_penalty: float = 1.0
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    skip_special_tokens: bool = True
+    repetition_penalty: float = 1.0  # > 0 (1 = off): penalise tokens already in the prompt or output
+    presence_penalty: float = 0.0  # in [-2, 2] (0 = off): subtracted from tokens already generated
+    frequency_penalty: float = 0.0  # in [-2, 2] (0 = off): subtracted per occurrence of tokens already generated
+    skip_special_tokens: bool = True  # leave special tokens out of the text
 
     def __post_init__(self) -> None:
         require(is_int(self.n) and self.n >= 1, "n", self.n, "an integer >= 1")

@@ -1,0 +1,1 @@
+"""Ways to run the engine from outside Python: an OpenAI-compatible HTTP server and the `nanovllm` CLI."""

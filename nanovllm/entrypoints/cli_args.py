@@ -1,0 +1,101 @@
+"""Command-line flags generated from a dataclass: one `--flag-name` per field, with the field's
+type, default and help (the comment on or just above the field in its source).
+
+So the CLI cannot drift from `Config` or `SamplingParams`: a new field is a new flag. It knows
+nothing of what the fields mean; choices for a field are passed in by the caller.
+"""
+import argparse
+import ast
+import dataclasses
+import inspect
+import io
+import textwrap
+import tokenize
+import types
+import typing
+from typing import Any
+
+SCALARS = (bool, int, float, str)
+
+
+def field_comments(cls: type) -> dict[str, str]:
+    """Field name -> its comment in the class source: the comment at the end of its line, else
+    the block of comment lines right above it."""
+    source = textwrap.dedent(inspect.getsource(cls))
+    comments: dict[int, str] = {}  # line number -> comment text
+    code_lines: set[int] = set()  # lines holding code (a comment there is an inline one)
+    for tok in tokenize.generate_tokens(io.StringIO(source).readline):
+        if tok.type == tokenize.COMMENT:
+            comments[tok.start[0]] = tok.string.lstrip("#").strip()
+        elif tok.type not in (tokenize.NL, tokenize.NEWLINE, tokenize.INDENT, tokenize.DEDENT, tokenize.ENDMARKER):
+            code_lines.add(tok.start[0])
+    result = {}
+    for node in ast.parse(source).body[0].body:
+        if not (isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name)):
+            continue
+        if node.end_lineno in comments:
+            result[node.target.id] = comments[node.end_lineno]
+            continue
+        above, line = [], node.lineno - 1
+        while line in comments and line not in code_lines:
+            above.insert(0, comments[line])
+            line -= 1
+        if above:
+            result[node.target.id] = " ".join(above)
+    return result
+
+
+def _flag_type(annotation: Any) -> tuple[type, bool, bool]:
+    """(scalar type, is a list, may be None) of a field annotation such as `int | None`,
+    `str | torch.dtype` (the first scalar wins) or `str | list[str] | None`."""
+    args = typing.get_args(annotation) if isinstance(annotation, types.UnionType) or \
+        typing.get_origin(annotation) is typing.Union else (annotation,)
+    optional = type(None) in args
+    for arg in args:
+        if arg in SCALARS:
+            scalar = arg
+            break
+    else:
+        scalar = None
+    for arg in args:
+        if typing.get_origin(arg) in (list, tuple) and typing.get_args(arg)[0] in SCALARS:
+            return (scalar or typing.get_args(arg)[0]), True, optional
+    if scalar is None:
+        raise TypeError(f"no command-line type for annotation {annotation!r}")
+    return scalar, False, optional
+
+
+def add_dataclass_flags(parser: argparse.ArgumentParser | argparse._ArgumentGroup, cls: type,
+                        skip: tuple[str, ...] = (), choices: dict[str, tuple] | None = None) -> list[str]:
+    """Add a flag for every init field of `cls` not in `skip`; returns the field names added."""
+    hints = typing.get_type_hints(cls)
+    comments = field_comments(cls)
+    choices = choices or {}
+    added = []
+    for f in dataclasses.fields(cls):
+        if not f.init or f.name in skip:
+            continue
+        default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
+        scalar, is_list, optional = _flag_type(hints[f.name])
+        help_text = comments.get(f.name, f"{cls.__name__}.{f.name}")
+        kwargs: dict[str, Any] = {"dest": f.name, "default": default}
+        if scalar is bool and not is_list:
+            kwargs["action"] = argparse.BooleanOptionalAction
+        else:
+            kwargs["type"] = scalar
+            kwargs["metavar"] = f.name.upper()
+            if is_list:
+                kwargs["nargs"] = "+"
+            if f.name in choices:
+                kwargs["choices"] = choices[f.name]
+                kwargs.pop("metavar")
+        none_note = " (default: none)" if optional and default is None else " (default: %(default)s)"
+        kwargs["help"] = help_text.replace("%", "%%") + none_note
+        parser.add_argument("--" + f.name.replace("_", "-"), **kwargs)
+        added.append(f.name)
+    return added
+
+
+def dataclass_kwargs(args: argparse.Namespace, names: list[str]) -> dict[str, Any]:
+    """The values of the flags added for `names`, as keyword arguments of the dataclass."""
+    return {name: getattr(args, name) for name in names}

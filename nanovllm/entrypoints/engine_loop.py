@@ -1,0 +1,330 @@
+"""The engine loop: one background thread owns an LLMEngine; asyncio code talks to it through a queue.
+
+`EngineClient` is the asyncio side. `add()` validates and queues a call's prompts (all or none),
+refusing them with `QueueFullError` when too many requests already wait for their first token;
+the returned `Submission` yields their `RequestOutput`s as they come. `abort()` stops requests.
+
+The thread is the only caller of the engine (it refuses a second thread anyway). It sleeps on its
+command queue while the engine is idle, so an idle server burns no CPU; while requests run it
+drains the queue between steps. Outputs go back once per step, in one `call_soon_threadsafe`
+that puts each on its request's asyncio.Queue, so no coroutine ever polls. It also feeds the
+engine-side metrics. It knows nothing of HTTP or the OpenAI format.
+"""
+import asyncio
+import logging
+import queue
+import threading
+import time
+from dataclasses import dataclass
+from typing import AsyncIterator, Callable, NamedTuple
+
+from nanovllm.config import Config
+from nanovllm.llm_engine import LLMEngine
+from nanovllm.engine.request import RequestOutput
+from nanovllm.entrypoints.metrics import ServerMetrics
+from nanovllm.sampling_params import SamplingParams
+
+logger = logging.getLogger("nanovllm")
+
+Prompt = str | list[int]
+
+
+class QueueFullError(Exception):
+    """More requests wait for their first token than the server allows; retry later."""
+
+
+class EngineDeadError(Exception):
+    """The engine loop stopped (a step raised, or the server is shutting down)."""
+
+
+class _Add(NamedTuple):
+    requests: list[tuple[str, Prompt, SamplingParams]]  # (request id, prompt, params): all or none
+    accepted: asyncio.Future  # set to None, or to the ValueError that refused the call
+    arrival: float  # time.monotonic() when the call came in, for time-to-first-token
+
+
+class _Abort(NamedTuple):
+    request_ids: list[str]
+
+
+class _Stop(NamedTuple):
+    pass
+
+
+@dataclass
+class _Timing:
+    """What the loop thread remembers of a live request, for the latency histograms."""
+    arrival: float
+    last_token: float | None = None  # None until its first token
+
+
+class Submission:
+    """The prompts of one add() call as its HTTP handler sees them: their outputs, in the order
+    they come, until every one has finished. Prompt i is request `request_ids[i]`."""
+
+    def __init__(self, request_ids: list[str], n: int):
+        self.request_ids = request_ids
+        self.n = n  # samples per prompt: each holds n queue places until its first output
+        self.outputs: asyncio.Queue = asyncio.Queue()  # RequestOutput, or the error that ended the loop
+        self.unstarted = set(request_ids)  # no output yet (the engine loop side's bookkeeping)
+        self.unfinished = set(request_ids)  # no final output yet (the consumer's bookkeeping)
+
+    def index(self, request_id: str) -> int:
+        return self.request_ids.index(request_id)
+
+    async def __aiter__(self) -> AsyncIterator[RequestOutput]:
+        while self.unfinished:
+            item = await self.outputs.get()
+            if isinstance(item, BaseException):
+                self.unfinished.clear()
+                raise item
+            if item.finished:
+                self.unfinished.discard(item.request_id)
+            yield item
+
+
+class EngineClient:
+    """Runs an engine in a thread of its own and lets coroutines use it.
+
+    `build_engine` is called in that thread (the engine is made and used by one thread only).
+    `max_queue_len` bounds the sequences accepted but not yet producing tokens.
+    """
+
+    def __init__(self, build_engine: Callable[[], LLMEngine], max_queue_len: int,
+                 metrics: ServerMetrics | None = None):
+        if not isinstance(max_queue_len, int) or max_queue_len < 1:
+            raise ValueError(f"max_queue_len={max_queue_len!r} is not allowed; it must be an integer >= 1")
+        self._build_engine = build_engine
+        self.max_queue_len = max_queue_len
+        self.metrics = metrics or ServerMetrics()
+        self._inbox: queue.SimpleQueue = queue.SimpleQueue()
+        # Held to put a command, and by the loop thread to close the inbox when it stops: a
+        # command is either taken by the loop or refused, never left unanswered.
+        self._inbox_lock = threading.Lock()
+        self._inbox_closed = False
+        self._submissions: dict[str, Submission] = {}  # by live request id; touched by the event loop only
+        self._num_queued = 0  # sequences accepted whose request has had no output yet
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+        self._dead: BaseException | None = None
+        self.config: Config | None = None  # the engine's, once started (read-only from here on)
+        self.cache_capacity_tokens = 0  # tokens the whole KV cache holds, once started
+
+    # --- lifetime ---
+
+    async def start(self) -> None:
+        """Start the loop thread and wait until its engine is built (re-raising what building raised)."""
+        self._loop = asyncio.get_running_loop()
+        ready = self._loop.create_future()
+        self._thread = threading.Thread(target=self._run, args=(ready,), name="nanovllm-engine-loop", daemon=True)
+        self._thread.start()
+        await ready
+
+    async def shutdown(self) -> None:
+        """Abort whatever is still running, free the engine and stop the thread."""
+        if self._thread is None:
+            return
+        self._send(_Stop())
+        await asyncio.to_thread(self._thread.join)
+        self._thread = None
+
+    @property
+    def is_running(self) -> bool:
+        return self._thread is not None and self._thread.is_alive() and not self._inbox_closed
+
+    @property
+    def num_queued(self) -> int:
+        return self._num_queued
+
+    # --- requests (called on the event loop) ---
+
+    async def add(self, prompts: list[Prompt], params: SamplingParams, request_id: str) -> Submission:
+        """Queue the prompts (request ids `{request_id}-{i}`), once the engine has accepted all of
+        them. Raises ValueError if it refused one (then none is queued), QueueFullError if the
+        queue is full, EngineDeadError if the loop has stopped."""
+        weight = len(prompts) * params.n
+        if weight > self.max_queue_len:
+            raise ValueError(f"n={params.n} samples of {len(prompts)} prompt(s) make {weight} sequences, more than "
+                             f"this server queues at once (max_queue_len={self.max_queue_len}); send fewer")
+        if self._num_queued + weight > self.max_queue_len:
+            raise QueueFullError(f"the server's queue is full ({self._num_queued} of {self.max_queue_len} sequences "
+                                 "wait for their first token); retry later")
+        submission = Submission([f"{request_id}-{i}" for i in range(len(prompts))], params.n)
+        accepted = self._loop.create_future()
+        if not self._send(_Add(list(zip(submission.request_ids, prompts, [params] * len(prompts))), accepted,
+                               time.monotonic())):
+            raise EngineDeadError("the engine is not running") from self._dead
+        # Registered before this coroutine yields, so before any output can be delivered.
+        for rid in submission.request_ids:
+            self._submissions[rid] = submission
+        self._num_queued += weight
+        try:
+            await accepted
+        except BaseException:  # refused, or the caller was cancelled while waiting
+            self.abort(submission.request_ids)
+            for rid in submission.request_ids:
+                self._release(rid)
+                self._submissions.pop(rid, None)
+            raise
+        return submission
+
+    def abort(self, request_ids: list[str]) -> None:
+        """Stop these requests (unknown or finished ones are ignored); their final outputs, with
+        finish_reason "abort", still arrive."""
+        if request_ids:
+            self._send(_Abort(list(request_ids)))
+
+    def _send(self, command: "_Add | _Abort | _Stop") -> bool:
+        """Put a command in the loop's inbox; False if the loop has stopped taking commands."""
+        with self._inbox_lock:
+            if self._thread is None or self._inbox_closed:
+                return False
+            self._inbox.put(command)
+            return True
+
+    def _release(self, request_id: str) -> None:
+        """Give back a request's queue places (once): it has started, or will never start."""
+        submission = self._submissions.get(request_id)
+        if submission is not None and request_id in submission.unstarted:
+            submission.unstarted.discard(request_id)
+            self._num_queued -= submission.n
+
+    def _deliver(self, items: list[tuple[str, RequestOutput | BaseException]]) -> None:
+        """On the event loop: hand each output to its submission (called once per engine step)."""
+        for request_id, item in items:
+            submission = self._submissions.get(request_id)
+            if submission is None:  # its handler gave up on it (refused or cancelled)
+                continue
+            self._release(request_id)
+            submission.outputs.put_nowait(item)
+            if isinstance(item, BaseException) or item.finished:
+                del self._submissions[request_id]
+
+    def _post(self, callback: Callable, *args) -> None:
+        """From the loop thread: run callback(*args) on the event loop (dropped if it has closed)."""
+        try:
+            self._loop.call_soon_threadsafe(callback, *args)
+        except RuntimeError:  # the event loop is closed: nobody is waiting any more
+            pass
+
+    # --- the loop thread ---
+
+    def _run(self, ready: asyncio.Future) -> None:
+        try:
+            engine = self._build_engine()
+        except BaseException as exc:  # handed to start(), which re-raises it
+            self._dead = exc
+            self._close_inbox([], exc)
+            self._post(_settle, ready, exc)
+            return
+        self.config = engine.config
+        self.cache_capacity_tokens = engine.block_manager.num_blocks * engine.config.kvcache_block_size
+        self._post(_settle, ready, None)
+        live: dict[str, _Timing] = {}
+        try:
+            self._serve(engine, live)
+        except BaseException as exc:
+            logger.exception("the engine loop stopped on an error; failing every live request")
+            self._dead = exc
+            error = EngineDeadError(f"the engine loop stopped: {exc!r}")
+            self._close_inbox([], error)  # first: whoever sees the error finds the client stopped
+            self._post(self._deliver, [(request_id, error) for request_id in live])
+        finally:
+            engine.exit()
+
+    def _serve(self, engine: LLMEngine, live: dict[str, _Timing]) -> None:
+        while True:
+            # Idle: sleep until a command comes. Busy: take what has come, then step.
+            commands = [] if engine.has_unfinished_requests() else [self._inbox.get()]
+            while True:
+                try:
+                    commands.append(self._inbox.get_nowait())
+                except queue.Empty:
+                    break
+            outputs: list[tuple[str, RequestOutput]] = []
+            for i, command in enumerate(commands):
+                if isinstance(command, _Stop):
+                    self._abort(engine, list(live), outputs, live)
+                    self._post(self._deliver, outputs)
+                    self._close_inbox(commands[i + 1:], EngineDeadError("the server is shutting down"))
+                    return
+                if isinstance(command, _Add):
+                    self._accept(engine, command, live)
+                else:
+                    self._abort(engine, command.request_ids, outputs, live)
+            if engine.has_unfinished_requests():
+                step = engine.step()
+                for request_id in step.request_ids:
+                    outputs.append((request_id, engine.pop_output(request_id)))
+            self._observe(engine, outputs, live)
+            if outputs:
+                self._post(self._deliver, outputs)
+
+    def _accept(self, engine: LLMEngine, command: _Add, live: dict[str, _Timing]) -> None:
+        added = []
+        try:
+            for request_id, prompt, params in command.requests:
+                engine.add_request(prompt, params, request_id=request_id)
+                added.append(request_id)
+        except ValueError as exc:  # all or none: take back the call's earlier prompts
+            for request_id in added:
+                engine.abort(request_id)
+                engine.pop_output(request_id)
+            self._post(_settle, command.accepted, exc)
+            return
+        for request_id in added:
+            live[request_id] = _Timing(command.arrival)
+        self._post(_settle, command.accepted, None)
+
+    def _abort(self, engine: LLMEngine, request_ids: list[str], outputs: list, live: dict[str, _Timing]) -> None:
+        for request_id in request_ids:
+            if request_id in live and engine.abort(request_id):
+                outputs.append((request_id, engine.pop_output(request_id)))
+
+    def _close_inbox(self, taken: list, error: BaseException) -> None:
+        """Take no more commands, and refuse the calls among those taken but not done and those
+        still in the inbox."""
+        with self._inbox_lock:
+            self._inbox_closed = True
+        while True:
+            try:
+                taken.append(self._inbox.get_nowait())
+            except queue.Empty:
+                break
+        for command in taken:
+            if isinstance(command, _Add):
+                self._post(_settle, command.accepted, error)
+
+    def _observe(self, engine: LLMEngine, outputs: list[tuple[str, RequestOutput]], live: dict[str, _Timing]) -> None:
+        """Update the metrics with this iteration's outputs and the engine's state."""
+        m = self.metrics
+        now = time.monotonic()
+        for request_id, output in outputs:
+            timing = live[request_id]
+            num_new = sum(len(sample.token_ids) for sample in output.samples)
+            if num_new:
+                m.generation_tokens.inc(num_new)
+                if timing.last_token is None:
+                    m.prompt_tokens.inc(len(output.prompt_token_ids))
+                    m.time_to_first_token.observe(now - timing.arrival)
+                else:
+                    m.time_per_output_token.observe(now - timing.last_token)
+                timing.last_token = now
+            for sample in output.samples:
+                if sample.finished:
+                    m.requests_finished.labels(sample.finish_reason).inc()
+            if output.finished:
+                m.e2e_request_latency.observe(now - timing.arrival)
+                del live[request_id]
+        scheduler, blocks = engine.scheduler, engine.block_manager
+        m.num_requests_running.set(len(scheduler.running))
+        m.num_requests_waiting.set(len(scheduler.waiting))
+        m.kv_cache_usage.set(1.0 - blocks.num_free_blocks / blocks.num_blocks)
+
+
+def _settle(future: asyncio.Future, error: BaseException | None) -> None:
+    if not future.done():  # its waiter may have been cancelled
+        if error is None:
+            future.set_result(None)
+        else:
+            future.set_exception(error)

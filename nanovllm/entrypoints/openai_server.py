@@ -1,0 +1,452 @@
+"""The OpenAI-compatible HTTP server: FastAPI routes over an `EngineClient`, served by uvicorn.
+
+Owns the routes (`/v1/completions`, `/v1/chat/completions`, `/v1/models`, `/health`,
+`/metrics`), the API-key check, turning engine outputs into OpenAI's responses and SSE chunks,
+aborting requests whose client went away, and a graceful exit on SIGTERM/SIGINT. Request
+shapes and error JSON come from `protocol.py`; the engine is reached only through the engine
+client held in `app.state` (started and stopped by the app's lifespan).
+"""
+import asyncio
+import hmac
+import json
+import logging
+import signal
+import socket
+import uuid
+from collections.abc import AsyncIterator, Awaitable
+from contextlib import asynccontextmanager
+
+import uvicorn
+from fastapi import APIRouter, Depends, FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from jinja2.exceptions import TemplateError
+from prometheus_client import CONTENT_TYPE_LATEST
+from pydantic import BaseModel
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from transformers import AutoTokenizer, PreTrainedTokenizerBase
+
+from nanovllm import LLM
+from nanovllm.engine.request import RequestOutput
+from nanovllm.entrypoints.engine_loop import EngineClient, EngineDeadError, QueueFullError, Submission
+from nanovllm.entrypoints.metrics import ServerMetrics
+from nanovllm.entrypoints.protocol import (APIError, AssistantMessage, ChatCompletionChoice, ChatCompletionChunk,
+                                           ChatCompletionRequest, ChatCompletionResponse, ChatCompletionStreamChoice,
+                                           ChatLogprobs, CompletionChoice, CompletionLogprobs, CompletionRequest,
+                                           CompletionResponse, DeltaMessage, ModelCard, ModelList, TokenLogprob,
+                                           TopLogprob, UsageInfo, request_error, validation_error)
+from nanovllm.entrypoints.server_settings import (DEFAULT_HOST, DEFAULT_PORT, DEFAULT_SHUTDOWN_TIMEOUT,
+                                                  RETRY_AFTER_SECONDS, ServerSettings)
+from nanovllm.sampling_params import SamplingParams
+
+logger = logging.getLogger("nanovllm")
+
+SSE_DONE = "data: [DONE]\n\n"  # OpenAI's end of a stream
+
+
+# ---- app ----
+
+def build_app(settings: ServerSettings) -> FastAPI:
+    """The FastAPI app; its lifespan builds the engine (in the engine loop's thread) and frees it."""
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        client = EngineClient(lambda: LLM(settings.model, **settings.engine_kwargs), settings.max_queue_len,
+                              app.state.metrics)
+        await client.start()
+        app.state.engine_client = client
+        try:
+            # A tokenizer of the server's own for chat templates and logprob strings: the engine's
+            # stays with the engine thread (a fast tokenizer is not to be shared across threads).
+            app.state.tokenizer = AutoTokenizer.from_pretrained(settings.model, use_fast=True,
+                                                                trust_remote_code=False)
+            logger.info("engine ready: serving %r as model %r", settings.model, settings.model_name)
+            yield
+        finally:
+            await client.shutdown()
+            logger.info("engine stopped")
+
+    app = FastAPI(title="nanovllm OpenAI-compatible server", lifespan=lifespan)
+    app.state.settings = settings
+    app.state.metrics = ServerMetrics()
+    app.add_exception_handler(APIError, _api_error_handler)
+    app.add_exception_handler(RequestValidationError, _validation_error_handler)
+    app.add_exception_handler(StarletteHTTPException, _http_error_handler)
+    app.add_exception_handler(EngineDeadError, _engine_dead_handler)
+    app.add_exception_handler(Exception, _internal_error_handler)
+    app.include_router(_plain_router)
+    app.include_router(_v1_router)
+    return app
+
+
+async def _check_api_key(request: Request) -> None:
+    """The /v1 routes' dependency: the Bearer token must equal the key (compared in constant time)."""
+    key = request.app.state.settings.api_key
+    if key is None:
+        return
+    scheme, _, token = request.headers.get("authorization", "").partition(" ")
+    if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), key.encode()):
+        raise APIError(401, "missing or wrong API key; send it as 'Authorization: Bearer <key>'",
+                       code="invalid_api_key")
+
+
+_plain_router = APIRouter()
+_v1_router = APIRouter(prefix="/v1", dependencies=[Depends(_check_api_key)])
+
+
+async def _api_error_handler(request: Request, exc: APIError) -> JSONResponse:
+    return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
+
+
+async def _validation_error_handler(request: Request, exc: RequestValidationError) -> JSONResponse:
+    return await _api_error_handler(request, validation_error(list(exc.errors())))
+
+
+async def _http_error_handler(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+    return await _api_error_handler(request, APIError(exc.status_code, str(exc.detail), headers=exc.headers))
+
+
+async def _engine_dead_handler(request: Request, exc: EngineDeadError) -> JSONResponse:
+    return await _api_error_handler(request, APIError(503, str(exc), type="server_error"))
+
+
+async def _internal_error_handler(request: Request, exc: Exception) -> JSONResponse:
+    # A bug, not a bad request: the client gets OpenAI's error shape, the log gets the traceback
+    # (Starlette re-raises it to the server after this response).
+    return await _api_error_handler(request, APIError(500, f"internal error: {exc!r}", type="server_error"))
+
+
+@_plain_router.get("/health")
+async def health(request: Request) -> Response:
+    client: EngineClient = request.app.state.engine_client
+    return Response(status_code=200 if client.is_running else 503)
+
+
+@_plain_router.get("/metrics")
+async def metrics(request: Request) -> Response:
+    return Response(request.app.state.metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+
+@_v1_router.get("/models")
+async def list_models(request: Request) -> ModelList:
+    client: EngineClient = request.app.state.engine_client
+    return ModelList(data=[ModelCard(id=request.app.state.settings.model_name,
+                                     max_model_len=client.config.max_model_len)])
+
+
+# ---- shared request plumbing ----
+
+def _check_model(request: Request, model: str | None) -> None:
+    name = request.app.state.settings.model_name
+    if model is not None and model != name:
+        raise APIError(404, f"the model {model!r} does not exist; this server serves {name!r}", param="model",
+                       code="model_not_found")
+
+
+async def _submit(request: Request, prompts: list, params: SamplingParams, request_id: str, fields: set[str],
+                  prompt_field: str) -> Submission:
+    client: EngineClient = request.app.state.engine_client
+    try:
+        return await client.add(prompts, params, request_id)
+    except ValueError as exc:
+        raise request_error(exc, fields, prompt_field) from None
+    except QueueFullError as exc:
+        request.app.state.metrics.requests_rejected.inc()
+        raise APIError(503, str(exc), type="server_error", code="queue_full",
+                       headers={"Retry-After": str(RETRY_AFTER_SECONDS)}) from None
+
+
+async def _wait_for_disconnect(request: Request) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+async def _unless_disconnected(request: Request, work: Awaitable[Response], submission: Submission) -> Response:
+    """Await a non-streaming response, aborting the requests if the client goes away first (or
+    the handler is cancelled, as at the end of a shutdown's grace period)."""
+    work_task = asyncio.ensure_future(work)
+    watch_task = asyncio.ensure_future(_wait_for_disconnect(request))
+    try:
+        await asyncio.wait({work_task, watch_task}, return_when=asyncio.FIRST_COMPLETED)
+        if work_task.done():
+            return work_task.result()
+        logger.info("client went away; aborting %s", submission.request_ids)
+        return Response(status_code=499)  # nobody reads it; nginx's "client closed request"
+    finally:
+        work_task.cancel()
+        watch_task.cancel()
+        request.app.state.engine_client.abort(list(submission.unfinished))
+
+
+def _sse(payload: BaseModel | dict) -> str:
+    data = payload.model_dump_json() if isinstance(payload, BaseModel) else json.dumps(payload)
+    return f"data: {data}\n\n"
+
+
+def _sse_response(events: AsyncIterator[str]) -> StreamingResponse:
+    return StreamingResponse(events, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+
+
+def _samples(final: dict) -> list[dict]:
+    return final.get("outputs") or [final]
+
+
+def _usage(prompt_tokens: int, completion_tokens: int) -> UsageInfo:
+    return UsageInfo(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
+                     total_tokens=prompt_tokens + completion_tokens)
+
+
+def _token_text(tokenizer: PreTrainedTokenizerBase, token_id: int) -> str:
+    return tokenizer.decode([token_id])
+
+
+def _completion_logprobs(tokenizer: PreTrainedTokenizerBase, token_ids: list[int], entries: list[dict | None],
+                         offset: int) -> CompletionLogprobs:
+    """OpenAI's legacy logprobs: per token its text, logprob, top alternatives (the chosen one
+    included, as vLLM) and character offset. A None entry (an echoed prompt token) has no logprob."""
+    tokens, token_logprobs, top, offsets = [], [], [], []
+    for token_id, entry in zip(token_ids, entries):
+        text = _token_text(tokenizer, token_id)
+        tokens.append(text)
+        offsets.append(offset)
+        offset += len(text)
+        if entry is None:
+            token_logprobs.append(None)
+            top.append(None)
+            continue
+        token_logprobs.append(entry["logprob"])
+        alternatives = {_token_text(tokenizer, t): lp for t, lp in entry["top_logprobs"].items()}
+        alternatives.setdefault(text, entry["logprob"])
+        top.append(alternatives)
+    return CompletionLogprobs(tokens=tokens, token_logprobs=token_logprobs, top_logprobs=top, text_offset=offsets)
+
+
+def _chat_logprobs(tokenizer: PreTrainedTokenizerBase, entries: list[dict]) -> ChatLogprobs:
+    def top(token_id: int, logprob: float) -> TopLogprob:
+        text = _token_text(tokenizer, token_id)
+        return TopLogprob(token=text, logprob=logprob, bytes=list(text.encode()))
+    return ChatLogprobs(content=[
+        TokenLogprob(**top(e["token_id"], e["logprob"]).model_dump(),
+                     top_logprobs=[top(t, lp) for t, lp in e["top_logprobs"].items()])
+        for e in entries])
+
+
+# ---- /v1/completions ----
+
+_COMPLETION_FIELDS = set(CompletionRequest.model_fields)
+
+
+@_v1_router.post("/completions", response_model=None)
+async def create_completion(body: CompletionRequest, request: Request) -> Response:
+    _check_model(request, body.model)
+    try:
+        params = body.to_sampling_params()
+    except ValueError as exc:
+        raise request_error(exc, _COMPLETION_FIELDS) from None
+    prompts = body.prompts()
+    request_id = f"cmpl-{uuid.uuid4().hex}"
+    submission = await _submit(request, prompts, params, request_id, _COMPLETION_FIELDS, "prompt")
+    state = request.app.state
+    if body.stream:
+        return _sse_response(_completion_events(state, body, params, prompts, submission, request_id))
+    return await _unless_disconnected(
+        request, _completion_response(state, body, params, prompts, submission, request_id), submission)
+
+
+def _prompt_text(tokenizer: PreTrainedTokenizerBase, prompt: str | list[int]) -> str:
+    return prompt if isinstance(prompt, str) else tokenizer.decode(prompt)
+
+
+async def _completion_response(state, body: CompletionRequest, params: SamplingParams, prompts: list,
+                               submission: Submission, request_id: str) -> Response:
+    finals: list[dict] = [{}] * len(prompts)
+    async for output in submission:
+        if output.finished:
+            finals[submission.index(output.request_id)] = output.final
+    tokenizer = state.tokenizer
+    choices = []
+    for i, final in enumerate(finals):
+        prompt_text = _prompt_text(tokenizer, prompts[i]) if body.echo else ""
+        for j, sample in enumerate(_samples(final)):
+            logprobs = None
+            if params.logprobs is not None:
+                ids, entries = sample["token_ids"], list(sample["logprobs"])
+                if body.echo:
+                    ids, entries = final["prompt_token_ids"] + ids, [None] * len(final["prompt_token_ids"]) + entries
+                logprobs = _completion_logprobs(tokenizer, ids, entries, 0)
+            choices.append(CompletionChoice(index=i * params.n + j, text=prompt_text + sample["text"],
+                                            logprobs=logprobs, finish_reason=sample["finish_reason"],
+                                            stop_reason=sample["stop_reason"]))
+    usage = _usage(sum(len(f["prompt_token_ids"]) for f in finals),
+                   sum(len(s["token_ids"]) for f in finals for s in _samples(f)))
+    response = CompletionResponse(id=request_id, model=state.settings.model_name, choices=choices, usage=usage)
+    return JSONResponse(response.model_dump())
+
+
+async def _completion_events(state, body: CompletionRequest, params: SamplingParams, prompts: list,
+                             submission: Submission, request_id: str) -> AsyncIterator[str]:
+    tokenizer, model = state.tokenizer, state.settings.model_name
+    offsets: dict[int, int] = {}  # choice index -> characters sent so far (for logprobs' text_offset)
+    prompt_tokens: dict[int, int] = {}
+    completion_tokens = 0
+    try:
+        async for output in submission:
+            i = submission.index(output.request_id)
+            prompt_tokens[i] = len(output.prompt_token_ids)
+            for sample in output.samples:
+                choice = i * params.n + sample.index
+                text, ids, entries = sample.text, sample.token_ids, list(sample.logprobs)
+                completion_tokens += len(ids)
+                if choice not in offsets:  # the first chunk of this choice
+                    offsets[choice] = 0
+                    if body.echo:
+                        text = _prompt_text(tokenizer, prompts[i]) + text
+                        ids = output.prompt_token_ids + ids
+                        entries = [None] * len(output.prompt_token_ids) + entries
+                logprobs = None
+                if params.logprobs is not None and ids:
+                    logprobs = _completion_logprobs(tokenizer, ids, entries, offsets[choice])
+                offsets[choice] += len(text)
+                if not (text or logprobs or sample.finished):
+                    continue  # text held back (a partial character or a possible stop string)
+                chunk = CompletionChoice(index=choice, text=text, logprobs=logprobs,
+                                         finish_reason=sample.finish_reason if sample.finished else None,
+                                         stop_reason=sample.stop_reason if sample.finished else None)
+                yield _sse(CompletionResponse(id=request_id, model=model, choices=[chunk]))
+        if body.include_usage:
+            usage = _usage(sum(prompt_tokens.values()), completion_tokens)
+            yield _sse(CompletionResponse(id=request_id, model=model, choices=[], usage=usage))
+    except EngineDeadError as exc:
+        yield _sse(APIError(503, str(exc), type="server_error").body())
+    finally:  # normally nothing is left; after a disconnect (cancellation) everything is
+        state.engine_client.abort(list(submission.unfinished))
+    yield SSE_DONE
+
+
+# ---- /v1/chat/completions ----
+
+_CHAT_FIELDS = set(ChatCompletionRequest.model_fields)
+
+
+def _chat_prompt(tokenizer: PreTrainedTokenizerBase, body: ChatCompletionRequest) -> list[int]:
+    """The conversation rendered by the tokenizer's chat template, as token ids (as LLM.chat does)."""
+    if not getattr(tokenizer, "chat_template", None):
+        raise APIError(400, "this model's tokenizer has no chat template; use /v1/completions", param="messages")
+    try:
+        text = tokenizer.apply_chat_template(body.conversation(), tokenize=False,
+                                             add_generation_prompt=body.add_generation_prompt)
+    except TemplateError as exc:
+        raise APIError(400, f"messages: the chat template refused them: {exc}", param="messages") from None
+    return tokenizer.encode(text, add_special_tokens=False)  # the template holds the special tokens
+
+
+@_v1_router.post("/chat/completions", response_model=None)
+async def create_chat_completion(body: ChatCompletionRequest, request: Request) -> Response:
+    _check_model(request, body.model)
+    state = request.app.state
+    prompt = _chat_prompt(state.tokenizer, body)
+    client: EngineClient = state.engine_client
+    # With no max_tokens, the answer may fill what the context (and the KV cache) has left.
+    room = min(client.config.max_model_len, client.cache_capacity_tokens) - len(prompt)
+    try:
+        params = body.to_sampling_params(default_max_tokens=max(room, 1))
+    except ValueError as exc:
+        raise request_error(exc, _CHAT_FIELDS, "messages") from None
+    request_id = f"chatcmpl-{uuid.uuid4().hex}"
+    submission = await _submit(request, [prompt], params, request_id, _CHAT_FIELDS, "messages")
+    if body.stream:
+        return _sse_response(_chat_events(state, body, params, submission, request_id))
+    return await _unless_disconnected(request, _chat_response(state, params, submission, request_id), submission)
+
+
+async def _final_output(submission: Submission) -> dict:
+    async for output in submission:
+        if output.finished:
+            return output.final
+    raise AssertionError("a submission ended without a final output")
+
+
+async def _chat_response(state, params: SamplingParams, submission: Submission, request_id: str) -> Response:
+    final = await _final_output(submission)
+    choices = []
+    for j, sample in enumerate(_samples(final)):
+        logprobs = _chat_logprobs(state.tokenizer, sample["logprobs"]) if params.logprobs is not None else None
+        choices.append(ChatCompletionChoice(index=j, message=AssistantMessage(content=sample["text"]),
+                                            logprobs=logprobs, finish_reason=sample["finish_reason"],
+                                            stop_reason=sample["stop_reason"]))
+    usage = _usage(len(final["prompt_token_ids"]), sum(len(s["token_ids"]) for s in _samples(final)))
+    response = ChatCompletionResponse(id=request_id, model=state.settings.model_name, choices=choices, usage=usage)
+    return JSONResponse(response.model_dump())
+
+
+async def _chat_events(state, body: ChatCompletionRequest, params: SamplingParams, submission: Submission,
+                       request_id: str) -> AsyncIterator[str]:
+    model = state.settings.model_name
+
+    def chunk(choices: list[ChatCompletionStreamChoice], usage: UsageInfo | None = None) -> str:
+        return _sse(ChatCompletionChunk(id=request_id, model=model, choices=choices, usage=usage))
+
+    prompt_tokens = completion_tokens = 0
+    try:
+        # OpenAI's first chunk of each choice carries the role and no text.
+        yield chunk([ChatCompletionStreamChoice(index=j, delta=DeltaMessage(role="assistant", content=""))
+                     for j in range(params.n)])
+        output: RequestOutput
+        async for output in submission:
+            prompt_tokens = len(output.prompt_token_ids)
+            for sample in output.samples:
+                completion_tokens += len(sample.token_ids)
+                logprobs = None
+                if params.logprobs is not None and sample.logprobs:
+                    logprobs = _chat_logprobs(state.tokenizer, sample.logprobs)
+                if not (sample.text or logprobs or sample.finished):
+                    continue
+                yield chunk([ChatCompletionStreamChoice(
+                    index=sample.index, delta=DeltaMessage(content=sample.text or None), logprobs=logprobs,
+                    finish_reason=sample.finish_reason if sample.finished else None,
+                    stop_reason=sample.stop_reason if sample.finished else None)])
+        if body.include_usage:
+            yield chunk([], _usage(prompt_tokens, completion_tokens))
+    except EngineDeadError as exc:
+        yield _sse(APIError(503, str(exc), type="server_error").body())
+    finally:
+        state.engine_client.abort(list(submission.unfinished))
+    yield SSE_DONE
+
+
+# ---- running it ----
+
+def listening_socket(host: str, port: int) -> socket.socket:
+    """Bind and listen before the engine is built: the port is known (and can be 0 for any free
+    one) and early clients wait in the backlog instead of being refused."""
+    family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+    sock = socket.socket(family, kind, proto)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind(address)
+    sock.listen(socket.SOMAXCONN)
+    return sock
+
+
+def serve(settings: ServerSettings, host: str = DEFAULT_HOST, port: int = DEFAULT_PORT,
+          shutdown_timeout: float = DEFAULT_SHUTDOWN_TIMEOUT, log_level: str = "info") -> int:
+    """Run the server until SIGTERM/SIGINT; then stop accepting, give in-flight requests
+    `shutdown_timeout` seconds, abort the rest, free the engine and return 0."""
+    sock = listening_socket(host, port)
+    bound_host, bound_port = sock.getsockname()[:2]
+    url_host = f"[{bound_host}]" if ":" in bound_host else bound_host
+    logger.info("listening on http://%s:%d (requests wait until the engine is ready)", url_host, bound_port)
+    config = uvicorn.Config(build_app(settings), log_level=log_level, timeout_graceful_shutdown=shutdown_timeout)
+    server = uvicorn.Server(config)
+    # uvicorn handles the signal (graceful shutdown), then re-raises it to the handlers it found
+    # in place. These take it quietly, so a requested shutdown ends with exit status 0.
+    received: list[int] = []
+    previous = {sig: signal.signal(sig, lambda s, frame: received.append(s)) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        server.run(sockets=[sock])
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+        sock.close()
+    if not server.started:  # the lifespan (building the engine) failed; uvicorn has logged why
+        return 1
+    return 0

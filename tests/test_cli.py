@@ -1,0 +1,229 @@
+"""The `nanovllm` command through subprocesses (`python -m nanovllm`): --help, wrong flags (exit
+2), a missing model (exit 1, one line), `generate` equal to LLM.generate, `chat` driven through a
+pseudo-terminal (two turns, Ctrl-C, /reset), and `serve` stopped by SIGTERM with requests in
+flight (exit 0). The subprocesses of the simple cases start together, so their start-ups overlap."""
+import asyncio
+import dataclasses
+import fcntl
+import json
+import os
+import pty
+import select
+import signal
+import subprocess
+import termios
+import time
+
+import openai
+import pytest
+
+from nanovllm import LLM, SamplingParams
+from nanovllm.config import Config
+from nanovllm.entrypoints.cli import main
+from serving import ENGINE_FLAGS, ENGINE_KWARGS, REPO_ROOT, cli, start_cli, wait_for_listening
+
+PROMPTS = ["Hello world! How are", "The cache is split into"]
+RUN_TIMEOUT = 300  # seconds for one CLI run on a busy machine (most of it importing torch)
+CHAT_MAX_TOKENS = 64  # long enough that a Ctrl-C sent at the first streamed bytes lands mid-answer
+
+
+@pytest.fixture(scope="module")
+def runs(qwen3_tiny):
+    """The one-shot commands, started at once; each test reads its own."""
+    commands = {
+        "help": ["--help"],
+        "bad_flags": ["generate", qwen3_tiny, "hi", "--temperature", "hot", "--no-such-flag"],
+        "missing": ["generate", os.path.join(qwen3_tiny, "no-such-model"), "hi"],
+        "generate": ["generate", qwen3_tiny, *PROMPTS, "--json", "--temperature", "0", "--max-tokens", "6",
+                     *ENGINE_FLAGS],
+    }
+    procs = {name: start_cli(*args) for name, args in commands.items()}
+    yield procs
+    for proc in procs.values():
+        if proc.poll() is None:
+            proc.kill()
+
+
+def finish(proc: subprocess.Popen) -> tuple[int, str, str]:
+    out, err = proc.communicate(timeout=RUN_TIMEOUT)
+    return proc.returncode, out, err
+
+
+@pytest.fixture(scope="module")
+def offline(qwen3_tiny):
+    llm = LLM(qwen3_tiny, **ENGINE_KWARGS)
+    yield llm
+    llm.exit()
+
+
+def test_help(runs):
+    rc, out, err = finish(runs["help"])
+    assert rc == 0, err
+    for command in ("serve", "generate", "chat", "bench"):
+        assert command in out
+
+
+@pytest.mark.parametrize("command", ["serve", "generate", "chat"])
+def test_every_config_field_is_a_flag(command, capsys):
+    with pytest.raises(SystemExit) as info:
+        main([command, "--help"])
+    assert info.value.code == 0
+    out = capsys.readouterr().out
+    fields = [f.name for f in dataclasses.fields(Config) if f.init and f.name != "model"]
+    if command != "serve":
+        fields += [f.name for f in dataclasses.fields(SamplingParams) if f.init]
+    for name in fields:
+        assert "--" + name.replace("_", "-") in out, name
+
+
+def test_bench_help_is_bench_py_help(capsys):
+    assert main(["bench", "--help"]) == 0
+    assert "--compare-hf" in capsys.readouterr().out
+
+
+def test_wrong_flags_exit_2(runs, qwen3_tiny, capsys):
+    rc, _, err = finish(runs["bad_flags"])
+    assert rc == 2 and "invalid float value: 'hot'" in err and "Traceback" not in err, err
+    for args in (["serve", qwen3_tiny, "--no-such-flag"], ["chat", qwen3_tiny, "--device", "tpu"], ["generate"]):
+        with pytest.raises(SystemExit) as info:
+            main(args)
+        assert info.value.code == 2
+        assert "error:" in capsys.readouterr().err
+
+
+def test_missing_model_exits_1_with_one_line(runs):
+    rc, out, err = finish(runs["missing"])
+    assert rc == 1
+    assert err.strip().count("\n") == 0 and "does not exist" in err and "Traceback" not in err
+
+
+def test_serve_refuses_bad_engine_settings_before_starting(qwen3_tiny, capsys):
+    assert main(["serve", qwen3_tiny, "--kvcache-block-size", "17", "--port", "0"]) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "kvcache_block_size=17" in err
+
+
+def test_generate_json_equals_llm_generate(runs, offline):
+    rc, out, err = finish(runs["generate"])
+    assert rc == 0, err
+    lines = [json.loads(line) for line in out.splitlines()]
+    expected = offline.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=6), use_tqdm=False)
+    assert [(o["token_ids"], o["text"], o["finish_reason"]) for o in lines] == \
+        [(e["token_ids"], e["text"], e["finish_reason"]) for e in expected]
+
+
+def test_generate_prints_the_completion(qwen3_tiny, offline, capsys):
+    args = ["generate", qwen3_tiny, PROMPTS[0], "--temperature", "0", "--max-tokens", "5", *ENGINE_FLAGS]
+    assert main(args) == 0
+    expected = offline.generate(PROMPTS[:1], SamplingParams(temperature=0, max_tokens=5), use_tqdm=False)[0]
+    assert capsys.readouterr().out == expected["text"] + "\n"
+
+
+class Terminal:
+    """A command on a pseudo-terminal that is its controlling terminal, so Ctrl-C is SIGINT."""
+
+    def __init__(self, args: list[str]):
+        self.master, slave = pty.openpty()
+        self.proc = subprocess.Popen(args, stdin=slave, stdout=slave, stderr=slave, cwd=REPO_ROOT,
+                                     start_new_session=True,
+                                     preexec_fn=lambda: fcntl.ioctl(0, termios.TIOCSCTTY, 0))
+        os.close(slave)
+        self.buffer = b""
+
+    def read_until(self, marker: bytes, timeout: float = RUN_TIMEOUT) -> bytes:
+        """Everything up to and including `marker` (bounded by `timeout`)."""
+        deadline = time.monotonic() + timeout
+        while marker not in self.buffer:
+            assert time.monotonic() < deadline, f"no {marker!r} in {self.buffer[-400:]!r}"
+            ready, _, _ = select.select([self.master], [], [], 0.2)
+            if ready:
+                try:
+                    self.buffer += os.read(self.master, 65536)
+                except OSError:  # the command exited
+                    assert marker in self.buffer, f"exited before {marker!r}: {self.buffer[-400:]!r}"
+        end = self.buffer.index(marker) + len(marker)
+        seen, self.buffer = self.buffer[:end], self.buffer[end:]
+        return seen
+
+    def wait_for_output(self, timeout: float = RUN_TIMEOUT) -> None:
+        """Until something not yet read has arrived."""
+        deadline = time.monotonic() + timeout
+        while not self.buffer:
+            assert time.monotonic() < deadline, "no output"
+            ready, _, _ = select.select([self.master], [], [], 0.2)
+            if ready:
+                self.buffer += os.read(self.master, 65536)
+
+    def send(self, data: bytes) -> None:
+        os.write(self.master, data)
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+        self.proc.wait(RUN_TIMEOUT)
+        os.close(self.master)
+
+
+def test_chat_through_a_terminal(qwen3_tiny, offline):
+    params = SamplingParams(temperature=0, max_tokens=CHAT_MAX_TOKENS)
+
+    def answer(conversation: list[dict]) -> bytes:
+        text = offline.chat(conversation, params, use_tqdm=False)[0]["text"]
+        return text.encode().replace(b"\n", b"\r\n")  # the terminal turns "\n" into "\r\n"
+
+    turn1 = [{"role": "user", "content": "Hello"}]
+    first = answer(turn1)
+    turn2 = turn1 + [{"role": "assistant", "content": first.decode().replace("\r\n", "\n")},
+                     {"role": "user", "content": "And then?"}]
+    second = answer(turn2)
+    prompt = b"\r\n> "
+    term = Terminal(cli("chat", qwen3_tiny, "--temperature", "0", "--max-tokens", str(CHAT_MAX_TOKENS),
+                        *ENGINE_FLAGS))
+    try:
+        term.read_until(prompt)
+        term.send(b"Hello\n")
+        assert term.read_until(prompt) == b"Hello\r\n" + first + prompt
+        term.send(b"And then?\n")  # the answer depends on the first turn: the conversation is kept
+        assert term.read_until(prompt) == b"And then?\r\n" + second + prompt
+        term.send(b"Tell me more\n")
+        term.read_until(b"Tell me more\r\n")
+        term.wait_for_output()  # the answer has started streaming: stop it
+        term.send(b"\x03")
+        assert b"[stopped]" in term.read_until(prompt)
+        term.send(b"/reset\n")
+        term.read_until(b"(conversation cleared)" + prompt)
+        term.send(b"Hello\n")  # as the first turn again: the history is gone
+        assert term.read_until(prompt) == b"Hello\r\n" + first + prompt
+        term.send(b"\x04")  # Ctrl-D ends the session
+        assert term.proc.wait(RUN_TIMEOUT) == 0
+    finally:
+        term.close()
+
+
+def test_serve_sigterm_finishes_in_flight_requests_and_exits_0(qwen3_tiny, offline):
+    """SIGTERM while a stream is running: the server stops accepting, the stream still gets every
+    token, then the engine is freed and the process exits 0 (the cut-off at the end of the grace
+    period is tested in test_openai_server.py)."""
+    max_tokens = 48
+    proc = start_cli("serve", qwen3_tiny, "--port", "0", "--shutdown-timeout", str(RUN_TIMEOUT), *ENGINE_FLAGS)
+    try:
+        url, _ = wait_for_listening(proc)
+
+        async def run() -> str:
+            client = openai.AsyncOpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=RUN_TIMEOUT)
+            async with client:
+                stream = await client.completions.create(model=qwen3_tiny, prompt=PROMPTS[0], max_tokens=max_tokens,
+                                                         temperature=0, stream=True, extra_body={"ignore_eos": True})
+                first = await anext(aiter(stream))  # it is generating
+                proc.send_signal(signal.SIGTERM)
+                return first.choices[0].text + "".join([c.choices[0].text async for c in stream])
+
+        text = asyncio.run(run())
+        params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+        assert text == offline.generate(PROMPTS[:1], params, use_tqdm=False)[0]["text"]
+        assert proc.wait(RUN_TIMEOUT) == 0
+        err = proc.stderr.read()
+        assert "engine stopped" in err and "Traceback" not in err, err
+    finally:
+        if proc.poll() is None:
+            proc.kill()

@@ -1,0 +1,151 @@
+"""EngineClient (the engine-loop thread and its asyncio side) with a stand-in engine, no model:
+outputs arrive in order, a refused call queues nothing, the queue limit, a step that raises
+fails the live requests and the ones after it (never leaving a caller waiting), a failed build."""
+import asyncio
+import time
+from types import SimpleNamespace
+
+import pytest
+
+from nanovllm.engine.request import RequestOutput, SampleDelta
+from nanovllm.entrypoints.engine_loop import EngineClient, EngineDeadError, QueueFullError
+from nanovllm.sampling_params import SamplingParams
+
+BOOM = "boom"  # a prompt that makes the stand-in's next step raise
+SILENT = "silent"  # a prompt that never gets a token (it stays queued until aborted)
+
+
+class StandInEngine:
+    """LLMEngine's online API, single-threaded like it: each request gets one token per step
+    (the token is its step count) until max_tokens; a prompt "bad" is refused."""
+    STEP_SECONDS = 0.001  # a step that produced nothing still takes a little while, as a real one
+
+    def __init__(self):
+        self.config = SimpleNamespace(max_model_len=64, kvcache_block_size=16)
+        self.block_manager = SimpleNamespace(num_blocks=8, num_free_blocks=8)
+        self.scheduler = SimpleNamespace(running=[], waiting=[])
+        self.live: dict[str, list] = {}  # request id -> [prompt, params, tokens, finish_reason]
+        self.news: dict[str, None] = {}
+        self.exited = False
+
+    def add_request(self, prompt, params, request_id):
+        if prompt == "bad":
+            raise ValueError("prompt='bad' is not allowed")
+        self.live[request_id] = [prompt, params, [], None]
+        return request_id
+
+    def has_unfinished_requests(self) -> bool:
+        return any(entry[3] is None for entry in self.live.values())
+
+    def step(self):
+        time.sleep(self.STEP_SECONDS)
+        for request_id, entry in self.live.items():
+            if entry[3] is None and entry[0] != SILENT:
+                if entry[0] == BOOM:
+                    raise RuntimeError("the model blew up")
+                entry[2].append(len(entry[2]))
+                if len(entry[2]) == entry[1].max_tokens:
+                    entry[3] = "length"
+                self.news[request_id] = None
+        news, self.news = list(self.news), {}
+        return SimpleNamespace(request_ids=news)
+
+    def abort(self, request_id) -> bool:
+        entry = self.live.get(request_id)
+        if entry is None or entry[3] is not None:
+            return False
+        entry[3] = "abort"
+        return True
+
+    def pop_output(self, request_id) -> RequestOutput:
+        prompt, params, tokens, reason = self.live[request_id]
+        finished = reason is not None
+        if finished:
+            del self.live[request_id]
+        sample = SampleDelta(0, tokens[-1:], "", [], finished, reason, None)
+        return RequestOutput(request_id, [1, 2], [sample], finished, {"token_ids": tokens} if finished else None)
+
+    def exit(self):
+        self.exited = True
+
+
+def run_client(test, engine_factory=StandInEngine, max_queue_len: int = 8):
+    async def main():
+        engines = []
+
+        def build():
+            engines.append(engine_factory())
+            return engines[-1]
+        client = EngineClient(build, max_queue_len)
+        await client.start()
+        try:
+            await test(client)
+        finally:
+            await client.shutdown()
+        assert engines[0].exited
+    asyncio.run(main())
+
+
+def test_outputs_arrive_in_order_until_finished():
+    async def test(client):
+        submission = await client.add(["a", "b"], SamplingParams(max_tokens=3), "r")
+        seen = {rid: [] for rid in submission.request_ids}
+        async for output in submission:
+            seen[output.request_id] += output.samples[0].token_ids
+        assert seen == {"r-0": [0, 1, 2], "r-1": [0, 1, 2]}
+        assert client.num_queued == 0
+    run_client(test)
+
+
+def test_refused_call_queues_nothing():
+    async def test(client):
+        with pytest.raises(ValueError, match="bad"):
+            await client.add(["a", "bad"], SamplingParams(max_tokens=3), "r")
+        assert client.num_queued == 0
+        submission = await client.add(["a"], SamplingParams(max_tokens=1), "s")
+        assert [o.finished async for o in submission] == [True]
+    run_client(test)
+
+
+def test_queue_limit():
+    async def test(client):
+        with pytest.raises(ValueError, match="max_queue_len"):  # could never fit
+            await client.add(["a"] * 3, SamplingParams(n=2, max_tokens=1), "big")
+        first = await client.add([SILENT], SamplingParams(n=3, max_tokens=50), "r")
+        assert client.num_queued == 3
+        with pytest.raises(QueueFullError):  # 3 + 2 > 4 while the first waits for its first output
+            await client.add(["a"], SamplingParams(n=2, max_tokens=1), "s")
+        client.abort(first.request_ids)
+        assert [o.samples[0].finish_reason async for o in first] == ["abort"]
+        assert client.num_queued == 0  # its places are given back
+        second = await client.add(["a"], SamplingParams(n=2, max_tokens=1), "s")
+        assert [o.finished async for o in second] == [True]
+    run_client(test, max_queue_len=4)
+
+
+def test_a_failing_step_fails_live_requests_and_refuses_new_ones():
+    async def test(client):
+        running = await client.add(["a"], SamplingParams(max_tokens=60), "r")
+        await client.add([BOOM], SamplingParams(max_tokens=1), "b")
+        with pytest.raises(EngineDeadError, match="blew up"):
+            async for _ in running:
+                pass
+        assert not client.is_running
+        with pytest.raises(EngineDeadError):
+            await client.add(["a"], SamplingParams(max_tokens=1), "late")
+    run_client(test)
+
+
+def test_a_failed_build_is_raised_by_start():
+    def broken():
+        raise ValueError("model='x' is not a directory")
+
+    async def main():
+        client = EngineClient(broken, 4)
+        with pytest.raises(ValueError, match="not a directory"):
+            await client.start()
+        assert not client.is_running
+        with pytest.raises(EngineDeadError):
+            await client.add(["a"], SamplingParams(max_tokens=1), "r")
+        await client.shutdown()
+    asyncio.run(main())
