@@ -30,9 +30,9 @@ from nanovllm.entrypoints.batch_log import DoneLines, ResultLog
 
 logger = logging.getLogger("nanovllm.ray")
 
-# Input lines per read task: small enough that a block is cheap, large enough that the
-# index of chunk offsets is a fraction of the input's size.
-CHUNK_LINES = 1024
+# Input lines are read in chunks of max_in_flight lines (one chunk: one block, one actor batch),
+# but no fewer than this, so the index of chunk offsets stays a small fraction of the input.
+MIN_CHUNK_LINES = 16
 RESULT_COLUMNS = ("line", "custom_id", "result", "num_tokens", "ok")
 
 
@@ -74,15 +74,15 @@ class NanoVLLMPredictor:
 
 # --- `nanovllm batch --ray` ---
 
-def _index_input(path: str, done: DoneLines) -> tuple[int, list[tuple[int, int]]]:
-    """(number of lines, (first line, byte offset) of each chunk of CHUNK_LINES lines that has a
-    line still to do), in one pass over the input."""
+def _index_input(path: str, done: DoneLines, chunk_lines: int) -> tuple[int, list[tuple[int, int]]]:
+    """(number of lines, (first line, byte offset) of each chunk of `chunk_lines` lines that has
+    a line still to do), in one pass over the input."""
     chunks, offset, number = [], 0, 0
     chunk_start: tuple[int, int] | None = None
     chunk_pending = False
     with open(path, "rb") as f:
         for number, raw in enumerate(f, start=1):
-            if (number - 1) % CHUNK_LINES == 0:
+            if (number - 1) % chunk_lines == 0:
                 if chunk_start is not None and chunk_pending:
                     chunks.append(chunk_start)
                 chunk_start, chunk_pending = (number, offset), False
@@ -93,7 +93,7 @@ def _index_input(path: str, done: DoneLines) -> tuple[int, list[tuple[int, int]]
     return number, chunks
 
 
-def _read_chunks(batch: dict[str, np.ndarray], path: str, chunks: list[tuple[int, int]],
+def _read_chunks(batch: dict[str, np.ndarray], path: str, chunks: list[tuple[int, int]], chunk_lines: int,
                  done: DoneLines) -> dict[str, np.ndarray]:
     """A Ray Data map over chunk indices: the lines still to do of each chunk, with their numbers."""
     numbers, texts = [], []
@@ -101,7 +101,7 @@ def _read_chunks(batch: dict[str, np.ndarray], path: str, chunks: list[tuple[int
         for index in batch["id"]:
             first, offset = chunks[int(index)]
             f.seek(offset)
-            for number in range(first, first + CHUNK_LINES):
+            for number in range(first, first + chunk_lines):
                 raw = f.readline()
                 if not raw:
                     break
@@ -119,7 +119,6 @@ def run_ray_batch(job: BatchJob, replicas: int = 1, address: str | None = None,
     from time import perf_counter
 
     import ray
-    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
     check_job(job)
     if job.data_parallel != 1:
@@ -130,7 +129,8 @@ def run_ray_batch(job: BatchJob, replicas: int = 1, address: str | None = None,
         raise ValueError(f"cpus_per_replica={cpus_per_replica!r} is not allowed; it must be a number > 0")
     start = perf_counter()
     with ResultLog(job.output, job.flush_interval) as log:
-        num_lines, chunks = _index_input(job.input, log.done)
+        chunk_lines = max(job.resolved_max_in_flight(), MIN_CHUNK_LINES)
+        num_lines, chunks = _index_input(job.input, log.done, chunk_lines)
         log.check_input(num_lines)
         if log.torn_bytes:
             logger.warning("dropped a torn last line (%d bytes) that an interrupted run left in %s",
@@ -144,9 +144,7 @@ def run_ray_batch(job: BatchJob, replicas: int = 1, address: str | None = None,
                     ray.init(address=address, **({} if address else {"include_dashboard": False}))
                     started_ray = address is None
                 ray.data.DataContext.get_current().enable_progress_bars = False  # ours is enough
-                for batch in _results(job, chunks, log.done, replicas, cpus_per_replica,
-                                      NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(),
-                                                                     soft=False)):
+                for batch in _results(job, chunks, chunk_lines, log.done, replicas, cpus_per_replica):
                     finished = [Finished(int(line), custom_id, text, int(tokens), bool(ok))
                                 for line, custom_id, text, tokens, ok in zip(*(batch[c] for c in RESULT_COLUMNS))]
                     for f in finished:
@@ -161,8 +159,10 @@ def run_ray_batch(job: BatchJob, replicas: int = 1, address: str | None = None,
                         perf_counter() - start)
 
 
-def _results(job: BatchJob, chunks: list[tuple[int, int]], done: DoneLines, replicas: int,
-             cpus_per_replica: float, read_placement):
+def _results(job: BatchJob, chunks: list[tuple[int, int]], chunk_lines: int, done: DoneLines, replicas: int,
+             cpus_per_replica: float):
+    """The job as a Ray Data pipeline: chunk descriptors -> their lines still to do (read on this
+    machine) -> engine actors; yields the result batches as they come."""
     import ray
 
     device = job.engine_kwargs.get("device", "auto")
@@ -171,9 +171,16 @@ def _results(job: BatchJob, chunks: list[tuple[int, int]], done: DoneLines, repl
     resources = {"num_gpus": tp} if use_gpus else {"num_cpus": cpus_per_replica}
     logger.info("Ray: %d engine actor(s) with %s each", replicas,
                 f"{tp} GPU(s)" if use_gpus else f"{cpus_per_replica} CPU(s)")
-    reader = functools.partial(_read_chunks, path=os.path.abspath(job.input), chunks=chunks, done=done)
-    ds = ray.data.range(len(chunks)).map_batches(reader, batch_size=1, scheduling_strategy=read_placement)
-    ds = ds.map_batches(NanoVLLMPredictor, batch_size=job.resolved_max_in_flight(), concurrency=replicas,
+    reader = functools.partial(_read_chunks, path=os.path.abspath(job.input), chunks=chunks,
+                               chunk_lines=chunk_lines, done=done)
+    # The chunk indices are made here (no read task). The reading map runs on this machine, where
+    # the input is, and reserves no CPU: the actors may hold them all, and it must still run.
+    # (Its resources differ from the actors', which also keeps Ray Data from fusing the two.)
+    this_node = {"ray.io/node-id": ray.get_runtime_context().get_node_id()}
+    ds = ray.data.from_items([{"id": i} for i in range(len(chunks))])
+    ds = ds.map_batches(reader, batch_size=1, num_cpus=0, label_selector=this_node)
+    ds = ds.map_batches(NanoVLLMPredictor, batch_size=job.resolved_max_in_flight(),
+                        compute=ray.data.ActorPoolStrategy(size=replicas),
                         fn_constructor_kwargs={"model": job.model, "engine_kwargs": job.engine_kwargs,
                                                "sampling_defaults": job.sampling_defaults}, **resources)
     return ds.iter_batches(batch_size=None, batch_format="numpy")
