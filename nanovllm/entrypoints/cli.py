@@ -1,4 +1,4 @@
-"""The `nanovllm` command (also `python -m nanovllm`): serve, generate, chat, bench.
+"""The `nanovllm` command (also `python -m nanovllm`): serve, generate, chat, batch, bench.
 
 One argparse parser per subcommand; the engine flags are generated from `Config` and the
 sampling flags from `SamplingParams` (cli_args.py), so the CLI follows the API. Wrong flags exit
@@ -16,6 +16,7 @@ from pathlib import Path
 
 from nanovllm import LLM
 from nanovllm.config import ATTENTION_BACKENDS, DEVICES, DTYPES, Config
+from nanovllm.entrypoints.batch import add_job_flags
 from nanovllm.entrypoints.cli_args import add_dataclass_flags, dataclass_kwargs
 from nanovllm.entrypoints.server_settings import (DEFAULT_HOST, DEFAULT_PORT, DEFAULT_SHUTDOWN_TIMEOUT,
                                                   ServerSettings, api_key_from_env)
@@ -89,6 +90,18 @@ def build_parser() -> argparse.ArgumentParser:
     sampling_fields = _add_sampling_flags(chat)
     chat.set_defaults(run=_chat, engine_fields=engine_fields, sampling_fields=sampling_fields)
 
+    # batch: the job's own flags live with the job (entrypoints/batch.py).
+    batch = sub.add_parser("batch", help="run a JSONL file of requests into a JSONL file of results (resumable)",
+                           description="Run every request line of --input with MODEL and append one result line "
+                                       "per request to --output as it finishes. Killed and started again with the "
+                                       "same command, it resumes where it stopped. The sampling flags are the "
+                                       "defaults of every line; a line's own fields win.")
+    _add_model(batch)
+    add_job_flags(batch)
+    engine_fields = _add_engine_flags(batch)
+    sampling_fields = _add_sampling_flags(batch)
+    batch.set_defaults(run=_batch, engine_fields=engine_fields, sampling_fields=sampling_fields)
+
     # Listed here for --help; its arguments go to bench.py untouched (see main).
     sub.add_parser("bench", help="run the throughput benchmark (bench.py; `nanovllm bench --help` for its flags)",
                    add_help=False)
@@ -149,6 +162,30 @@ def _generate(args: argparse.Namespace) -> int:
         llm.exit()
     for output in outputs:
         print(json.dumps(output) if args.json else output["text"], flush=True)
+    return 0
+
+
+def _batch(args: argparse.Namespace) -> int:
+    from nanovllm.entrypoints.batch import BatchJob, run_batch
+
+    _check_model_dir(args.model)
+    _sampling_params(args)  # the defaults every line starts from: checked once, before any work
+    if not args.ray and args.replicas != 1:
+        raise CLIError(f"--replicas={args.replicas} needs --ray (without Ray, use --data-parallel)")
+    job = BatchJob(args.model, args.input, args.output, dataclass_kwargs(args, args.engine_fields),
+                   dataclass_kwargs(args, args.sampling_fields), args.max_in_flight, args.data_parallel,
+                   args.flush_interval, args.progress)
+    try:
+        if args.ray:
+            try:
+                from nanovllm.integrations.ray import run_ray_batch
+            except ImportError as exc:
+                raise CLIError(f"--ray needs Ray Data ({exc}); pip install 'nanovllm[ray]'") from None
+            run_ray_batch(job, args.replicas, args.ray_address, args.cpus_per_replica)
+        else:
+            run_batch(job)
+    except ValueError as exc:
+        raise CLIError(str(exc)) from None
     return 0
 
 

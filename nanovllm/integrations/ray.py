@@ -1,0 +1,186 @@
+"""Ray Data scale-out for batch jobs (`pip install nanovllm[ray]`).
+
+`NanoVLLMPredictor` is a callable class for `ray.data.Dataset.map_batches`: each actor builds one
+engine and runs the JSONL request lines of the batches it is given, returning one result line
+per row (the format of `nanovllm batch`). For example, on a laptop or a cluster alike:
+
+    import ray
+    from nanovllm.integrations.ray import NanoVLLMPredictor
+
+    ray.init()  # or ray.init(address="ray://head:10001") for a cluster
+    results = ray.data.read_text("prompts.jsonl").map_batches(
+        NanoVLLMPredictor, fn_constructor_kwargs={"model": "/models/Qwen3-0.6B"},
+        batch_size=256, concurrency=4, num_gpus=1)  # 4 actors, one GPU each (num_cpus=... without GPUs)
+
+`run_ray_batch` is `nanovllm batch --ray`: the same resumable job as batch.py, with the engines in
+Ray actors. The input is read by Ray Data tasks pinned to this machine (so it need not be on
+shared storage), the results stream back here and this process alone appends them to the
+output log. This module knows nothing of the CLI; Ray is imported only when it is used.
+"""
+import functools
+import logging
+import os
+from typing import Any
+
+import numpy as np
+
+from nanovllm.entrypoints.batch import BatchJob, BatchSummary, EngineBatcher, Finished, _Progress, check_job
+from nanovllm.entrypoints.batch_lines import LineError, default_sampling, parse_line
+from nanovllm.entrypoints.batch_log import DoneLines, ResultLog
+
+logger = logging.getLogger("nanovllm.ray")
+
+# Input lines are read in chunks of max_in_flight lines (one chunk: one block, one actor batch),
+# but no fewer than this, so the index of chunk offsets stays a small fraction of the input.
+MIN_CHUNK_LINES = 16
+RESULT_COLUMNS = ("line", "custom_id", "result", "num_tokens", "ok")
+
+
+class NanoVLLMPredictor:
+    """One engine per actor. A batch has a "text" column of JSONL request lines (str or bytes;
+    OpenAI batch lines or bare bodies, as `nanovllm batch` reads) and optionally a "line" column
+    of their line numbers; the result has, per row, "line", "custom_id", "result" (the result
+    line: JSON text), "num_tokens" (completion tokens) and "ok" (False for an error line)."""
+
+    def __init__(self, model: str, engine_kwargs: dict[str, Any] | None = None,
+                 sampling_defaults: dict[str, Any] | None = None):
+        from nanovllm import LLM
+
+        self.llm = LLM(model, **(engine_kwargs or {}))
+        self.batcher = EngineBatcher(self.llm)
+        self.sampling_defaults = default_sampling() if sampling_defaults is None else sampling_defaults
+
+    def __call__(self, batch: dict[str, Any]) -> dict[str, list]:
+        texts = list(batch["text"])
+        numbers = [int(n) for n in batch["line"]] if "line" in batch else [None] * len(texts)
+        results: list[Finished | None] = [None] * len(texts)
+        position: dict[str, int] = {}  # engine request id -> row
+        for row, (text, number) in enumerate(zip(texts, numbers)):
+            request = parse_line(text, number, self.sampling_defaults)
+            if isinstance(request, LineError):
+                results[row] = Finished(number, request.custom_id, request.to_json(), 0, False)
+                continue
+            submitted = self.batcher.submit(request)  # all of the batch: its size bounds what is in flight
+            if isinstance(submitted, Finished):
+                results[row] = submitted
+            else:
+                position[submitted] = row
+        while self.batcher.num_in_flight:
+            for finished in self.batcher.step():
+                results[position.pop(finished.request_id)] = finished
+        return {"line": numbers, "custom_id": [r.custom_id for r in results], "result": [r.text for r in results],
+                "num_tokens": [r.num_tokens for r in results], "ok": [r.ok for r in results]}
+
+
+# --- `nanovllm batch --ray` ---
+
+def _index_input(path: str, done: DoneLines, chunk_lines: int) -> tuple[int, list[tuple[int, int]]]:
+    """(number of lines, (first line, byte offset) of each chunk of `chunk_lines` lines that has
+    a line still to do), in one pass over the input."""
+    chunks, offset, number = [], 0, 0
+    chunk_start: tuple[int, int] | None = None
+    chunk_pending = False
+    with open(path, "rb") as f:
+        for number, raw in enumerate(f, start=1):
+            if (number - 1) % chunk_lines == 0:
+                if chunk_start is not None and chunk_pending:
+                    chunks.append(chunk_start)
+                chunk_start, chunk_pending = (number, offset), False
+            chunk_pending = chunk_pending or number not in done
+            offset += len(raw)
+    if chunk_start is not None and chunk_pending:
+        chunks.append(chunk_start)
+    return number, chunks
+
+
+def _read_chunks(batch: dict[str, np.ndarray], path: str, chunks: list[tuple[int, int]], chunk_lines: int,
+                 done: DoneLines) -> dict[str, np.ndarray]:
+    """A Ray Data map over chunk indices: the lines still to do of each chunk, with their numbers."""
+    numbers, texts = [], []
+    with open(path, "rb") as f:
+        for index in batch["id"]:
+            first, offset = chunks[int(index)]
+            f.seek(offset)
+            for number in range(first, first + chunk_lines):
+                raw = f.readline()
+                if not raw:
+                    break
+                if number not in done:
+                    numbers.append(number)
+                    texts.append(raw.rstrip(b"\n").rstrip(b"\r"))
+    text_column = np.empty(len(texts), dtype=object)
+    text_column[:] = texts
+    return {"line": np.array(numbers, dtype=np.int64), "text": text_column}
+
+
+def run_ray_batch(job: BatchJob, replicas: int = 1, address: str | None = None,
+                  cpus_per_replica: float = 1.0) -> BatchSummary:
+    """Run (or resume) a job with `replicas` engine actors; the output is that of run_batch."""
+    from time import perf_counter
+
+    import ray
+
+    check_job(job)
+    if job.data_parallel != 1:
+        raise ValueError(f"data_parallel={job.data_parallel} is not allowed with Ray; use replicas instead")
+    if not isinstance(replicas, int) or replicas < 1:
+        raise ValueError(f"replicas={replicas!r} is not allowed; it must be an integer >= 1")
+    if not isinstance(cpus_per_replica, (int, float)) or cpus_per_replica <= 0:
+        raise ValueError(f"cpus_per_replica={cpus_per_replica!r} is not allowed; it must be a number > 0")
+    start = perf_counter()
+    with ResultLog(job.output, job.flush_interval) as log:
+        chunk_lines = max(job.resolved_max_in_flight(), MIN_CHUNK_LINES)
+        num_lines, chunks = _index_input(job.input, log.done, chunk_lines)
+        log.check_input(num_lines)
+        if log.torn_bytes:
+            logger.warning("dropped a torn last line (%d bytes) that an interrupted run left in %s",
+                           log.torn_bytes, job.output)
+        progress = _Progress(num_lines, log.num_existing, job.progress)
+        started_ray = False
+        try:
+            if chunks:
+                if not ray.is_initialized():
+                    address = address or os.environ.get("RAY_ADDRESS")
+                    ray.init(address=address, **({} if address else {"include_dashboard": False}))
+                    started_ray = address is None
+                ray.data.DataContext.get_current().enable_progress_bars = False  # ours is enough
+                for batch in _results(job, chunks, chunk_lines, log.done, replicas, cpus_per_replica):
+                    finished = [Finished(int(line), custom_id, text, int(tokens), bool(ok))
+                                for line, custom_id, text, tokens, ok in zip(*(batch[c] for c in RESULT_COLUMNS))]
+                    for f in finished:
+                        log.append(f.line, f.text)
+                    progress.update(finished)
+                    log.maybe_flush()
+        finally:
+            progress.close()
+            if started_ray:
+                ray.shutdown()
+    return BatchSummary(num_lines, log.num_existing, progress.num_errors, progress.num_tokens,
+                        perf_counter() - start)
+
+
+def _results(job: BatchJob, chunks: list[tuple[int, int]], chunk_lines: int, done: DoneLines, replicas: int,
+             cpus_per_replica: float):
+    """The job as a Ray Data pipeline: chunk descriptors -> their lines still to do (read on this
+    machine) -> engine actors; yields the result batches as they come."""
+    import ray
+
+    device = job.engine_kwargs.get("device", "auto")
+    use_gpus = device != "cpu" and ray.cluster_resources().get("GPU", 0) > 0
+    tp = job.engine_kwargs.get("tensor_parallel_size", 1)
+    resources = {"num_gpus": tp} if use_gpus else {"num_cpus": cpus_per_replica}
+    logger.info("Ray: %d engine actor(s) with %s each", replicas,
+                f"{tp} GPU(s)" if use_gpus else f"{cpus_per_replica} CPU(s)")
+    reader = functools.partial(_read_chunks, path=os.path.abspath(job.input), chunks=chunks,
+                               chunk_lines=chunk_lines, done=done)
+    # The chunk indices are made here (no read task). The reading map runs on this machine, where
+    # the input is, and reserves no CPU: the actors may hold them all, and it must still run.
+    # (Its resources differ from the actors', which also keeps Ray Data from fusing the two.)
+    this_node = {"ray.io/node-id": ray.get_runtime_context().get_node_id()}
+    ds = ray.data.from_items([{"id": i} for i in range(len(chunks))])
+    ds = ds.map_batches(reader, batch_size=1, num_cpus=0, label_selector=this_node)
+    ds = ds.map_batches(NanoVLLMPredictor, batch_size=job.resolved_max_in_flight(),
+                        compute=ray.data.ActorPoolStrategy(size=replicas),
+                        fn_constructor_kwargs={"model": job.model, "engine_kwargs": job.engine_kwargs,
+                                               "sampling_defaults": job.sampling_defaults}, **resources)
+    return ds.iter_batches(batch_size=None, batch_format="numpy")

@@ -1,0 +1,349 @@
+"""Batch jobs (`nanovllm batch`): what a line means (parsing, defaults, per-line errors), the
+output log (torn last line repaired, foreign or duplicate results refused), a job's results equal
+LLM.generate/chat greedy, resume after a partial run, the Ray predictor class called directly,
+and a job killed with SIGKILL at random points and restarted ending exactly as an uninterrupted
+run. Scale-out and memory are in test_batch_scale.py."""
+import dataclasses
+import json
+import os
+import random
+import signal
+import subprocess
+import time
+
+import pytest
+
+from nanovllm import LLM, SamplingParams
+from nanovllm.config import Config
+from nanovllm.entrypoints.batch import BatchJob, run_batch
+from nanovllm.entrypoints.batch_lines import BatchRequest, LineError, default_sampling, parse_line
+from nanovllm.entrypoints.batch_log import DoneLines, ResultLog, count_lines, pending_lines
+from nanovllm.entrypoints.cli import main
+from serving import ENGINE_FLAGS, ENGINE_KWARGS, REPO_ROOT, cli
+
+# Small batches, so a job takes many steps (and a kill lands mid-job).
+JOB_ENGINE = {**ENGINE_KWARGS, "max_num_seqs": 4}
+JOB_FLAGS = [*ENGINE_FLAGS, "--max-num-seqs", "4"]
+GREEDY = {**default_sampling(), "temperature": 0.0}
+NUM_KILLS = 3
+KILL_TIMEOUT = 300  # seconds for a killed run to reach its kill point on a busy machine
+RUN_TIMEOUT = 300
+# One torch thread per subprocess: several competing ones thrash a busy 2-core machine.
+SUBPROCESS_ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+
+
+def request_lines(n: int, max_tokens: int) -> list[str]:
+    """n valid request lines of every form: OpenAI batch completions and chats, bare bodies (no
+    custom_id), token-id prompts, n=2."""
+    words = "the quick brown fox jumps over the lazy dog while the cache keeps every block".split()
+    rng = random.Random(0)
+    lines = []
+    for i in range(n):
+        text = " ".join(rng.choice(words) for _ in range(rng.randint(2, 9)))
+        kind = i % 5
+        if kind == 0:
+            lines.append({"custom_id": f"c{i}", "method": "POST", "url": "/v1/completions",
+                          "body": {"model": "any", "prompt": text, "max_tokens": max_tokens}})
+        elif kind == 1:
+            lines.append({"custom_id": f"chat{i}", "url": "/v1/chat/completions",
+                          "body": {"messages": [{"role": "user", "content": text}], "max_tokens": max_tokens}})
+        elif kind == 2:
+            lines.append({"prompt": text, "max_tokens": max_tokens})  # bare body: custom_id line-N
+        elif kind == 3:
+            lines.append({"custom_id": f"ids{i}", "body": {"prompt": [rng.randrange(1, 500) for _ in range(5)],
+                                                           "max_tokens": max_tokens}})
+        else:
+            lines.append({"custom_id": f"n2-{i}", "body": {"prompt": text, "n": 2, "max_tokens": max_tokens}})
+    return [json.dumps(line) for line in lines]
+
+
+BAD_LINES = {  # a bad line -> the field its error names (None: the line as a whole)
+    "this is not JSON": None,
+    "[1, 2, 3]": None,
+    "": None,
+    json.dumps({"custom_id": "no-prompt", "body": {"max_tokens": 3}}): "prompt",
+    json.dumps({"custom_id": "bad-temp", "body": {"prompt": "hi", "temperature": -1}}): "temperature",
+    json.dumps({"custom_id": "bad-top-p", "body": {"prompt": "hi", "top_p": 0}}): "top_p",
+    json.dumps({"custom_id": "str-tokens", "body": {"prompt": "hi", "max_tokens": "5"}}): "max_tokens",
+    json.dumps({"custom_id": "bad-role", "body": {"messages": [{"role": "wizard", "content": "x"}]}}): "messages[0].role",
+    json.dumps({"custom_id": "two-prompts", "body": {"prompt": ["a", "b"]}}): "prompt",
+    json.dumps({"custom_id": "wrong-url", "url": "/v1/embeddings", "body": {"prompt": "x"}}): "url",
+    json.dumps({"custom_id": "vocab", "body": {"prompt": [10 ** 9]}}): "prompt",  # refused by the engine
+}
+
+
+def write_lines(path, lines: list[str]) -> str:
+    with open(path, "w") as f:
+        f.write("".join(line + "\n" for line in lines))
+    return str(path)
+
+
+def read_results(path) -> list[dict]:
+    with open(path, "rb") as f:
+        data = f.read()
+    assert not data or data.endswith(b"\n"), "the output ends with a torn line"
+    return [json.loads(line) for line in data.splitlines()]
+
+
+def by_line(results: list[dict]) -> dict[int, dict]:
+    lines = [r["line"] for r in results]
+    assert len(lines) == len(set(lines)), "an input line has two results"
+    return {r["line"]: r for r in results}
+
+
+# --- what a line means ---
+
+def test_parse_openai_batch_line_with_defaults():
+    defaults = {**GREEDY, "max_tokens": 7, "stop": ["\n"]}
+    line = json.dumps({"custom_id": "a", "method": "POST", "url": "/v1/completions",
+                       "body": {"model": "m", "prompt": "hi", "top_k": 5, "temperature": None}})
+    request = parse_line(line, 3, defaults)
+    assert isinstance(request, BatchRequest)
+    assert (request.custom_id, request.line, request.prompt, request.messages) == ("a", 3, "hi", None)
+    # The body's fields win; the job's defaults fill the rest (null counts as unset).
+    assert (request.params.top_k, request.params.max_tokens, request.params.temperature) == (5, 7, 0.0)
+    assert request.params.stop_strings == ("\n",)
+
+
+def test_parse_chat_and_bare_lines():
+    chat = parse_line(json.dumps({"custom_id": "c", "body": {"messages": [{"role": "user", "content": "x"}],
+                                                             "max_completion_tokens": 3, "logprobs": True,
+                                                             "top_logprobs": 2}}), 1, GREEDY)
+    assert chat.messages == [{"role": "user", "content": "x"}] and chat.prompt is None
+    assert (chat.params.max_tokens, chat.params.logprobs) == (3, 2)
+    bare = parse_line(b'{"prompt": [1, 2, 3], "max_tokens": 2}\r\n', 12, None)
+    assert (bare.custom_id, bare.prompt, bare.params.max_tokens) == ("line-12", [1, 2, 3], 2)
+    assert bare.params.temperature == SamplingParams().temperature  # no defaults given: SamplingParams'
+
+
+@pytest.mark.parametrize("raw,param", [(k, v) for k, v in BAD_LINES.items() if "vocab" not in k])
+def test_bad_lines_become_errors(raw, param):
+    err = parse_line(raw, 9, GREEDY)
+    assert isinstance(err, LineError), err
+    assert err.param == param and err.message
+    obj = json.loads(err.to_json())
+    expected_id = json.loads(raw).get("custom_id", "line-9") if raw.startswith("{") else "line-9"
+    assert obj == {"custom_id": expected_id, "line": 9, "error": {"message": err.message, "param": param}}
+
+
+# --- the output log ---
+
+def test_done_lines_stay_compact():
+    done = DoneLines()
+    order = list(range(1, 10_001))
+    for i in range(0, len(order) - 8, 8):  # lines finish out of order within a window of 8
+        order[i:i + 8] = reversed(order[i:i + 8])
+    for line in order:
+        assert done.add(line)
+        assert len(done._above) <= 8
+    assert not done.add(5)
+    assert len(done) == 10_000 and done.watermark == 10_001 and 10_000 in done and 10_001 not in done
+
+
+def test_log_repairs_a_torn_last_line(tmp_path):
+    path = tmp_path / "out.jsonl"
+    whole = [json.dumps({"custom_id": f"x{i}", "line": i, "error": None}) for i in (2, 1, 4)]
+    torn = json.dumps({"custom_id": "x3", "line": 3, "text": "abc"})[:17]
+    path.write_bytes(("\n".join(whole) + "\n" + torn).encode())
+    with ResultLog(str(path), flush_interval=0) as log:
+        assert log.torn_bytes == len(torn) and log.num_existing == 3
+        assert [n for n in range(1, 6) if n in log.done] == [1, 2, 4]
+        assert path.read_bytes().endswith(b"\n")  # cut back to the last whole line at once
+        log.append(3, json.dumps({"custom_id": "x3", "line": 3, "error": None}))
+    assert [r["line"] for r in read_results(path)] == [2, 1, 4, 3]
+    inputs = write_lines(tmp_path / "in.jsonl", [f"l{i}" for i in range(1, 7)])
+    assert count_lines(inputs) == 6
+    assert [(n, raw) for n, raw in pending_lines(inputs, log.done)] == [(5, b"l5"), (6, b"l6")]
+
+
+@pytest.mark.parametrize("content,message", [
+    ('{"line": 1}\n{"line": 1}\n', "two results for input line 1"),
+    ('{"line": 1}\nnot ours\n', "not a result line"),
+    ('{"custom_id": "x"}\n', "not a result line"),
+])
+def test_log_refuses_a_foreign_file(tmp_path, content, message):
+    path = tmp_path / "out.jsonl"
+    path.write_text(content)
+    with pytest.raises(ValueError, match=message):
+        ResultLog(str(path))
+
+
+def test_log_refuses_results_beyond_the_input(tmp_path):
+    path = tmp_path / "out.jsonl"
+    path.write_text('{"line": 7}\n')
+    with ResultLog(str(path)) as log, pytest.raises(ValueError, match="line 7 but the input has 5 lines"):
+        log.check_input(5)
+
+
+# --- jobs on a tiny model ---
+
+@pytest.fixture(scope="module")
+def llm(qwen3_tiny):
+    engine = LLM(qwen3_tiny, **JOB_ENGINE)
+    yield engine
+    engine.exit()
+
+
+@pytest.fixture(scope="module")
+def job_input(tmp_path_factory):
+    """Good lines with bad ones among them (bad lines at fixed places)."""
+    good = request_lines(20, max_tokens=10)
+    lines = list(good)
+    for i, bad in enumerate(BAD_LINES):
+        lines.insert(2 + 2 * i, bad)
+    return write_lines(tmp_path_factory.mktemp("batch") / "in.jsonl", lines)
+
+
+@pytest.fixture(scope="module")
+def reference(qwen3_tiny, job_input, tmp_path_factory) -> dict[int, dict]:
+    """An uninterrupted in-process run, greedy: results by input line."""
+    out = tmp_path_factory.mktemp("reference") / "out.jsonl"
+    summary = run_batch(BatchJob(qwen3_tiny, job_input, str(out), JOB_ENGINE, GREEDY, progress=False))
+    assert summary.num_lines == count_lines(job_input) and summary.num_resumed == 0
+    return by_line(read_results(out))
+
+
+def expected_outputs(llm, raws: dict[int, str]) -> dict[int, dict]:
+    """What LLM.generate/chat give for good lines, greedy, by line number."""
+    bodies = {number: json.loads(raw) for number, raw in raws.items()}
+    bodies = {number: obj.get("body", obj) for number, obj in bodies.items()}
+    chats = [n for n, body in bodies.items() if "messages" in body]
+    completions = [n for n in bodies if n not in chats]
+
+    def params(body: dict) -> SamplingParams:
+        return SamplingParams(temperature=0.0, max_tokens=body["max_tokens"], n=body.get("n", 1))
+
+    outputs = llm.generate([bodies[n]["prompt"] for n in completions], [params(bodies[n]) for n in completions],
+                           use_tqdm=False)
+    assert len({bodies[n]["max_tokens"] for n in chats}) == 1
+    outputs += llm.chat([bodies[n]["messages"] for n in chats], params(bodies[chats[0]]), use_tqdm=False)
+    return dict(zip(completions + chats, outputs))
+
+
+def test_job_results_equal_generate_and_bad_lines_are_errors(reference, job_input, llm):
+    with open(job_input) as f:
+        raws = f.read().splitlines()
+    assert sorted(reference) == list(range(1, len(raws) + 1))  # one result per input line
+    expected = expected_outputs(llm, {n: raw for n, raw in enumerate(raws, start=1) if raw not in BAD_LINES})
+    for number, raw in enumerate(raws, start=1):
+        result = reference[number]
+        if raw in BAD_LINES:
+            assert result["error"]["message"] and result["error"]["param"] == BAD_LINES[raw], result
+            assert "text" not in result
+            continue
+        assert result["error"] is None
+        obj = json.loads(raw)
+        assert result["custom_id"] == obj.get("custom_id", f"line-{number}")
+        want = expected[number]
+        assert (result["text"], result["token_ids"], result["finish_reason"]) == \
+            (want["text"], want["token_ids"], want["finish_reason"])
+        samples = want.get("outputs", [want])
+        if len(samples) > 1:
+            assert [s["token_ids"] for s in result["outputs"]] == [s["token_ids"] for s in samples]
+        completion = sum(len(s["token_ids"]) for s in samples)
+        assert result["usage"] == {"prompt_tokens": len(want["prompt_token_ids"]), "completion_tokens": completion,
+                                   "total_tokens": len(want["prompt_token_ids"]) + completion}
+
+
+def test_resume_skips_done_lines_and_repairs_a_torn_line(reference, job_input, qwen3_tiny, tmp_path):
+    out = tmp_path / "out.jsonl"
+    done = [reference[n] for n in (3, 1, 2, 5, *range(8, len(reference) - 3))]  # most done, out of order
+    torn = json.dumps(reference[4])[:25]
+    out.write_bytes(("".join(json.dumps(r) + "\n" for r in done) + torn).encode())
+    summary = run_batch(BatchJob(qwen3_tiny, job_input, str(out), JOB_ENGINE, GREEDY, progress=False))
+    assert summary.num_resumed == len(done)
+    results = read_results(out)
+    assert results[:len(done)] == done  # kept as they were, not written again
+    assert by_line(results) == reference
+
+
+def test_predictor_class_called_directly(reference, job_input, qwen3_tiny):
+    """The Ray Data callable class on a batch of raw lines (no Ray needed to call it)."""
+    from nanovllm.integrations.ray import NanoVLLMPredictor
+
+    with open(job_input, "rb") as f:
+        raws = f.read().splitlines()
+    predictor = NanoVLLMPredictor(qwen3_tiny, JOB_ENGINE, GREEDY)
+    try:
+        numbers = list(range(1, len(raws) + 1))
+        out = predictor({"text": raws, "line": numbers})
+        assert out["line"] == numbers
+        assert [json.loads(text) for text in out["result"]] == [reference[n] for n in numbers]
+        assert out["custom_id"] == [reference[n]["custom_id"] for n in numbers]
+        assert out["ok"] == [reference[n]["error"] is None for n in numbers]
+        # Rows without line numbers (as ray.data.read_text gives them): the same outputs.
+        good = [n for n in numbers if reference[n]["error"] is None][:6]
+        unnumbered = predictor({"text": [raws[n - 1].decode() for n in good]})
+        for text, number in zip(unnumbered["result"], good, strict=True):
+            result, want = json.loads(text), reference[number]
+            assert result["line"] is None
+            assert {k: v for k, v in result.items() if k not in ("line", "custom_id")} == \
+                {k: v for k, v in want.items() if k not in ("line", "custom_id")}
+    finally:
+        predictor.llm.exit()
+
+
+def test_every_config_and_sampling_field_is_a_batch_flag(capsys):
+    with pytest.raises(SystemExit) as info:
+        main(["batch", "--help"])
+    assert info.value.code == 0
+    out = capsys.readouterr().out
+    names = [f.name for f in dataclasses.fields(Config) if f.init and f.name != "model"]
+    names += [f.name for f in dataclasses.fields(SamplingParams) if f.init]
+    names += ["input", "output", "max_in_flight", "data_parallel", "ray", "replicas", "ray_address"]
+    for name in names:
+        assert "--" + name.replace("_", "-") in out, name
+
+
+def test_bad_job_settings_exit_1(tmp_path, qwen3_tiny, capsys):
+    assert main(["batch", qwen3_tiny, "--input", str(tmp_path / "missing.jsonl"), "--output",
+                 str(tmp_path / "o.jsonl")]) == 1
+    assert "input=" in capsys.readouterr().err
+    inp = write_lines(tmp_path / "in.jsonl", ['{"prompt": "x"}'])
+    assert main(["batch", qwen3_tiny, "--input", inp, "--output", str(tmp_path / "o.jsonl"), "--data-parallel",
+                 "0"]) == 1
+    assert "data_parallel=0" in capsys.readouterr().err
+    assert main(["batch", qwen3_tiny, "--input", inp, "--output", str(tmp_path / "o.jsonl"), "--temperature",
+                 "-1"]) == 1
+    assert "temperature" in capsys.readouterr().err
+    assert not (tmp_path / "o.jsonl").exists()
+
+
+# --- killed with SIGKILL and restarted ---
+
+def test_sigkill_at_random_points_then_resume_is_exact(reference, job_input, qwen3_tiny, tmp_path):
+    seed = int.from_bytes(os.urandom(4), "little")
+    rng = random.Random(seed)
+    out = tmp_path / "out.jsonl"
+    num_lines = len(reference)
+    command = ["batch", qwen3_tiny, "--input", job_input, "--output", str(out), "--temperature", "0",
+               "--flush-interval", "0", "--max-in-flight", "4", "--no-progress", *JOB_FLAGS]
+    interrupted = 0
+    for attempt in range(NUM_KILLS):
+        before = count_lines(out) if out.exists() else 0
+        # Kill once this many results are on disk (leaving room for the kills still to come)...
+        target = before + rng.randint(1, max(1, (num_lines - before) // (NUM_KILLS - attempt + 1)))
+        with open(tmp_path / f"stderr{attempt}.txt", "w") as err:
+            proc = subprocess.Popen(cli(*command), cwd=REPO_ROOT, stdout=subprocess.DEVNULL, stderr=err,
+                                    env=SUBPROCESS_ENV)
+            deadline = time.monotonic() + KILL_TIMEOUT
+            while proc.poll() is None and time.monotonic() < deadline:
+                if out.exists() and count_lines(out) >= target:
+                    time.sleep(rng.uniform(0, 0.05))  # ... and a random moment later
+                    break
+                time.sleep(0.005)
+            proc.send_signal(signal.SIGKILL)
+            proc.wait(RUN_TIMEOUT)
+        interrupted += proc.returncode == -signal.SIGKILL and count_lines(out) < num_lines
+        results = by_line(read_results(out)) if out.read_bytes().endswith(b"\n") else None
+        if results is not None:  # whatever is whole on disk is already exact
+            assert all(results[n] == reference[n] for n in results), f"seed {seed}"
+    assert interrupted == NUM_KILLS, f"only {interrupted} of the kills landed mid-job (seed {seed})"
+    with open(tmp_path / "stderr_final.txt", "w") as err:
+        proc = subprocess.Popen(cli(*command), cwd=REPO_ROOT, stdout=subprocess.DEVNULL, stderr=err,
+                                env=SUBPROCESS_ENV)
+        assert proc.wait(RUN_TIMEOUT) == 0, (tmp_path / "stderr_final.txt").read_text()
+    results = read_results(out)
+    custom_ids = [r["custom_id"] for r in results]
+    assert len(custom_ids) == len(set(custom_ids)) == num_lines, f"seed {seed}"
+    assert by_line(results) == reference, f"seed {seed}"
