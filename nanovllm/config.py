@@ -11,6 +11,8 @@ from dataclasses import dataclass, field, fields
 import torch
 from transformers import AutoConfig, PretrainedConfig
 
+from nanovllm.engine.scheduler import DEFAULT_SCHEDULING_POLICY, PREEMPTION_MODES, RECOMPUTE, SCHEDULING_POLICIES
+
 # Architectures `models/qwen3.py` can build, by the name in config.json's "architectures".
 SUPPORTED_ARCHITECTURES = ("Qwen3ForCausalLM", "Qwen2ForCausalLM")
 DEVICES = ("auto", "cuda", "cpu")
@@ -61,6 +63,18 @@ class Config:
     # A tensor-parallel worker that sends no heartbeat for this long (its process stopped or wedged)
     # is reported and killed, instead of blocking rank 0 until the process group's 30-minute timeout.
     tensor_parallel_heartbeat_timeout_s: float = 30.0
+    # "mixed": each step gives every running sequence its next token, then fills the rest of
+    # max_num_batched_tokens with prefill chunks, in one forward pass (no prefill stalls the
+    # decodes). "prefill_first": nano-vllm's policy, a step is all prefill while any can be
+    # scheduled, else all decode. The default measured better on bench.py (docs/BENCHMARKS.md).
+    scheduling_policy: str = DEFAULT_SCHEDULING_POLICY
+    # What preemption does with a sequence's K/V when blocks run out: "recompute" frees them (the
+    # tokens are computed again later); "swap" copies them to host memory and back (a sequence
+    # still in its prompt, or one that finds the swap space full, is recomputed instead).
+    preemption_mode: str = RECOMPUTE
+    # GiB of host memory per tensor-parallel rank for swapped-out K/V (pinned on CUDA); only with
+    # preemption_mode="swap". Capped by what max_num_seqs sequences of max_model_len need.
+    swap_space: float = 4.0
     hf_config: PretrainedConfig = field(init=False, repr=False)
     eos: int = field(init=False, default=-1)
 
@@ -104,6 +118,13 @@ class Config:
                  self.dtype, f"'auto', one of {list(DTYPES)} or the matching torch.dtype")
         g = self.cpu_kvcache_space_gib
         _require(isinstance(g, (int, float)) and g > 0, "cpu_kvcache_space_gib", g, "a number > 0")
+        _require(self.scheduling_policy in SCHEDULING_POLICIES, "scheduling_policy", self.scheduling_policy,
+                 f"one of {SCHEDULING_POLICIES}")
+        _require(self.preemption_mode in PREEMPTION_MODES, "preemption_mode", self.preemption_mode,
+                 f"one of {PREEMPTION_MODES}")
+        g = self.swap_space
+        _require(isinstance(g, (int, float)) and not isinstance(g, bool) and 0 <= g < math.inf, "swap_space", g,
+                 "a finite number of GiB >= 0")
         t = self.tensor_parallel_heartbeat_timeout_s
         _require(isinstance(t, (int, float)) and not isinstance(t, bool) and MIN_HEARTBEAT_TIMEOUT_S <= t < math.inf,
                  "tensor_parallel_heartbeat_timeout_s", t, f"a finite number of seconds >= {MIN_HEARTBEAT_TIMEOUT_S}")
