@@ -361,7 +361,7 @@ def main() -> None:
         "device_name": device_name(device),
         "model": model_name,
         "dtype": str(llm.config.dtype).removeprefix("torch."),
-        "attention_backend": llm.model_runner.backend.name,
+        "attention_backend": llm.attention_backend,
         "enforce_eager": args.enforce_eager,
         "num_seqs": num_seqs,
         "input_len_range": [min_len, max_len],

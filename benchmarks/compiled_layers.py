@@ -1,6 +1,6 @@
 """Eager vs torch.compile for the hot layer functions, at Qwen3-0.6B decode shapes.
 
-Decides where `nanovllm.utils.compile` compiles: run it on the device in question. Prints a
+Decides what `compile_mode="auto"` (nanovllm/config.py) means per device: run it on the device in question. Prints a
 table (microseconds per call, eager and compiled, and the one-off compile time) and a final
 JSON line. Usage: python benchmarks/compiled_layers.py [--device cpu|cuda] [--tokens 256]
 """

@@ -1,25 +1,32 @@
 """Engine configuration: nano-vllm's fields plus device, dtype, attention backend and prefix caching.
 
-Owns validation of every user-facing knob and the facts read from the checkpoint's
-`config.json`. It does not know how the model runs; the runner reads the resolved values.
+Owns validation of every user-facing knob and the facts read from the checkpoint: its
+`config.json`, its tokenizer (loaded and checked here, so a checkpoint without a usable one is
+refused before any weight loads) and the end-of-text id that comes from them. "auto" settings
+are resolved here, once (device, dtype, compile mode); the attention backend is resolved by the
+runner, which needs the backends' imports. It does not know how the model runs.
 """
+import copy
 import json
-import math
 import os
 from dataclasses import dataclass, field, fields
 
 import torch
-from transformers import AutoConfig, PretrainedConfig
+from transformers import AutoConfig, PretrainedConfig, PreTrainedTokenizerBase
 
 from nanovllm.engine.scheduler import DEFAULT_SCHEDULING_POLICY, PREEMPTION_MODES, RECOMPUTE, SCHEDULING_POLICIES
+from nanovllm.kernels import MIN_DOT_SIZE
+from nanovllm.utils.tokenizer import end_of_text_id, load_tokenizer
+from nanovllm.utils.validation import is_int, is_number, require
 
 # Architectures `models/qwen3.py` can build, by the name in config.json's "architectures".
 SUPPORTED_ARCHITECTURES = ("Qwen3ForCausalLM", "Qwen2ForCausalLM")
 DEVICES = ("auto", "cuda", "cpu")
 ATTENTION_BACKENDS = ("auto", "flash_attn", "triton", "torch")
+COMPILE_MODES = ("auto", "on", "off")
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
-# The smallest paged-KV block the backends accept: Triton's tl.dot needs tiles of >= 16.
-MIN_BLOCK_SIZE = 16
+# The smallest paged-KV block the backends accept: Triton's tl.dot needs tiles of at least this.
+MIN_BLOCK_SIZE = MIN_DOT_SIZE
 # Tensor parallelism spans at most one 8-GPU node.
 MAX_TENSOR_PARALLEL_SIZE = 8
 # Model sizes split across tensor-parallel ranks (heads, KV heads, vocabulary, MLP width).
@@ -27,15 +34,6 @@ TENSOR_PARALLEL_DIVIDES = ("num_attention_heads", "num_key_value_heads", "vocab_
 # A worker beats several times per timeout from a thread that competes with its compute for the
 # CPU; below a second, a busy but healthy worker could be taken for a silent one.
 MIN_HEARTBEAT_TIMEOUT_S = 1.0
-
-
-def _require(ok: bool, name: str, value, allowed: str) -> None:
-    if not ok:
-        raise ValueError(f"{name}={value!r} is not allowed; {name} must be {allowed}")
-
-
-def _is_int(value) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
 
 
 @dataclass
@@ -50,7 +48,9 @@ class Config:
     kvcache_block_size: int = 256  # 256 suits flash-attn; the torch/triton backends take any power of two >= 16
     num_kvcache_blocks: int = -1  # -1: size the KV cache from memory; > 0: exactly this many blocks
     device: str = "auto"  # "auto" = cuda when available, else cpu
-    dtype: str | torch.dtype = "auto"  # "auto" = checkpoint dtype on CUDA, float32 on CPU
+    # Given as "auto", "float32", "float16", "bfloat16" or a torch.dtype; always the torch.dtype once
+    # the Config is made. "auto" = the checkpoint's dtype on CUDA, float32 on CPU.
+    dtype: torch.dtype | str = "auto"
     attention_backend: str = "auto"
     enable_prefix_caching: bool = True
     # On CPU there is no device to measure, so the KV cache gets this fixed budget (as vLLM's
@@ -63,6 +63,11 @@ class Config:
     # A tensor-parallel worker that sends no heartbeat for this long (its process stopped or wedged)
     # is reported and killed, instead of blocking rank 0 until the process group's 30-minute timeout.
     tensor_parallel_heartbeat_timeout_s: float = 30.0
+    # torch.compile of the small hot layer functions (RMSNorm, rotary embedding, SiLU-and-mul, the
+    # sampler's temperature and draw): "on", "off", or "auto" = on for CUDA, off for CPU, where the
+    # float32 path is the HF oracle and a cold compile costs more than short runs gain
+    # (benchmarks/compiled_layers.py). Resolved to "on" or "off" when the Config is made.
+    compile_mode: str = "auto"
     # "mixed": each step gives every running sequence its next token, then fills the rest of
     # max_num_batched_tokens with prefill chunks, in one forward pass (no prefill stalls the
     # decodes). "prefill_first": nano-vllm's policy, a step is all prefill while any can be
@@ -75,8 +80,10 @@ class Config:
     # GiB of host memory per tensor-parallel rank for swapped-out K/V (pinned on CUDA); only with
     # preemption_mode="swap". Capped by what max_num_seqs sequences of max_model_len need.
     swap_space: float = 4.0
+    # Read from the checkpoint, not settings:
     hf_config: PretrainedConfig = field(init=False, repr=False)
-    eos: int = field(init=False, default=-1)
+    tokenizer: PreTrainedTokenizerBase | None = field(init=False, repr=False, compare=False)  # None: skipped
+    eos: int = field(init=False)  # the end-of-text token id (tokenizer's, else config.json's; -1 if none)
 
     @classmethod
     def from_kwargs(cls, model: str, kwargs: dict) -> "Config":
@@ -93,41 +100,52 @@ class Config:
         self.max_model_len = min(self.max_model_len, self.hf_config.max_position_embeddings)
         self.device = self._resolve_device()
         self.dtype = self._resolve_dtype()
+        if self.compile_mode == "auto":
+            self.compile_mode = "on" if self.device == "cuda" else "off"
         self._check_tensor_parallel()
+        self.tokenizer = None if self.skip_tokenizer_init else load_tokenizer(self.model)
+        self.eos = end_of_text_id(self.tokenizer, self.hf_config)
+
+    def for_workers(self) -> "Config":
+        """This config as tensor-parallel workers get it: the same settings and facts without the
+        tokenizer (a worker never sees text; a large vocabulary's tokenizer is megabytes to send)."""
+        config = copy.copy(self)
+        config.tokenizer = None
+        return config
 
     def _check_fields(self) -> None:
         for name in ("max_num_batched_tokens", "max_num_seqs", "max_model_len"):
             value = getattr(self, name)
-            _require(_is_int(value) and value >= 1, name, value, "an integer >= 1")
+            require(is_int(value) and value >= 1, name, value, "an integer >= 1")
         u = self.gpu_memory_utilization
-        _require(isinstance(u, (int, float)) and 0 < u <= 1, "gpu_memory_utilization", u, "in (0, 1]")
+        require(is_number(u) and 0 < u <= 1, "gpu_memory_utilization", u, "in (0, 1]")
         tp = self.tensor_parallel_size
-        _require(_is_int(tp) and 1 <= tp <= MAX_TENSOR_PARALLEL_SIZE, "tensor_parallel_size", tp,
-                 f"an integer in 1..{MAX_TENSOR_PARALLEL_SIZE}")
+        require(is_int(tp) and 1 <= tp <= MAX_TENSOR_PARALLEL_SIZE, "tensor_parallel_size", tp,
+                f"an integer in 1..{MAX_TENSOR_PARALLEL_SIZE}")
         bs = self.kvcache_block_size
-        _require(_is_int(bs) and bs >= MIN_BLOCK_SIZE and bs & (bs - 1) == 0, "kvcache_block_size", bs,
-                 f"a power of two >= {MIN_BLOCK_SIZE}")
+        require(is_int(bs) and bs >= MIN_BLOCK_SIZE and bs & (bs - 1) == 0, "kvcache_block_size", bs,
+                f"a power of two >= {MIN_BLOCK_SIZE}")
         n = self.num_kvcache_blocks
-        _require(_is_int(n) and (n == -1 or n >= 1), "num_kvcache_blocks", n, "-1 (size from memory) or >= 1")
+        require(is_int(n) and (n == -1 or n >= 1), "num_kvcache_blocks", n, "-1 (size from memory) or >= 1")
         for name in ("enforce_eager", "enable_prefix_caching", "skip_tokenizer_init"):
-            _require(isinstance(getattr(self, name), bool), name, getattr(self, name), "True or False")
-        _require(self.device in DEVICES, "device", self.device, f"one of {DEVICES}")
-        _require(self.attention_backend in ATTENTION_BACKENDS, "attention_backend", self.attention_backend,
-                 f"one of {ATTENTION_BACKENDS}")
-        _require(self.dtype == "auto" or self.dtype in DTYPES or self.dtype in DTYPES.values(), "dtype",
-                 self.dtype, f"'auto', one of {list(DTYPES)} or the matching torch.dtype")
+            require(isinstance(getattr(self, name), bool), name, getattr(self, name), "True or False")
+        require(self.device in DEVICES, "device", self.device, f"one of {DEVICES}")
+        require(self.attention_backend in ATTENTION_BACKENDS, "attention_backend", self.attention_backend,
+                f"one of {ATTENTION_BACKENDS}")
+        require(self.compile_mode in COMPILE_MODES, "compile_mode", self.compile_mode, f"one of {COMPILE_MODES}")
+        require(self.dtype == "auto" or self.dtype in DTYPES or self.dtype in DTYPES.values(), "dtype",
+                self.dtype, f"'auto', one of {list(DTYPES)} or the matching torch.dtype")
         g = self.cpu_kvcache_space_gib
-        _require(isinstance(g, (int, float)) and g > 0, "cpu_kvcache_space_gib", g, "a number > 0")
-        _require(self.scheduling_policy in SCHEDULING_POLICIES, "scheduling_policy", self.scheduling_policy,
-                 f"one of {SCHEDULING_POLICIES}")
-        _require(self.preemption_mode in PREEMPTION_MODES, "preemption_mode", self.preemption_mode,
-                 f"one of {PREEMPTION_MODES}")
-        g = self.swap_space
-        _require(isinstance(g, (int, float)) and not isinstance(g, bool) and 0 <= g < math.inf, "swap_space", g,
-                 "a finite number of GiB >= 0")
+        require(is_number(g) and g > 0, "cpu_kvcache_space_gib", g, "a number > 0")
+        require(self.scheduling_policy in SCHEDULING_POLICIES, "scheduling_policy", self.scheduling_policy,
+                f"one of {SCHEDULING_POLICIES}")
+        require(self.preemption_mode in PREEMPTION_MODES, "preemption_mode", self.preemption_mode,
+                f"one of {PREEMPTION_MODES}")
+        require(is_number(self.swap_space) and self.swap_space >= 0, "swap_space", self.swap_space,
+                "a finite number of GiB >= 0")
         t = self.tensor_parallel_heartbeat_timeout_s
-        _require(isinstance(t, (int, float)) and not isinstance(t, bool) and MIN_HEARTBEAT_TIMEOUT_S <= t < math.inf,
-                 "tensor_parallel_heartbeat_timeout_s", t, f"a finite number of seconds >= {MIN_HEARTBEAT_TIMEOUT_S}")
+        require(is_number(t) and t >= MIN_HEARTBEAT_TIMEOUT_S, "tensor_parallel_heartbeat_timeout_s", t,
+                f"a finite number of seconds >= {MIN_HEARTBEAT_TIMEOUT_S}")
 
     def _check_tensor_parallel(self) -> None:
         """Each rank holds 1/tensor_parallel_size of these, so each must divide; checked here,

@@ -114,7 +114,7 @@ def run_engine(path: str, checkpoint: str, workload: Workload, device: str, dtyp
               kvcache_block_size=block, max_num_seqs=MAX_NUM_SEQS, **kwargs)
     params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
     outputs = [o for _ in range(workload.calls) for o in llm.generate(workload.prompts, params, use_tqdm=False)]
-    graphs, backend = bool(llm.model_runner.graphs), llm.model_runner.backend.name  # what "auto" chose
+    graphs, backend = bool(llm.model_runner.graphs), llm.attention_backend  # what "auto" chose
     preemptions = llm.scheduler.num_preemptions
     llm.exit()
     got = [o["token_ids"] for o in outputs]

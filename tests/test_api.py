@@ -9,7 +9,7 @@ import shutil
 import pytest
 import torch
 
-from helpers import AUTO_BACKEND_SMALL_BLOCKS, AUTO_DEVICE, EVERY_DEVICE, hf_greedy, random_prompts
+from helpers import AUTO_BACKEND_SMALL_BLOCKS, AUTO_DEVICE, EVERY_DEVICE, greedy, hf_greedy, random_prompts
 from nanovllm import LLM, SamplingParams
 from nanovllm.config import Config
 from nanovllm.layers.rotary_embedding import rope_theta_of
@@ -23,10 +23,6 @@ def llm(qwen3_tiny):
     engine = LLM(qwen3_tiny, device="cpu", kvcache_block_size=BLOCK, num_kvcache_blocks=64, max_model_len=256)
     yield engine
     engine.exit()
-
-
-def greedy(max_tokens: int = 8, ignore_eos: bool = True) -> SamplingParams:
-    return SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=ignore_eos)
 
 
 def test_outputs_in_input_order_with_text_and_counts(llm):
@@ -94,23 +90,42 @@ def test_defaults_match_nano_vllm(qwen3_tiny):
 
 @pytest.mark.parametrize("cuda_available", [False, True])
 def test_auto_device_and_dtype_follow_what_torch_sees(qwen3_tiny, tmp_path, monkeypatch, cuda_available):
-    """Config builds no tensors, so both of "auto"'s answers are checked on any machine by telling
-    it what torch sees; a bfloat16 checkpoint shows which dtype "auto" takes."""
+    """Config builds no tensors, so each of "auto"'s answers (device, dtype, compile mode) is
+    checked on any machine by telling it what torch sees; a bfloat16 checkpoint shows which
+    dtype "auto" takes. (Only config.json is copied: no tokenizer is asked for.)"""
     with open(os.path.join(qwen3_tiny, "config.json")) as f:
         hf_config = json.load(f)
     hf_config["dtype"] = "bfloat16"
     (tmp_path / "config.json").write_text(json.dumps(hf_config))
     monkeypatch.setattr(torch.cuda, "is_available", lambda: cuda_available)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: int(cuda_available))
-    config = Config(str(tmp_path))
+    config = Config(str(tmp_path), skip_tokenizer_init=True)
     if cuda_available:
-        assert (config.device, config.dtype) == ("cuda", torch.bfloat16)
+        assert (config.device, config.dtype, config.compile_mode) == ("cuda", torch.bfloat16, "on")
     else:
-        assert (config.device, config.dtype) == ("cpu", torch.float32)
+        assert (config.device, config.dtype, config.compile_mode) == ("cpu", torch.float32, "off")
         with pytest.raises(ValueError, match="device='cuda'"):
-            Config(str(tmp_path), device="cuda")
-    pinned = Config(str(tmp_path), device="cpu")
-    assert (pinned.device, pinned.dtype) == ("cpu", torch.float32)
+            Config(str(tmp_path), device="cuda", skip_tokenizer_init=True)
+    pinned = Config(str(tmp_path), device="cpu", skip_tokenizer_init=True)
+    assert (pinned.device, pinned.dtype, pinned.compile_mode) == ("cpu", torch.float32, "off")
+
+
+def test_settings_have_one_resolved_form_once_the_config_is_made(qwen3_tiny):
+    """dtype is a torch.dtype whatever form it was given in; compile_mode "on" or "off"; eos the
+    tokenizer's end-of-text id, or config.json's without a tokenizer. Nothing is set afterwards."""
+    for given, expected in (("auto", torch.float32), ("float32", torch.float32), (torch.float32, torch.float32),
+                            ("bfloat16", torch.bfloat16), (torch.float16, torch.float16)):
+        assert Config(qwen3_tiny, device="cpu", dtype=given).dtype is expected
+    assert Config(qwen3_tiny, device="cpu", compile_mode="on").compile_mode == "on"
+    assert Config(qwen3_tiny, device="cpu", compile_mode="off").compile_mode == "off"
+    with pytest.raises(ValueError, match=r"compile_mode='cuda' is not allowed.*one of \('auto', 'on', 'off'\)"):
+        Config(qwen3_tiny, compile_mode="cuda")
+    config = Config(qwen3_tiny, device="cpu")
+    assert config.tokenizer is not None and config.eos == config.tokenizer.eos_token_id >= 0
+    bare = Config(qwen3_tiny, device="cpu", skip_tokenizer_init=True)
+    assert bare.tokenizer is None and bare.eos == bare.hf_config.eos_token_id
+    with pytest.raises(ValueError, match="unknown config key.*'eos'"):
+        Config.from_kwargs(qwen3_tiny, {"eos": 3})
 
 
 def test_cpu_kv_cache_sized_from_budget(qwen3_tiny):
@@ -214,7 +229,7 @@ def test_request_larger_than_the_whole_cache_is_refused(qwen3_tiny):
 
 def test_mismatched_sampling_params_list_refused(llm):
     with pytest.raises(ValueError, match="sampling_params"):
-        llm.generate([[1, 2], [3, 4]], [greedy()], use_tqdm=False)
+        llm.generate([[1, 2], [3, 4]], [greedy(8)], use_tqdm=False)
     with pytest.raises(ValueError, match="sampling_params"):
         llm.generate([[1, 2]], {"temperature": 0}, use_tqdm=False)
     assert llm.is_finished()

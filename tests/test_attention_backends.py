@@ -7,23 +7,19 @@ import pytest
 import torch
 
 import nanovllm.attention as attention
-from helpers import AUTO_BACKEND_SMALL_BLOCKS, AUTO_DEVICE, random_prompts
-from nanovllm import LLM, SamplingParams
+from helpers import AUTO_BACKEND_SMALL_BLOCKS, AUTO_DEVICE, greedy, random_prompts
+from nanovllm import LLM
 
 BLOCK = 16
 HAS_TRITON = importlib.util.find_spec("triton") is not None
 HAS_FLASH_ATTN = importlib.util.find_spec("flash_attn") is not None
 
 
-def greedy(max_tokens: int) -> SamplingParams:
-    return SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
-
-
 def run_twice(path: str, backend: str, prompts, device: str = "cpu", **kwargs) -> tuple[list, list]:
     """Two generate() calls, so the second one hits the prefix cache."""
     llm = LLM(path, attention_backend=backend, device=device, kvcache_block_size=kwargs.pop("block", BLOCK),
               enforce_eager=True, **kwargs)
-    assert llm.model_runner.backend.name == backend
+    assert llm.attention_backend == backend
     first = llm.generate(prompts, greedy(6), use_tqdm=False)
     second = llm.generate(prompts, greedy(6), use_tqdm=False)
     llm.exit()

@@ -119,23 +119,21 @@ CXX = os.environ.get("CXX", "g++")
 
 
 @pytest.mark.skipif(shutil.which(CXX) is None, reason=f"torch.compile on CPU needs a C++ compiler ({CXX}); none found")
-def test_compiled_layers_keep_greedy_parity(qwen3_tiny, monkeypatch):
+def test_compiled_layers_keep_greedy_parity(qwen3_tiny):
     """The torch.compile branch CUDA takes, exercised on CPU: still HF's greedy tokens.
 
     Pinned to CPU on every machine: the compiled functions are compiled once per process and
     kept, so on a GPU machine earlier CUDA tests have compiled them already; compiled code is
-    specialised per device, though, and only this test compiles for CPU (NANOVLLM_COMPILE's
-    default leaves CPU eager), so new graphs show that the CPU run took the compiled branch.
+    specialised per device, though, and only this test compiles for CPU (compile_mode="auto"
+    leaves CPU eager), so new graphs show that the CPU run took the compiled branch.
     """
     from torch._dynamo.utils import counters
 
     from helpers import hf_greedy, random_prompts
     from nanovllm import LLM
-    from nanovllm.utils import compile as compile_mod
 
-    monkeypatch.setattr(compile_mod, "MODE", "all")
     before = counters["stats"]["unique_graphs"]
-    llm = LLM(qwen3_tiny, device="cpu", kvcache_block_size=16, num_kvcache_blocks=64)
+    llm = LLM(qwen3_tiny, device="cpu", kvcache_block_size=16, num_kvcache_blocks=64, compile_mode="on")
     prompts = random_prompts(200, [5, 17, 33], seed=50)
     outputs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True), use_tqdm=False)
     llm.exit()

@@ -3,10 +3,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from nanovllm.utils.compile import compile_on_cuda
+from nanovllm.utils.compile import compilable
 
 
-@compile_on_cuda
+@compilable
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     # x: [num_tokens, 2 * intermediate] -> [num_tokens, intermediate]
     gate, up = x.chunk(2, -1)

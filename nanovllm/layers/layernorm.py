@@ -6,10 +6,10 @@ one kernel on CUDA.
 import torch
 from torch import nn
 
-from nanovllm.utils.compile import compile_on_cuda
+from nanovllm.utils.compile import compilable
 
 
-@compile_on_cuda
+@compilable
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     dtype = x.dtype
     x = x.float()
@@ -17,7 +17,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return weight * x.to(dtype)
 
 
-@compile_on_cuda
+@compilable
 def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
                  eps: float) -> tuple[torch.Tensor, torch.Tensor]:
     residual = x + residual  # the new residual stream

@@ -6,7 +6,7 @@ arithmetic as HF transformers, so positions index the table instead of recomputi
 import torch
 from torch import nn
 
-from nanovllm.utils.compile import compile_on_cuda
+from nanovllm.utils.compile import compilable
 
 
 def rope_theta_of(hf_config) -> float:
@@ -27,7 +27,7 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(x.dtype)
 
 
-@compile_on_cuda
+@compilable
 def rotate_qk(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
               cos_sin_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     cos, sin = cos_sin_cache[positions].chunk(2, dim=-1)

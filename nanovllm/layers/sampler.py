@@ -14,7 +14,7 @@ from typing import NamedTuple
 import torch
 from torch import nn
 
-from nanovllm.utils.compile import compile_on_cuda
+from nanovllm.utils.compile import compilable
 
 
 class SamplingTensors(NamedTuple):
@@ -74,12 +74,12 @@ def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor | None, top_p: t
     return torch.full_like(logits, float("-inf")).scatter_(1, order, sorted_logits)
 
 
-@compile_on_cuda
+@compilable
 def scale_by_temperature(logits: torch.Tensor, temperatures: torch.Tensor) -> torch.Tensor:
     return logits / torch.where(temperatures > 0, temperatures, 1.0).unsqueeze(1)
 
 
-@compile_on_cuda
+@compilable
 def exponential_race(logits: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
     """argmax(p / E) with E ~ Exp(1) draws a token from p = softmax(logits), with no host sync."""
     probs = torch.softmax(logits, dim=-1)

@@ -18,6 +18,7 @@ import torch.distributed as dist
 from nanovllm.attention import create_backend
 from nanovllm.config import Config
 from nanovllm.engine.block_manager import NO_COPIES, BlockCopies
+from nanovllm.engine.scheduler import SWAP
 from nanovllm.engine.sequence import Sequence
 from nanovllm.layers.attention import Attention
 from nanovllm.layers.sampler import Sampler, SamplerOutput
@@ -27,8 +28,10 @@ from nanovllm.runner.graph import DecodeGraphs, graph_batch_sizes
 from nanovllm.runner.sampling_inputs import prepare_sampling
 from nanovllm.runner.step_inputs import StepInputs, StepMessage, prefill_inputs
 from nanovllm.sampling_params import SamplingParams
+from nanovllm.utils.compile import compiling
 from nanovllm.utils.context import forward_context
 from nanovllm.utils.loader import load_model
+from nanovllm.utils.math_utils import cdiv
 from nanovllm.utils.parallel import tp_rank, tp_size
 
 logger = logging.getLogger("nanovllm")
@@ -67,6 +70,7 @@ class ModelRunner:
         self.block_size = config.kvcache_block_size
         # Built inside tensor_parallel_rank(...) for a rank of a tensor-parallel group, else rank 0 of 1.
         self.rank, self.world_size = tp_rank(), tp_size()
+        self.compile = config.compile_mode == "on"  # the hot layer functions run compiled in every step
         default_dtype = torch.get_default_dtype()
         torch.set_default_dtype(config.dtype)
         try:
@@ -86,7 +90,7 @@ class ModelRunner:
         self.num_kv_heads = self.attention_layers[0].num_kv_heads
         self.head_dim = self.attention_layers[0].head_dim
         self.sampler = Sampler()
-        self.max_blocks_per_seq = (config.max_model_len + self.block_size - 1) // self.block_size
+        self.max_blocks_per_seq = cdiv(config.max_model_len, self.block_size)
         self.warmup_model()
         self.num_kvcache_blocks = self.allocate_kv_cache()
         self.num_swap_blocks = self.allocate_swap_space()
@@ -100,12 +104,12 @@ class ModelRunner:
         elif use_graphs and self.rank == 0:
             logger.warning("CUDA graphs off: the %s attention backend cannot be captured", self.backend.name)
         if self.rank == 0:
-            logger.info("device %s, dtype %s, attention %s, CUDA graphs %s, KV cache %d blocks x %d tokens = %d "
-                        "tokens, tensor parallel %d", config.device, config.dtype, self.backend.name,
-                        f"on ({len(self.graphs)} batch sizes)" if self.graphs else "off",
+            logger.info("device %s, dtype %s, attention %s, compile %s, CUDA graphs %s, KV cache %d blocks x %d tokens "
+                        "= %d tokens, tensor parallel %d", config.device, config.dtype, self.backend.name,
+                        config.compile_mode, f"on ({len(self.graphs)} batch sizes)" if self.graphs else "off",
                         self.num_kvcache_blocks, self.block_size, self.num_kvcache_blocks * self.block_size,
                         self.world_size)
-            if config.preemption_mode == "swap":
+            if config.preemption_mode == SWAP:
                 logger.info("swap space %d host blocks (swap_space=%s GiB per rank, %s)", self.num_swap_blocks,
                             config.swap_space, "pinned" if self.swap_cache.is_pinned() else "not pinned")
 
@@ -176,7 +180,7 @@ class ModelRunner:
         use. Pinned on CUDA, so the copies run at full bandwidth; left unwritten until used."""
         config = self.config
         num_blocks = 0
-        if config.preemption_mode == "swap":
+        if config.preemption_mode == SWAP:
             num_blocks = blocks_in_budget(int(config.swap_space * GIB), self._kv_block_bytes(), config.max_num_seqs,
                                           self.max_blocks_per_seq)
         shape = list(self.kv_cache.shape)
@@ -207,8 +211,9 @@ class ModelRunner:
         batch_sizes = graph_batch_sizes(config.max_num_seqs)
         self.backend.prepare_cuda_graphs(batch_sizes[-1], self.num_heads, self.num_kv_heads, self.head_dim,
                                          self.max_blocks_per_seq, self.block_size, self.device)
-        self.graphs.capture(self.model, self.decode_inputs, batch_sizes, config.hf_config.hidden_size, config.dtype,
-                            self.device)
+        with compiling(self.compile):
+            self.graphs.capture(self.model, self.decode_inputs, batch_sizes, config.hf_config.hidden_size,
+                                config.dtype, self.device)
 
     def run(self, seqs: list[Sequence], is_prefill: bool, swap_out: BlockCopies = NO_COPIES,
             swap_in: BlockCopies = NO_COPIES) -> SamplerOutput:
@@ -223,10 +228,11 @@ class ModelRunner:
         self.swap(step.swap_out, step.swap_in)
         if not step.num_seqs:
             return StepLogits(None, [])
-        inputs, hidden_states = self._forward(step)  # hidden_states: [rows, hidden]
-        if not inputs.sample_indices:
-            return StepLogits(None, [])
-        logits = self.model.compute_logits(hidden_states[inputs.sample_rows])  # None on ranks > 0
+        with compiling(self.compile):
+            inputs, hidden_states = self._forward(step)  # hidden_states: [rows, hidden]
+            if not inputs.sample_indices:
+                return StepLogits(None, [])
+            logits = self.model.compute_logits(hidden_states[inputs.sample_rows])  # None on ranks > 0
         return StepLogits(logits, inputs.sample_indices)
 
     def _forward(self, step: StepMessage) -> tuple[StepInputs, torch.Tensor]:
@@ -252,7 +258,8 @@ class ModelRunner:
             return SamplerOutput([-1] * n, [None] * n)
         sampled = seqs if len(step.sample_indices) == n else [seqs[i] for i in step.sample_indices]
         logits = step.logits
-        out = self.sampler(logits, prepare_sampling(sampled, logits.size(-1), self.config.eos, self.device))
+        with compiling(self.compile):
+            out = self.sampler(logits, prepare_sampling(sampled, logits.size(-1), self.config.eos, self.device))
         if len(sampled) == n:
             return out
         token_ids, logprobs = [-1] * n, [None] * n

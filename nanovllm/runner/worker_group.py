@@ -93,11 +93,12 @@ class WorkerGroup:
     def _start(self, config: Config) -> None:
         num_threads = threads_per_rank(self.world_size)
         ctx = mp.get_context("spawn")  # a forked child would inherit CUDA and thread-pool state it cannot use
+        worker_config = config.for_workers()
         for rank in range(1, self.world_size):
             conn, child_conn = ctx.Pipe()
             heartbeat, child_heartbeat = ctx.Pipe(duplex=False)
-            process = ctx.Process(target=worker_main, args=(config, rank, self.store.port, child_conn,
-                                                             child_heartbeat, num_threads),
+            process = ctx.Process(target=worker_main, args=(worker_config, rank, self.store.port, child_conn,
+                                                            child_heartbeat, num_threads),
                                   name=f"nanovllm-tp-rank{rank}", daemon=True)
             process.start()
             child_conn.close()  # the worker holds the only other end, so its death reads as EOF here
