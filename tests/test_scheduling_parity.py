@@ -10,10 +10,13 @@ import math
 from dataclasses import asdict
 
 import pytest
+import torch
 
 from helpers import GPU_ONLY, greedy, hf_greedy, random_prompts
 from nanovllm import LLM
+from nanovllm.attention.torch_backend import TorchBackend, causal_attention, gather_kv
 from nanovllm.engine.scheduler import MIXED, PREFILL_FIRST
+from nanovllm.utils.context import AttentionMetadata
 
 BLOCK = 16
 MAX_TOKENS = 20
@@ -148,6 +151,37 @@ def test_triton_backend_runs_mixed_batches(qwen3_tiny):
     assert llm.stats().mixed_steps >= 2  # the short prompt decodes beside the long one's chunks
     llm.exit()
     assert [o["token_ids"] for o in outputs] == hf_greedy(qwen3_tiny, prompts, 3)
+
+
+def test_torch_backend_batches_a_mixed_steps_decode_rows_exactly():
+    """The torch backend sends a mixed batch's one-token rows through its batched decode path:
+    the same outputs as attending each sequence on its own."""
+    gen = torch.Generator().manual_seed(5)
+    block_size, num_heads, num_kv_heads, head_dim = 16, 6, 2, 16
+    lens = [(0, 20), (33, 1), (15, 1), (16, 9), (47, 1), (5, 1)]  # (cached, new) per sequence
+    num_blocks = sum(-(-(p + n) // block_size) for p, n in lens)
+    k_cache, v_cache = (torch.randn(num_blocks, block_size, num_kv_heads, head_dim, generator=gen) for _ in range(2))
+    order = torch.randperm(num_blocks, generator=gen).tolist()
+    tables = []
+    for p, n in lens:
+        need = -(-(p + n) // block_size)
+        tables.append(order[:need])
+        order = order[need:]
+    width = max(map(len, tables))
+    block_tables = torch.tensor([t + [-1] * (width - len(t)) for t in tables], dtype=torch.int32)
+    seqlens_q, seqlens_k = [n for _, n in lens], [p + n for p, n in lens]
+    cu = lambda xs: torch.tensor([0] + xs).cumsum(0).to(torch.int32)  # noqa: E731
+    meta = AttentionMetadata(is_prefill=True, slot_mapping=torch.empty(0), cu_seqlens_q=cu(seqlens_q),
+                             cu_seqlens_k=cu(seqlens_k), max_seqlen_q=max(seqlens_q), max_seqlen_k=max(seqlens_k),
+                             block_tables=block_tables, seqlens_q=seqlens_q, seqlens_k=seqlens_k)
+    q = torch.randn(sum(seqlens_q), num_heads, head_dim, generator=gen)
+    out = TorchBackend().prefill(q, None, None, k_cache, v_cache, meta, head_dim ** -0.5)
+    start = 0
+    for i, (p, n) in enumerate(lens):
+        k, v = (gather_kv(cache, block_tables[i], p + n) for cache in (k_cache, v_cache))
+        expected = causal_attention(q[start:start + n], k, v, head_dim ** -0.5)
+        torch.testing.assert_close(out[start:start + n], expected)
+        start += n
 
 
 @pytest.mark.parametrize("backend", [
