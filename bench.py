@@ -19,12 +19,20 @@ tiny Qwen3 for smoke tests. Where the default lengths do not fit the model's pos
 1024 cannot hold 1024 in + 1024 out) they are capped to fit; every such change is printed as a
 NOTE and listed under "notes" in the JSON line.
 
+Inter-token latency is the mean time between two consecutive tokens of one sequence, over the
+timed call (the engine's counters, LLMEngine.stats()); "during prefills" is the mean over the
+gaps in which a step computed prompts, which is what a prefill costs the running sequences:
+under --scheduling-policy prefill_first they wait the whole prefill, under mixed their token
+comes in the same step. With every request admitted at once there are no such gaps; a
+--max-num-seqs below --num-seqs admits requests as others finish, as a server does.
+
 With --compare-hf the same prompts and output lengths then go through HuggingFace transformers'
 `generate` in the same process, on the same device and dtype, and the table and the JSON line
 gain HF's throughput and the ratio (see run_hf_baseline for how HF is batched and counted).
 """
 import argparse
 import gc
+from dataclasses import asdict
 import json
 import os
 import platform
@@ -40,6 +48,7 @@ import transformers
 from transformers import AutoModelForCausalLM, GenerationConfig
 
 from nanovllm import LLM, SamplingParams
+from nanovllm.engine.scheduler import SCHEDULING_POLICIES
 from nanovllm.testing.synthetic import (GPT2_CONFIG, LLAMA_3_2_1B_CONFIG, QWEN3_30B_A3B_CONFIG, build_checkpoint,
                                         build_qwen3_0_6b, build_shaped)
 
@@ -179,6 +188,10 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "float16", "bfloat16"])
     parser.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
     parser.add_argument("--max-model-len", type=int, default=4096)
+    parser.add_argument("--scheduling-policy", choices=list(SCHEDULING_POLICIES),
+                        help="the engine's scheduling_policy (default: the engine's default)")
+    parser.add_argument("--max-num-seqs", type=int, help="sequences running at once (default: the engine's)")
+    parser.add_argument("--max-num-batched-tokens", type=int, help="tokens per step (default: the engine's)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json-out", help="also write the result JSON to this file")
     parser.add_argument("--compare-hf", action="store_true",
@@ -345,6 +358,14 @@ def run_hf_baseline(path: str, prompts: list[list[int]], output_lens: list[int],
     return HFResult(elapsed, generated, setup, cache, batch_size, len(batches), notes, load_1m)
 
 
+def mean_ms(total_s: float, count: int) -> float | None:
+    return round(1000 * total_s / count, 3) if count else None
+
+
+def format_ms(value: float | None) -> str:
+    return "n/a (none)" if value is None else f"{value:.2f}"
+
+
 def main() -> None:
     args = parse_args()
     # 1. The workload: the device's default sizes unless given, checked before the (slow) model load.
@@ -368,8 +389,12 @@ def main() -> None:
         synthetic = synthetic_model(choice.synthetic, on_cpu)
         path = synthetic_checkpoint(synthetic, args.workdir)
         notes += [synthetic.note] if synthetic.note else []
+    scheduling = {name: value for name, value in (("scheduling_policy", args.scheduling_policy),
+                                                  ("max_num_seqs", args.max_num_seqs),
+                                                  ("max_num_batched_tokens", args.max_num_batched_tokens))
+                  if value is not None}
     llm = LLM(path, device=args.device, dtype=args.dtype, enforce_eager=args.enforce_eager,
-              max_model_len=args.max_model_len)
+              max_model_len=args.max_model_len, **scheduling)
     device = llm.config.device
     if 2 * max_len > llm.config.max_model_len and args.max_len is None:
         # The default lengths do not fit the model's positions (GPT-2 has 1024): halve them to fit.
@@ -395,9 +420,11 @@ def main() -> None:
     # 2. Warm up, then time one generate call over the whole workload.
     llm.generate(["Benchmark: "], SamplingParams(max_tokens=WARMUP_MAX_TOKENS), use_tqdm=False)
     load_1m = os.getloadavg()[0]  # other work on the host slows a CPU run; record how busy it was
+    before = asdict(llm.stats())
     start = time.perf_counter()
     outputs = llm.generate(prompts, sampling_params, use_tqdm=False)
     elapsed = time.perf_counter() - start
+    counted = {name: value - before[name] for name, value in asdict(llm.stats()).items()}  # the timed call's
 
     # 3. With ignore_eos every request makes exactly max_tokens; check rather than trust it.
     for i, (out, sp) in enumerate(zip(outputs, sampling_params)):
@@ -425,6 +452,17 @@ def main() -> None:
         "throughput_tok_s": round(total_output_tokens / elapsed, 2),
         "host_load_1m": round(load_1m, 2),
         "notes": notes,
+        "scheduling_policy": llm.config.scheduling_policy,
+        "max_num_seqs": llm.config.max_num_seqs,
+        "max_num_batched_tokens": llm.config.max_num_batched_tokens,
+        "itl_mean_ms": mean_ms(counted["inter_token_latency_sum_s"], counted["inter_token_latency_count"]),
+        "itl_during_prefill_mean_ms": mean_ms(counted["inter_token_latency_during_prefill_sum_s"],
+                                              counted["inter_token_latency_during_prefill_count"]),
+        "itl_during_prefill_count": counted["inter_token_latency_during_prefill_count"],
+        "prefill_steps": counted["prefill_steps"],
+        "decode_steps": counted["decode_steps"],
+        "mixed_steps": counted["mixed_steps"],
+        "preemptions": counted["preemptions_recompute"] + counted["preemptions_swap"],
         "torch": torch.__version__,
         "date": datetime.now(timezone.utc).strftime("%Y-%m-%d"),
     }
@@ -439,6 +477,13 @@ def main() -> None:
         ("output tokens", total_output_tokens),
         ("nanovllm time (s)", f"{elapsed:.2f}"),
         ("nanovllm output tok/s", f"{result['throughput_tok_s']:.2f}"),
+        ("scheduling", f"{result['scheduling_policy']}, max_num_seqs {result['max_num_seqs']}, "
+                       f"max_num_batched_tokens {result['max_num_batched_tokens']}"),
+        ("steps", f"{result['prefill_steps']} with prefill ({result['mixed_steps']} of them mixed), "
+                  f"{result['decode_steps']} decode only; {result['preemptions']} preemptions"),
+        ("inter-token latency (ms)", format_ms(result["itl_mean_ms"])),
+        ("  during prefills (ms)", f"{format_ms(result['itl_during_prefill_mean_ms'])} "
+                                   f"({result['itl_during_prefill_count']} gaps)"),
         *(("note", note) for note in notes),
     ]
     if on_cpu:

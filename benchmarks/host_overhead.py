@@ -47,11 +47,12 @@ class StandInRunner:
     def __init__(self, config: Config):
         max_blocks = cdiv(config.max_model_len, BLOCK_SIZE)
         self.num_kvcache_blocks = config.max_num_seqs * max_blocks
+        self.num_swap_blocks = 0
         self.eos = config.eos
         self.inputs = DecodeInputs(config.max_num_seqs, max_blocks, BLOCK_SIZE, torch.device("cpu"))
         self.rng = random.Random(0)
 
-    def run(self, seqs: list[Sequence], is_prefill: bool) -> SamplerOutput:
+    def run(self, seqs: list[Sequence], is_prefill: bool, *copies) -> SamplerOutput:
         if not is_prefill:
             self.inputs.fill(StepMessage.of(seqs, is_prefill=False), len(seqs), full_width=False)
             prepare_sampling(seqs, VOCAB, self.eos, torch.device("cpu"))

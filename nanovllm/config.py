@@ -14,6 +14,7 @@ from dataclasses import dataclass, field, fields
 import torch
 from transformers import AutoConfig, PretrainedConfig, PreTrainedTokenizerBase
 
+from nanovllm.engine.scheduler import DEFAULT_SCHEDULING_POLICY, PREEMPTION_MODES, RECOMPUTE, SCHEDULING_POLICIES
 from nanovllm.kernels import MIN_DOT_SIZE
 from nanovllm.utils.tokenizer import end_of_text_id, load_tokenizer
 from nanovllm.utils.validation import is_int, is_number, require
@@ -65,6 +66,18 @@ class Config:
     # float32 path is the HF oracle and a cold compile costs more than short runs gain
     # (benchmarks/compiled_layers.py). Resolved to "on" or "off" when the Config is made.
     compile_mode: str = "auto"
+    # "mixed": each step gives every running sequence its next token, then fills the rest of
+    # max_num_batched_tokens with prefill chunks, in one forward pass (no prefill stalls the
+    # decodes). "prefill_first": nano-vllm's policy, a step is all prefill while any can be
+    # scheduled, else all decode. The default measured better on bench.py (docs/BENCHMARKS.md).
+    scheduling_policy: str = DEFAULT_SCHEDULING_POLICY
+    # What preemption does with a sequence's K/V when blocks run out: "recompute" frees them (the
+    # tokens are computed again later); "swap" copies them to host memory and back (a sequence
+    # still in its prompt, or one that finds the swap space full, is recomputed instead).
+    preemption_mode: str = RECOMPUTE
+    # GiB of host memory per tensor-parallel rank for swapped-out K/V (pinned on CUDA); only with
+    # preemption_mode="swap". Capped by what max_num_seqs sequences of max_model_len need.
+    swap_space: float = 4.0
     # Read from the checkpoint, not settings:
     hf_config: PretrainedConfig = field(init=False, repr=False)
     tokenizer: PreTrainedTokenizerBase | None = field(init=False, repr=False, compare=False)  # None: skipped
@@ -122,6 +135,12 @@ class Config:
                 self.dtype, f"'auto', one of {list(DTYPES)} or the matching torch.dtype")
         g = self.cpu_kvcache_space_gib
         require(is_number(g) and g > 0, "cpu_kvcache_space_gib", g, "a number > 0")
+        require(self.scheduling_policy in SCHEDULING_POLICIES, "scheduling_policy", self.scheduling_policy,
+                f"one of {SCHEDULING_POLICIES}")
+        require(self.preemption_mode in PREEMPTION_MODES, "preemption_mode", self.preemption_mode,
+                f"one of {PREEMPTION_MODES}")
+        require(is_number(self.swap_space) and self.swap_space >= 0, "swap_space", self.swap_space,
+                "a finite number of GiB >= 0")
         t = self.tensor_parallel_heartbeat_timeout_s
         require(is_number(t) and t >= MIN_HEARTBEAT_TIMEOUT_S, "tensor_parallel_heartbeat_timeout_s", t,
                 f"a finite number of seconds >= {MIN_HEARTBEAT_TIMEOUT_S}")

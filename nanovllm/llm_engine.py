@@ -16,6 +16,7 @@ garbage collector; exit() (or leaving `with LLM(...) as llm:`) frees it at once.
 import threading
 import weakref
 from contextlib import contextmanager
+from dataclasses import asdict, dataclass
 from itertools import count
 from time import perf_counter
 from typing import Iterator, NamedTuple
@@ -26,7 +27,7 @@ from nanovllm.config import Config
 from nanovllm.engine.block_manager import BlockManager
 from nanovllm.engine.detokenizer import Detokenizer
 from nanovllm.engine.request import Request, RequestOutput
-from nanovllm.engine.scheduler import Scheduler
+from nanovllm.engine.scheduler import Scheduler, SchedulerStats
 from nanovllm.engine.sequence import Sequence
 from nanovllm.engine.stop_checker import StopChecker
 from nanovllm.runner.tensor_parallel import create_model_runner
@@ -58,6 +59,35 @@ class StepOutput(NamedTuple):
     request_ids: list[str]
 
 
+@dataclass
+class EngineStats(SchedulerStats):
+    """A snapshot of the engine's counters (since start) and queues, from LLMEngine.stats();
+    `asdict(stats)` gives them by name (what a /metrics endpoint exports)."""
+    num_waiting: int = 0
+    num_running: int = 0
+    num_swapped: int = 0
+    num_free_kv_blocks: int = 0
+    num_kv_blocks: int = 0
+    num_free_swap_blocks: int = 0
+    num_swap_blocks: int = 0
+    # Time between a sequence's consecutive tokens: every gap, and the gaps during which a step
+    # with prefill work ran (what a prefill costs the running sequences).
+    inter_token_latency_sum_s: float = 0.0
+    inter_token_latency_count: int = 0
+    inter_token_latency_during_prefill_sum_s: float = 0.0
+    inter_token_latency_during_prefill_count: int = 0
+
+    @property
+    def mean_inter_token_latency_s(self) -> float | None:
+        return self.inter_token_latency_sum_s / self.inter_token_latency_count if self.inter_token_latency_count \
+            else None
+
+    @property
+    def mean_inter_token_latency_during_prefill_s(self) -> float | None:
+        n = self.inter_token_latency_during_prefill_count
+        return self.inter_token_latency_during_prefill_sum_s / n if n else None
+
+
 class LLMEngine:
 
     def __init__(self, model: str, **kwargs):
@@ -72,10 +102,10 @@ class LLMEngine:
         # also runs at interpreter exit if the engine is still alive then.
         self._finalizer = weakref.finalize(self, self.model_runner.exit)
         self.block_manager = BlockManager(self.model_runner.num_kvcache_blocks, config.kvcache_block_size,
-                                          config.enable_prefix_caching)
+                                          config.enable_prefix_caching, self.model_runner.num_swap_blocks)
         self.stop_checker = StopChecker(config.eos, config.max_model_len)
         self.scheduler = Scheduler(config.max_num_seqs, config.max_num_batched_tokens, self.block_manager,
-                                   self.stop_checker)
+                                   self.stop_checker, config.scheduling_policy, config.preemption_mode)
         self._init_routing()
 
     def _init_routing(self) -> None:
@@ -91,6 +121,8 @@ class LLMEngine:
         self._deferred: list[list[Request]] = []
         self._exited = False
         self._prefill_tps = self._decode_tps = 0.0  # the latest step's throughput, for the progress bar
+        self._num_prefill_steps = 0  # steps with prefill work so far (for the inter-token latency counters)
+        self._itl = [0.0, 0, 0.0, 0]  # inter-token latency: sum, count, and the same during prefills
 
     # --- lifetime and the single-thread rule ---
 
@@ -133,9 +165,11 @@ class LLMEngine:
     # --- making and releasing requests ---
 
     def _make_request(self, index: int, prompt: Prompt, params: SamplingParams, inbox: dict[str, None],
-                      deltas: bool = False, request_id: str | None = None) -> Request:
+                      deltas: bool = False, request_id: str | None = None, priority: int = 0) -> Request:
         """Validate one prompt and build its sequences; nothing is queued here. With `deltas`,
         every sample detokenizes incrementally (for stream() and pop_output())."""
+        if not isinstance(priority, int) or isinstance(priority, bool):
+            raise ValueError(f"priority={priority!r} is not allowed; a priority must be an int (lower runs first)")
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling_params={params!r} is not allowed; it must be a SamplingParams")
         if isinstance(prompt, str):
@@ -172,7 +206,7 @@ class LLMEngine:
                              f"({self.block_manager.num_blocks} blocks); shorten it or enlarge the cache")
         seqs = []
         for i in range(params.n):
-            seq = Sequence(next(self._seq_ids), token_ids, params, bs)
+            seq = Sequence(next(self._seq_ids), token_ids, params, bs, priority=priority)
             seq.seed = None if params.seed is None else params.seed + i
             # generate() decodes a sample's text once, at the end, unless stop strings need it on the
             # way. A sample with a detokenizer reports each new token to its caller (see _step): so
@@ -183,7 +217,8 @@ class LLMEngine:
         return Request(index, token_ids, params, seqs, request_id, inbox)
 
     def _make_requests(self, prompts: list[Prompt], sampling_params: SamplingParams | list[SamplingParams],
-                       inbox: dict[str, None], deltas: bool = False) -> list[Request]:
+                       inbox: dict[str, None], deltas: bool = False, priority: list[int] | None = None
+                       ) -> list[Request]:
         """Validate a whole call before any of it is queued."""
         if not isinstance(prompts, (list, tuple)):
             raise ValueError(f"prompts={prompts!r:.80} is not allowed; prompts must be a list of str or of token-id lists")
@@ -193,7 +228,13 @@ class LLMEngine:
                                  "give one per prompt or a single SamplingParams")
         else:
             sampling_params = [sampling_params] * len(prompts)
-        return [self._make_request(i, p, sp, inbox, deltas) for i, (p, sp) in enumerate(zip(prompts, sampling_params))]
+        if priority is None:
+            priority = [0] * len(prompts)
+        elif not isinstance(priority, (list, tuple)) or len(priority) != len(prompts):
+            raise ValueError(f"priority={priority!r:.80} is not allowed; give a list of one int per prompt "
+                             f"({len(prompts)}), or None for all 0")
+        return [self._make_request(i, p, sp, inbox, deltas, priority=pr)
+                for i, (p, sp, pr) in enumerate(zip(prompts, sampling_params, priority))]
 
     def _new_request_id(self) -> str:
         while True:
@@ -247,15 +288,18 @@ class LLMEngine:
 
     # --- the online API: add_request / step / pop_output / abort ---
 
-    def add_request(self, prompt: Prompt, sampling_params: SamplingParams, request_id: str | None = None) -> str:
+    def add_request(self, prompt: Prompt, sampling_params: SamplingParams, request_id: str | None = None,
+                    priority: int = 0) -> str:
         """Validate and queue one prompt; returns its request id (a unique string unless given).
-        Its output is read with pop_output() as step() reports news of it."""
+        Its output is read with pop_output() as step() reports news of it. Lower `priority`
+        values are admitted first and preempted last (ties: earlier requests first), as vLLM."""
         with self._entered():
             if request_id is not None and (not isinstance(request_id, str) or not request_id):
                 raise ValueError(f"request_id={request_id!r} is not allowed; it must be None or a non-empty str")
             if request_id in self._requests:
                 raise ValueError(f"request_id={request_id!r} is already a live request; request ids must be unique")
-            request = self._make_request(0, prompt, sampling_params, self._news, deltas=True, request_id=request_id)
+            request = self._make_request(0, prompt, sampling_params, self._news, deltas=True, request_id=request_id,
+                                         priority=priority)
             self._submit([request])
             return request.request_id
 
@@ -303,10 +347,13 @@ class LLMEngine:
         start = perf_counter()
         batch = self.scheduler.schedule()
         if not batch.seqs:  # idle, or everything was preempted (the next step prefills again)
+            if batch.has_copies:  # a swap-out's K/V must reach host memory before its blocks are reused
+                self.model_runner.run([], True, batch.swap_out, batch.swap_in)
             return StepOutput([], [], 0, True, list(self._news))
         num_tokens = batch.num_tokens  # before postprocess clears the scheduled counts
-        out = self.model_runner.run(batch.seqs, batch.is_prefill)
+        out = self.model_runner.run(batch.seqs, batch.is_prefill, batch.swap_out, batch.swap_in)
         advanced = self.scheduler.postprocess(batch, out.token_ids)
+        self._count_inter_token_latency(advanced, batch.num_prefill_seqs > 0)
         # The runner returns logprobs exactly for the rows that sampled, which are the advanced ones.
         for seq, lp in zip(batch.seqs, out.logprobs):
             n = seq.sampling_params.logprobs
@@ -327,6 +374,36 @@ class LLMEngine:
         else:
             self._decode_tps = tps
         return StepOutput(advanced, finished, num_tokens, batch.is_prefill, list(self._news))
+
+    def _count_inter_token_latency(self, advanced: list[Sequence], computed_prompts: bool) -> None:
+        """The time since each advanced sequence's previous token, counted apart as well when a
+        step with prefill work ran in between (this one included)."""
+        now = perf_counter()
+        self._num_prefill_steps += computed_prompts
+        itl = self._itl
+        for seq in advanced:
+            if seq.last_token_time is not None:
+                gap = now - seq.last_token_time
+                itl[0] += gap
+                itl[1] += 1
+                if seq.last_token_prefill_steps != self._num_prefill_steps:
+                    itl[2] += gap
+                    itl[3] += 1
+            seq.last_token_time = now
+            seq.last_token_prefill_steps = self._num_prefill_steps
+
+    def stats(self) -> EngineStats:
+        """The scheduler's counters (preemptions by mode, swaps, mixed steps...), the queues'
+        sizes, block use and inter-token latency, as a snapshot."""
+        scheduler, bm = self.scheduler, self.block_manager
+        return EngineStats(
+            **asdict(scheduler.stats),
+            num_waiting=len(scheduler.waiting), num_running=len(scheduler.running),
+            num_swapped=len(scheduler.swapped), num_free_kv_blocks=bm.num_free_blocks, num_kv_blocks=bm.num_blocks,
+            num_free_swap_blocks=bm.num_free_host_blocks, num_swap_blocks=bm.num_host_blocks,
+            inter_token_latency_sum_s=self._itl[0], inter_token_latency_count=self._itl[1],
+            inter_token_latency_during_prefill_sum_s=self._itl[2],
+            inter_token_latency_during_prefill_count=self._itl[3])
 
     def _next_news(self, inbox: dict[str, None]) -> list[str]:
         """Step until one of a caller's requests has news; returns (and clears) their ids."""
@@ -366,23 +443,25 @@ class LLMEngine:
         prompts: list[Prompt],
         sampling_params: SamplingParams | list[SamplingParams],
         use_tqdm: bool = True,
+        priority: list[int] | None = None,
     ) -> list[dict]:
         """One output dict per prompt, in input order: "text", "token_ids", "finish_reason",
         "stop_reason", "prompt_token_ids", "num_cached_tokens", "logprobs" when asked, and for
-        n > 1 every sample under "outputs" (the top-level fields are sample 0's)."""
+        n > 1 every sample under "outputs" (the top-level fields are sample 0's). `priority`:
+        one int per prompt, lower first (see add_request); None gives all 0."""
         with self._entered():
             inbox: dict[str, None] = {}
-            requests = self._make_requests(prompts, sampling_params, inbox)
+            requests = self._make_requests(prompts, sampling_params, inbox, priority=priority)
             return self._run_to_end(requests, inbox, use_tqdm)
 
-    def stream(self, prompts: list[Prompt], sampling_params: SamplingParams | list[SamplingParams]
-               ) -> Iterator[StreamOutput]:
+    def stream(self, prompts: list[Prompt], sampling_params: SamplingParams | list[SamplingParams],
+               priority: list[int] | None = None) -> Iterator[StreamOutput]:
         """Yield each sample's new text and token ids as they are produced; the concatenated
         text of a sample equals what generate() returns for it. The prompts are checked now and
         queued at the first next(); closing the generator aborts what is unfinished at once."""
         with self._entered():
             inbox: dict[str, None] = {}
-            requests = self._make_requests(prompts, sampling_params, inbox, deltas=True)
+            requests = self._make_requests(prompts, sampling_params, inbox, deltas=True, priority=priority)
         return self._stream(requests, inbox)
 
     def _stream(self, requests: list[Request], inbox: dict[str, None]) -> Iterator[StreamOutput]:

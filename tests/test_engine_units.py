@@ -10,7 +10,7 @@ from collections import Counter
 import pytest
 
 from nanovllm.engine.block_manager import BlockManager
-from nanovllm.engine.scheduler import ScheduledBatch, Scheduler
+from nanovllm.engine.scheduler import MIXED, PREFILL_FIRST, RECOMPUTE, SWAP, ScheduledBatch, Scheduler
 from nanovllm.engine.sequence import Sequence, SequenceStatus
 from nanovllm.engine.stop_checker import StopChecker
 from nanovllm.runner.step_inputs import decode_slot, token_slots
@@ -21,9 +21,9 @@ EOS = 0
 
 
 def make_seq(seq_id: int, tokens: list[int], block_size: int, max_tokens: int = 16,
-             ignore_eos: bool = False) -> Sequence:
+             ignore_eos: bool = False, priority: int = 0) -> Sequence:
     params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=ignore_eos)
-    return Sequence(seq_id, tokens, params, block_size)
+    return Sequence(seq_id, tokens, params, block_size, priority=priority)
 
 
 def chained_hashes(tokens: list[int], block_size: int) -> list[int]:
@@ -536,39 +536,52 @@ def reference_output(seq_id: int, prompt: list[int], max_tokens: int, ignore_eos
 
 
 class FakeModel:
-    """Stands in for the model runner: checks each batch against a shadow KV cache, then returns
-    next_token for each sequence, and EOS (a poison) for a prefill chunk that samples nothing."""
+    """Stands in for the model runner: makes the batch's block copies in a shadow cache (swap-outs
+    to a shadow host memory first, then swap-ins), checks every sequence reads exactly its own
+    tokens' K/V, writes the new ones, then returns next_token for each sequence, and EOS (a
+    poison) for a prefill chunk that samples nothing."""
 
     def __init__(self, sched: Scheduler):
         self.sched = sched
         self.bm = sched.block_manager
         self.shadow = ShadowCache(self.bm)
-        self.chunks: list[tuple[int, int]] = []  # (seq_id, tokens) of every prefill piece
+        self.host: dict[int, list] = {}  # host block -> the shadow entries of its slots
+        self.chunks: list[tuple[int, int]] = []  # (seq_id, tokens) of every piece of a prompt computed
+
+    def copy_blocks(self, batch: ScheduledBatch) -> None:
+        bs, kv = self.bm.block_size, self.shadow.kv
+        for dev, host in zip(*batch.swap_out):
+            self.host[host] = [kv.get(dev * bs + o) for o in range(bs)]
+        for host, dev in zip(*batch.swap_in):
+            block = self.bm.blocks[dev]
+            assert block.ref_count == 1 and block.hash is None, f"swap-in into shared or published block {dev}"
+            for o, entry in enumerate(self.host.pop(host)):
+                kv[dev * bs + o] = entry
 
     def __call__(self, batch: ScheduledBatch) -> list[int]:
         s = self.sched
-        assert len(batch.seqs) <= s.max_num_seqs and len(s.running) <= s.max_num_seqs
+        self.copy_blocks(batch)
+        assert len(batch.seqs) <= s.max_num_seqs and len(s.running) <= min(s.max_num_seqs, s.max_num_batched_tokens)
         assert len({seq.seq_id for seq in batch.seqs}) == len(batch.seqs)
+        assert batch.num_tokens <= s.max_num_batched_tokens, "token budget exceeded"
+        assert batch.is_prefill == any(not seq.is_decoding for seq in batch.seqs)
+        if s.policy == MIXED:  # every running sequence past its prompt gets its token
+            scheduled = {id(seq) for seq in batch.seqs}
+            assert all(id(seq) in scheduled for seq in s.running if seq.is_decoding)
+        if s.policy == PREFILL_FIRST and batch.num_prefill_seqs:
+            assert batch.num_prefill_seqs == len(batch.seqs), "a prefill-first step decodes nothing"
+        assert not any(seq.host_block_table for seq in s.running)
         out = []
         for seq in batch.seqs:
             nc, k = seq.num_computed_tokens, seq.num_scheduled_tokens
             assert len(seq.block_table) == seq.num_blocks
-            assert not seq.is_finished
-            if batch.is_prefill:
-                assert 1 <= k and nc + k <= len(seq)
-                self.shadow.check_read(seq, nc)
+            assert seq.status == SequenceStatus.RUNNING and seq in s.running
+            assert 1 <= k and nc + k <= len(seq)
+            self.shadow.check_read(seq, nc)
+            if not seq.is_decoding or nc < seq.num_prompt_tokens:
                 self.chunks.append((seq.seq_id, k))
-                if nc + k < len(seq):  # a chunk that leaves some prompt: stays at the queue's head
-                    assert s.waiting[0] is seq and seq not in s.running
-                    assert seq.status == SequenceStatus.WAITING
-                else:
-                    assert seq in s.running and seq.status == SequenceStatus.RUNNING
-            else:
-                assert k == 1 and nc == len(seq) - 1 and seq.status == SequenceStatus.RUNNING
             self.shadow.write(seq, nc, nc + k)
             out.append(next_token(seq.seq_id, len(seq)) if nc + k == len(seq) else EOS)
-        if batch.is_prefill:
-            assert batch.num_tokens <= s.max_num_batched_tokens
         return out
 
 
@@ -583,9 +596,10 @@ def drive(sched: Scheduler, model: FakeModel, max_steps: int) -> list[Sequence]:
 
 
 def make_scheduler(num_blocks: int, bs: int, max_num_seqs: int = 8, max_batched: int = 256,
-                   max_model_len: int = 4096, prefix_caching: bool = True) -> Scheduler:
-    bm = BlockManager(num_blocks, bs, enable_prefix_caching=prefix_caching)
-    return Scheduler(max_num_seqs, max_batched, bm, StopChecker(EOS, max_model_len))
+                   max_model_len: int = 4096, prefix_caching: bool = True, policy: str = PREFILL_FIRST,
+                   mode: str = RECOMPUTE, num_host_blocks: int = 0) -> Scheduler:
+    bm = BlockManager(num_blocks, bs, enable_prefix_caching=prefix_caching, num_host_blocks=num_host_blocks)
+    return Scheduler(max_num_seqs, max_batched, bm, StopChecker(EOS, max_model_len), policy, mode)
 
 
 def test_prefill_first_then_decode_in_order():
@@ -605,7 +619,7 @@ def test_prefill_first_then_decode_in_order():
     assert not batch.is_prefill and batch.seqs == [a, b]
     sched.postprocess(batch, model(batch))
 
-    c = make_seq(2, [9], bs, max_tokens=10, ignore_eos=True)
+    c = make_seq(2, [9, 10], bs, max_tokens=10, ignore_eos=True)
     sched.add(c)
     batch = sched.schedule()  # a waiting request goes before the decodes
     assert batch.is_prefill and batch.seqs == [c]
@@ -614,7 +628,7 @@ def test_prefill_first_then_decode_in_order():
     assert not batch.is_prefill and batch.seqs == [a, b, c]
     sched.postprocess(batch, model(batch))
     assert a.completion_token_ids == [next_token(0, n) for n in range(5, 8)]
-    assert c.completion_token_ids == [next_token(2, 1), next_token(2, 2)]
+    assert c.completion_token_ids == [next_token(2, 2), next_token(2, 3)]
 
 
 @pytest.mark.parametrize("prefix_caching", [True, False])
@@ -627,11 +641,11 @@ def test_chunked_prefill(prefix_caching: bool):
     sched.add(a)
     sched.add(b)
 
-    # Step 1 and 2: a alone, 8 tokens each; it stays at the head of waiting, samples nothing.
+    # Step 1 and 2: a alone, 8 tokens each; it is running (it holds its blocks), samples nothing.
     for step in range(2):
         batch = sched.schedule()
         assert batch.is_prefill and batch.seqs == [a] and a.num_scheduled_tokens == budget
-        assert sched.waiting[0] is a and a not in sched.running and a.status == SequenceStatus.WAITING
+        assert sched.running == [a] and a.status == SequenceStatus.RUNNING and list(sched.waiting) == [b]
         sched.postprocess(batch, model(batch))  # the model returns EOS for a non-final chunk
         assert len(a) == 20 and a.num_computed_tokens == budget * (step + 1)
         # Only blocks whose K/V are computed are published.
@@ -643,7 +657,7 @@ def test_chunked_prefill(prefix_caching: bool):
     batch = sched.schedule()
     assert batch.is_prefill and batch.seqs == [a, b]
     assert (a.num_scheduled_tokens, b.num_scheduled_tokens) == (4, 4)
-    assert list(sched.running) == [a] and sched.waiting[0] is b
+    assert sched.running == [a, b] and not sched.waiting
     sched.postprocess(batch, model(batch))
     assert a.completion_token_ids == [next_token(0, 20)] and len(b) == 6
     # Step 4: the rest of b, alone (prefill first), then decodes.
@@ -661,19 +675,22 @@ def test_chunked_prefill(prefix_caching: bool):
     assert sched.block_manager.num_free_blocks == 64
 
 
-def test_chunk_that_leaves_one_token_keeps_the_sequence_waiting():
+@pytest.mark.parametrize("policy", [PREFILL_FIRST, MIXED])
+def test_chunk_that_leaves_one_token_computes_it_as_a_decode_row(policy: str):
     bs, budget = 4, 8
-    sched = make_scheduler(16, bs, max_batched=budget)
+    sched = make_scheduler(16, bs, max_batched=budget, policy=policy)
     model = FakeModel(sched)
     a = make_seq(0, list(range(1, budget + 2)), bs, max_tokens=2, ignore_eos=True)  # budget + 1
     sched.add(a)
     batch = sched.schedule()
     assert batch.is_prefill and a.num_scheduled_tokens == budget
-    assert list(sched.waiting) == [a] and not sched.running
+    assert sched.running == [a] and not sched.waiting
     sched.postprocess(batch, model(batch))
     assert len(a) == budget + 1 and a.num_computed_tokens == budget
-    batch = sched.schedule()  # the last prompt token is still a prefill, not a decode
-    assert batch.is_prefill and batch.seqs == [a] and a.num_scheduled_tokens == 1
+    # One token over the cached rest: the same computation as a decode, so the decode path
+    # (CUDA graphs) runs it, and it samples the first completion token.
+    batch = sched.schedule()
+    assert not batch.is_prefill and batch.seqs == [a] and a.num_scheduled_tokens == 1
     drive(sched, model, 10)
     assert a.completion_token_ids == [next_token(0, budget + 1), next_token(0, budget + 2)]
 
@@ -722,10 +739,31 @@ def test_preemption_takes_the_newest_and_recomputes(prefix_caching: bool):
     assert sched.block_manager.num_free_blocks == 5
 
 
+def drive_arrivals(sched: Scheduler, model: FakeModel, arrivals: list[tuple[int, Sequence]],
+                   max_steps: int) -> list[Sequence]:
+    """drive(), adding each (step, sequence) of `arrivals` (sorted by step) at its step."""
+    finished: list[Sequence] = []
+    pending = list(arrivals)
+    for step in range(max_steps):
+        while pending and pending[0][0] <= step:
+            sched.add(pending.pop(0)[1])
+        if sched.is_finished() and not pending:
+            return finished
+        batch = sched.schedule()
+        finished += [seq for seq in sched.postprocess(batch, model(batch)) if seq.is_finished]
+    raise AssertionError(f"not finished after {max_steps} steps: possible livelock")
+
+
+@pytest.mark.parametrize("mode", [RECOMPUTE, SWAP])
+@pytest.mark.parametrize("policy", [PREFILL_FIRST, MIXED])
 @pytest.mark.parametrize("prefix_caching", [True, False])
-def test_random_workloads_finish_with_reference_outputs(prefix_caching: bool):
-    rng = random.Random(99 + prefix_caching)
-    total_preemptions = total_cached = total_chunked = 0
+def test_random_workloads_finish_with_reference_outputs(prefix_caching: bool, policy: str, mode: str):
+    """Random caches, budgets, prompts (often behind a shared prefix), priorities and arrival
+    steps: every request ends with its reference output within a bounded number of steps (no
+    livelock), the fake model's shadow cache sees exact K/V through every chunk, preemption,
+    swap out and swap in, and everything is freed at the end."""
+    rng = random.Random(99 + prefix_caching + 2 * (policy == MIXED) + 4 * (mode == SWAP))
+    totals = Counter()
     for trial in range(40):
         bs = rng.choice([2, 4, 8])
         max_num_seqs = rng.randrange(1, 7)
@@ -733,35 +771,42 @@ def test_random_workloads_finish_with_reference_outputs(prefix_caching: bool):
         max_model_len = rng.choice([4096, rng.randrange(20, 60)])
         shared = [rng.randrange(1, 13) for _ in range(rng.randrange(1, 24))]
         specs = []
-        for i in range(rng.randrange(1, 10)):
+        arrival_steps = sorted(rng.choice([0, 0, rng.randrange(0, 30)]) for _ in range(rng.randrange(1, 10)))
+        for i, arrival in enumerate(arrival_steps):  # seq ids in arrival order, as the engine gives them
             prompt = (list(shared) if rng.random() < 0.5 else []) + \
                 [rng.randrange(1, 13) for _ in range(rng.randrange(0, 20))]
             prompt = (prompt or [5])[:max_model_len - 1]
-            specs.append((i, prompt, rng.randrange(1, 25), rng.random() < 0.5))
+            specs.append((i, prompt, rng.randrange(1, 25), rng.random() < 0.5, rng.randrange(3), arrival))
         # Every request fits in the cache on its own (the KV of all but its last token).
-        need = max(-(-min(len(p) + m, max_model_len) // bs) for _, p, m, _ in specs)
-        sched = make_scheduler(need + rng.randrange(0, 4), bs, max_num_seqs, max_batched,
-                               max_model_len, prefix_caching)
+        need = max(-(-min(len(p) + m, max_model_len) // bs) for _, p, m, *_ in specs)
+        sched = make_scheduler(need + rng.randrange(0, 4), bs, max_num_seqs, max_batched, max_model_len,
+                               prefix_caching, policy, mode, num_host_blocks=rng.choice([0, 2, 8, 64]))
         model = FakeModel(sched)
-        seqs = [make_seq(i, p, bs, max_tokens=m, ignore_eos=ig) for i, p, m, ig in specs]
-        for s in seqs:
-            sched.add(s)
-        bound = 10 * sum(len(p) + m for _, p, m, _ in specs) + 50
-        finished = drive(sched, model, bound)
+        seqs = [make_seq(i, p, bs, max_tokens=m, ignore_eos=ig, priority=pr) for i, p, m, ig, pr, _ in specs]
+        bound = 10 * sum(len(p) + m for _, p, m, *_ in specs) + 50 + max(arrival_steps)
+        finished = drive_arrivals(sched, model, [(spec[-1], seq) for spec, seq in zip(specs, seqs)], bound)
         assert sorted(s.seq_id for s in finished) == [s.seq_id for s in seqs]
-        for s, (i, p, m, ig) in zip(seqs, specs):
+        for s, (i, p, m, ig, *_) in zip(seqs, specs):
             assert s.is_finished and s.prompt_token_ids == p
             assert (s.completion_token_ids, s.finish_reason) == reference_output(i, p, m, ig, max_model_len), \
                 f"trial {trial} seq {i}"
-            assert s.block_table == [] and 0 <= s.num_cached_tokens <= (len(p) - 1) // bs * bs
-            total_cached += s.num_cached_tokens
+            assert s.block_table == [] and s.host_block_table == []
+            assert 0 <= s.num_cached_tokens <= (len(p) - 1) // bs * bs
+            totals["cached"] += s.num_cached_tokens
         bm = sched.block_manager
         assert bm.num_free_blocks == bm.num_blocks and all(b.ref_count == 0 for b in bm.blocks)
-        assert not sched.running and not sched.waiting
-        total_preemptions += sched.num_preemptions
-        total_chunked += sum(1 for sid, k in model.chunks if k < len(seqs[sid].prompt_token_ids))
-    assert total_preemptions > 0 and total_chunked > 0
-    assert (total_cached > 0) == prefix_caching
+        assert sorted(bm.free_host_blocks) == list(range(bm.num_host_blocks)) and not model.host
+        assert not sched.running and not sched.waiting and not sched.swapped
+        stats = sched.stats
+        totals.update(preemptions=sched.num_preemptions, swaps=stats.preemptions_swap, swap_ins=stats.swap_ins,
+                      swap_full=stats.swap_space_full, mixed=stats.mixed_steps,
+                      chunked=sum(1 for sid, k in model.chunks if k < len(seqs[sid].prompt_token_ids)))
+        assert stats.swap_ins + stats.swapped_prefix_lost == stats.preemptions_swap  # every swapped one came back
+    # The workloads exercised what they claim to.
+    assert totals["preemptions"] > 0 and totals["chunked"] > 0
+    assert (totals["cached"] > 0) == prefix_caching
+    assert (totals["swaps"] > 0) == (totals["swap_ins"] > 0) == (totals["swap_full"] > 0) == (mode == SWAP)
+    assert (totals["mixed"] > 0) == (policy == MIXED)
 
 
 def test_eos_stops_with_stop():

@@ -24,14 +24,16 @@ def engine(path: str, device: str, **kwargs) -> LLM:
 
 
 def record_prefill_chunks(llm: LLM) -> list[list[int]]:
-    """Wrap the runner to record, per prefill step, the tokens scheduled for each sequence."""
+    """Wrap the runner to record, per step that computes prompt tokens, the tokens scheduled for
+    each sequence in its prompt (a mixed step's decode rows are left out)."""
     chunks: list[list[int]] = []
     run = llm.model_runner.run
 
-    def recording_run(seqs, is_prefill):
-        if is_prefill:
-            chunks.append([seq.num_scheduled_tokens for seq in seqs])
-        return run(seqs, is_prefill)
+    def recording_run(seqs, is_prefill, *copies):
+        prompt_rows = [seq.num_scheduled_tokens for seq in seqs if seq.num_computed_tokens < seq.num_prompt_tokens]
+        if prompt_rows:
+            chunks.append(prompt_rows)
+        return run(seqs, is_prefill, *copies)
 
     llm.model_runner.run = recording_run
     return chunks

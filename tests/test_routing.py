@@ -284,10 +284,10 @@ def test_second_thread_refused_while_one_drives(llm):
     inside, release = threading.Event(), threading.Event()
     real_run = llm.model_runner.run
 
-    def held_run(seqs, is_prefill):
+    def held_run(seqs, is_prefill, *copies):
         inside.set()
         assert release.wait(THREAD_WAIT_S)
-        return real_run(seqs, is_prefill)
+        return real_run(seqs, is_prefill, *copies)
 
     # A stream opened here before the other thread drives; closed while it drives.
     open_stream = llm.stream(random_prompts(200, [30], seed=44), greedy(40))

@@ -1,8 +1,10 @@
 """Plain-torch attention: the CPU path and the oracle the other backends are tested against.
 
 It gathers K/V through the block table and runs scaled_dot_product_attention with an explicit
-bottom-right causal mask. Prefill loops over sequences on the host; decode is one batched call
-(which reads the longest context length on the host: this backend is not for CUDA graphs).
+bottom-right causal mask. Prefill loops over sequences on the host, except that the rows of
+one new token over a cached prefix (the decode rows of a mixed batch) go together through the
+decode path; decode is one batched call (which reads the longest context length on the host:
+this backend is not for CUDA graphs).
 """
 import torch
 import torch.nn.functional as F
@@ -33,6 +35,27 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: f
     return out.squeeze(0).transpose(0, 1)
 
 
+def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+                 context_lens: torch.Tensor, scale: float) -> torch.Tensor:
+    """One query per row over its first context_lens cached keys: q [batch, Hq, D] -> [batch, Hq, D];
+    a row with context length 0 outputs zeros."""
+    batch, block_size = q.size(0), k_cache.size(1)
+    longest = int(context_lens.max()) if batch else 0
+    if longest == 0:
+        return torch.zeros_like(q)
+    # Gather exactly the first `longest` tokens of each row through its block table (not
+    # whole blocks): slots [batch, longest]; padding (-1) entries are clamped, then masked.
+    positions = torch.arange(longest, device=q.device)
+    blocks = block_tables.long().gather(1, (positions // block_size).expand(batch, -1))
+    slots = (blocks * block_size + positions % block_size).clamp_min(0)
+    k = k_cache.flatten(0, 1)[slots].transpose(1, 2)  # [batch, num_kv_heads, longest, head_dim]
+    v = v_cache.flatten(0, 1)[slots].transpose(1, 2)
+    mask = (positions.unsqueeze(0) < context_lens.unsqueeze(1)).view(batch, 1, 1, -1)
+    out = F.scaled_dot_product_attention(q.unsqueeze(2), k, v, attn_mask=mask, scale=scale, enable_gqa=True)
+    out = out.squeeze(2)  # [batch, num_heads, head_dim]
+    return torch.where((context_lens > 0).view(batch, 1, 1), out, 0.0)
+
+
 class TorchBackend(AttentionBackend):
     name = "torch"
 
@@ -46,31 +69,26 @@ class TorchBackend(AttentionBackend):
     def prefill(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                 v_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
         out = torch.empty_like(q)
+        paged = meta.block_tables is not None
+        # Sequences with one new token over the cache (index, row, keys), batched below.
+        single: list[tuple[int, int, int]] = []
         start_q = start_k = 0
         for i, (lq, lk) in enumerate(zip(meta.seqlens_q, meta.seqlens_k)):
-            if meta.block_tables is None:
-                ki, vi = k[start_k:start_k + lk], v[start_k:start_k + lk]
+            if paged and lq == 1:
+                single.append((i, start_q, lk))
             else:
-                ki = gather_kv(k_cache, meta.block_tables[i], lk)
-                vi = gather_kv(v_cache, meta.block_tables[i], lk)
-            out[start_q:start_q + lq] = causal_attention(q[start_q:start_q + lq], ki, vi, scale)
+                if not paged:
+                    ki, vi = k[start_k:start_k + lk], v[start_k:start_k + lk]
+                else:
+                    ki = gather_kv(k_cache, meta.block_tables[i], lk)
+                    vi = gather_kv(v_cache, meta.block_tables[i], lk)
+                out[start_q:start_q + lq] = causal_attention(q[start_q:start_q + lq], ki, vi, scale)
             start_q, start_k = start_q + lq, start_k + lk
+        if single:
+            index, rows, lens = (torch.tensor(x, device=q.device) for x in zip(*single))
+            out[rows] = paged_decode(q[rows], k_cache, v_cache, meta.block_tables[index], lens, scale)
         return out
 
     def decode(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
                scale: float) -> torch.Tensor:
-        batch, block_size = q.size(0), k_cache.size(1)
-        longest = int(meta.context_lens.max()) if batch else 0
-        if longest == 0:
-            return torch.zeros_like(q)
-        # Gather exactly the first `longest` tokens of each row through its block table (not
-        # whole blocks): slots [batch, longest]; padding (-1) entries are clamped, then masked.
-        positions = torch.arange(longest, device=q.device)
-        blocks = meta.block_tables.long().gather(1, (positions // block_size).expand(batch, -1))
-        slots = (blocks * block_size + positions % block_size).clamp_min(0)
-        k = k_cache.flatten(0, 1)[slots].transpose(1, 2)  # [batch, num_kv_heads, longest, head_dim]
-        v = v_cache.flatten(0, 1)[slots].transpose(1, 2)
-        mask = (positions.unsqueeze(0) < meta.context_lens.unsqueeze(1)).view(batch, 1, 1, -1)
-        out = F.scaled_dot_product_attention(q.unsqueeze(2), k, v, attn_mask=mask, scale=scale, enable_gqa=True)
-        out = out.squeeze(2)  # [batch, num_heads, head_dim]
-        return torch.where((meta.context_lens > 0).view(batch, 1, 1), out, 0.0)
+        return paged_decode(q, k_cache, v_cache, meta.block_tables, meta.context_lens, scale)

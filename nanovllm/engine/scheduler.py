@@ -1,101 +1,306 @@
 """Continuous batching: decides which sequences run in the next step, and how many tokens each.
 
-Prefill first (as nano-vllm): waiting sequences are admitted in order within
-max_num_batched_tokens; the first one that does not fit is chunked, and stays at the head of
-the queue until its prompt is done. Otherwise every running sequence decodes one token;
-when the KV cache runs out, the newest running sequences are preempted (their blocks freed,
-to be recomputed later). After the step, `postprocess` advances each sequence and finishes the
-ones the StopChecker says are done, freeing their blocks. Plain Python: no tensors.
-"""
-from collections import deque
-from typing import NamedTuple
+Three queues. `waiting` holds sequences without KV blocks (new, or preempted to be recomputed),
+`swapped` those whose computed K/V wait in host memory, both ordered by (priority, arrival):
+lower priority values first, as vLLM. `running` holds every sequence with device blocks, in the
+same order; some may still be in their prompt (a chunked prefill in progress).
 
-from nanovllm.engine.block_manager import BlockManager
+A step under either policy is built from three parts:
+1. decodes: every running sequence whose prompt is computed gets its one next token. When a
+   sequence needs a block and none is free, the last running sequence (lowest priority, latest
+   arrival) is preempted, which may be the sequence itself: never a higher-priority one to make
+   room for a lower-priority one.
+2. prefill chunks of running sequences still in their prompt, in order, within the token budget.
+3. admissions, unless part 1 preempted something: the best of `swapped` and `waiting` in
+   order, while the budget, max_num_seqs and the free blocks allow; the first that does not fit
+   ends the step's admissions (no lower-priority sequence overtakes it). A swapped sequence is
+   swapped in; a waiting one gets blocks for all its tokens and its first chunk.
+"mixed" (chunked prefill beside decode, as vLLM and SGLang): 1, 2 and 3 in one batch, so a
+prefill never stalls the running decodes. "prefill_first" (nano-vllm): 2 and 3 (waiting only)
+when they schedule anything; otherwise 1 and 3 (swapped only), a pure decode step.
+
+Preemption frees a sequence's device blocks: "recompute" sends it to `waiting` to be computed
+again from its tokens; "swap" copies its K/V to host blocks first (BlockManager.swap_out), and
+falls back to recompute when host blocks run out (or when the sequence is still in its prompt,
+which has no decode to resume). Running sequences are at most min(max_num_seqs,
+max_num_batched_tokens), so every one of them gets at least one token in each mixed step.
+
+After the step, `postprocess` advances each sequence and finishes the ones the StopChecker says
+are done, freeing their blocks. Plain Python: no tensors; the block copies of swaps travel in
+the ScheduledBatch for the runner to make.
+"""
+import heapq
+from bisect import insort
+from dataclasses import dataclass
+from itertools import count
+from typing import Iterator, NamedTuple
+
+from nanovllm.engine.block_manager import NO_COPIES, BlockCopies, BlockManager
 from nanovllm.engine.sequence import Sequence, SequenceStatus
 from nanovllm.engine.stop_checker import StopChecker
+
+MIXED, PREFILL_FIRST = "mixed", "prefill_first"
+SCHEDULING_POLICIES = (MIXED, PREFILL_FIRST)
+# Measured on bench.py: docs/BENCHMARKS.md, "Scheduling policies".
+DEFAULT_SCHEDULING_POLICY = MIXED
+RECOMPUTE, SWAP = "recompute", "swap"
+PREEMPTION_MODES = (RECOMPUTE, SWAP)
 
 
 class ScheduledBatch(NamedTuple):
     seqs: list[Sequence]
+    # Some sequence computes more than its newest token (a prefill chunk), so the step takes the
+    # varlen path, decode rows included; False for a pure decode step (CUDA graphs).
     is_prefill: bool
+    swap_out: BlockCopies = NO_COPIES  # device -> host, made first
+    swap_in: BlockCopies = NO_COPIES  # host -> device, made after the swap-outs, before the forward pass
+    # Sequences computing their prompt (admitted from `waiting`, or a chunk of one in progress);
+    # the others decode. A step with both is a mixed step.
+    num_prefill_seqs: int = 0
+
+    @property
+    def is_mixed(self) -> bool:
+        return 0 < self.num_prefill_seqs < len(self.seqs)
 
     @property
     def num_tokens(self) -> int:
         return sum(seq.num_scheduled_tokens for seq in self.seqs)
 
+    @property
+    def has_copies(self) -> bool:
+        return bool(self.swap_out.src or self.swap_in.src)
+
+
+@dataclass
+class SchedulerStats:
+    """Counters since start, for users and for /metrics; each only ever grows."""
+    prefill_steps: int = 0  # steps that compute prompts (mixed ones included)
+    decode_steps: int = 0  # steps that only decode
+    mixed_steps: int = 0  # steps that compute prompts beside running sequences' decodes
+    preemptions_recompute: int = 0  # preemptions that freed the blocks, to recompute later
+    preemptions_swap: int = 0  # preemptions that swapped the K/V out to host memory
+    swap_space_full: int = 0  # swap-mode preemptions recomputed instead, for want of host blocks
+    swap_ins: int = 0
+    blocks_swapped_out: int = 0
+    blocks_swapped_in: int = 0
+    # Swapped sequences whose shared prefix blocks left the prefix cache while they were away,
+    # so they were recomputed instead of swapped in.
+    swapped_prefix_lost: int = 0
+
+    @property
+    def num_preemptions(self) -> int:
+        return self.preemptions_recompute + self.preemptions_swap
+
+
+class SequenceQueue:
+    """Sequences in scheduling order (priority, then arrival): a heap, so adding and taking the
+    first are O(log n) whatever the priorities."""
+
+    def __init__(self) -> None:
+        self._heap: list[tuple[tuple[int, int], int, Sequence]] = []
+        self._tie = count()  # keeps the heap from ever comparing two sequences
+
+    def push(self, seq: Sequence) -> None:
+        heapq.heappush(self._heap, (seq.sort_key, next(self._tie), seq))
+
+    def peek(self) -> Sequence | None:
+        return self._heap[0][2] if self._heap else None
+
+    def pop(self) -> Sequence:
+        return heapq.heappop(self._heap)[2]
+
+    def remove(self, seq_ids: set[int]) -> list[Sequence]:
+        """Take out the sequences whose id() is in seq_ids; returns them. O(n)."""
+        taken = [entry[2] for entry in self._heap if id(entry[2]) in seq_ids]
+        if taken:
+            self._heap = [entry for entry in self._heap if id(entry[2]) not in seq_ids]
+            heapq.heapify(self._heap)
+        return taken
+
+    def __len__(self) -> int:
+        return len(self._heap)
+
+    def __iter__(self) -> Iterator[Sequence]:
+        """In scheduling order (sorts a copy: for tests and inspection, not the hot path)."""
+        return (entry[2] for entry in sorted(self._heap, key=lambda entry: entry[:2]))
+
+
+class _StepPlan:
+    """What schedule() has decided so far in this step."""
+
+    def __init__(self, budget: int):
+        self.budget = budget  # tokens left of max_num_batched_tokens
+        self.seqs: list[Sequence] = []
+        self.num_prefill_seqs = 0
+        self.preempted = False
+        self.requeued = False  # a swapped sequence went back to waiting, to be recomputed
+        self.swap_out = BlockCopies([], [])
+        self.swap_in = BlockCopies([], [])
+
+    def add(self, seq: Sequence, num_tokens: int, prefill: bool) -> None:
+        assert 0 < num_tokens <= self.budget
+        seq.num_scheduled_tokens = num_tokens
+        self.budget -= num_tokens
+        self.seqs.append(seq)
+        self.num_prefill_seqs += prefill
+
 
 class Scheduler:
 
     def __init__(self, max_num_seqs: int, max_num_batched_tokens: int, block_manager: BlockManager,
-                 stop_checker: StopChecker):
+                 stop_checker: StopChecker, policy: str = DEFAULT_SCHEDULING_POLICY,
+                 preemption_mode: str = RECOMPUTE):
+        assert policy in SCHEDULING_POLICIES and preemption_mode in PREEMPTION_MODES
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
+        # So that every running sequence can have a token in one step.
+        self.max_running = min(max_num_seqs, max_num_batched_tokens)
         self.block_manager = block_manager
         self.stop_checker = stop_checker
-        self.waiting: deque[Sequence] = deque()
-        self.running: deque[Sequence] = deque()
-        self.num_preemptions = 0  # since start; a sign the KV cache is too small for the load
+        self.policy = policy
+        self.preemption_mode = preemption_mode
+        self.waiting = SequenceQueue()
+        self.swapped = SequenceQueue()
+        self.running: list[Sequence] = []  # sorted by sort_key
+        self.stats = SchedulerStats()
         self.num_unswept_finished = 0  # finished since the last drop_finished()
 
+    @property
+    def num_preemptions(self) -> int:
+        """Since start, either mode; a sign the KV cache is too small for the load."""
+        return self.stats.num_preemptions
+
     def is_finished(self) -> bool:
-        return not self.waiting and not self.running
+        return not self.waiting and not self.running and not self.swapped
 
     def add(self, seq: Sequence) -> None:
-        self.waiting.append(seq)
+        seq.status = SequenceStatus.WAITING
+        self.waiting.push(seq)
+
+    # --- building a step ---
 
     def schedule(self) -> ScheduledBatch:
-        batch = self._schedule_prefill()
-        if batch.seqs or not self.waiting and not self.running:  # an idle engine has an empty batch
-            return batch
-        if not self.running:
+        plan = _StepPlan(self.max_num_batched_tokens)
+        if self.policy == MIXED:
+            self._schedule_decodes(plan)
+            self._schedule_prefill_chunks(plan)
+            if not plan.preempted:
+                self._admit(plan, take_waiting=True, take_swapped=True)
+        else:
+            self._schedule_prefill_chunks(plan)
+            self._admit(plan, take_waiting=True, take_swapped=False)
+            if not plan.seqs:
+                self._schedule_decodes(plan)
+                if not plan.preempted:
+                    self._admit(plan, take_waiting=False, take_swapped=True)
+        # Host blocks read by this step's swap-ins are free from the next step on, so no swap-out
+        # of this step (the runner makes those first) can overwrite them before they are read.
+        self.block_manager.free_host(plan.swap_in.src)
+        batch = ScheduledBatch(plan.seqs, any(not seq.is_decoding for seq in plan.seqs), plan.swap_out,
+                               plan.swap_in, plan.num_prefill_seqs)
+        if batch.seqs:
+            self._count_step(batch)
+        elif not self.running and not (plan.preempted or plan.requeued) and (self.waiting or self.swapped):
             # Requests that could never fit are refused up front, and nothing but running sequences
-            # holds blocks, so an engine with nothing running always admits the head of the queue.
+            # holds device blocks, so an engine with nothing running always admits the head of the queue.
             raise RuntimeError(f"internal error: no waiting request can be admitted ({len(self.waiting)} waiting, "
-                               f"{self.block_manager.num_free_blocks} of {self.block_manager.num_blocks} KV blocks "
-                               "free) and none is running; please report it")
-        return self._schedule_decode()
+                               f"{len(self.swapped)} swapped, {self.block_manager.num_free_blocks} of "
+                               f"{self.block_manager.num_blocks} KV blocks free) and none is running; please report it")
+        return batch
 
-    def _schedule_prefill(self) -> ScheduledBatch:
-        scheduled: list[Sequence] = []
-        budget = self.max_num_batched_tokens
-        # A chunked sequence ends the loop, so every admitted one is already counted in running.
-        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
-            seq = self.waiting[0]
-            if not seq.block_table and not self.block_manager.allocate(seq):
-                break
-            remaining = len(seq) - seq.num_computed_tokens
-            seq.num_scheduled_tokens = min(remaining, budget)
-            budget -= seq.num_scheduled_tokens
-            scheduled.append(seq)
-            if seq.num_scheduled_tokens < remaining:  # chunked: it stays at the head of the queue
-                break
-            self.waiting.popleft()
-            seq.status = SequenceStatus.RUNNING
-            self.running.append(seq)
-        return ScheduledBatch(scheduled, True)
+    def _count_step(self, batch: ScheduledBatch) -> None:
+        stats = self.stats
+        if batch.num_prefill_seqs:
+            stats.prefill_steps += 1
+            stats.mixed_steps += batch.is_mixed
+        else:
+            stats.decode_steps += 1
 
-    def _schedule_decode(self) -> ScheduledBatch:
-        scheduled: list[Sequence] = []
-        while self.running and len(scheduled) < self.max_num_seqs:
-            seq = self.running.popleft()
+    def _schedule_decodes(self, plan: _StepPlan) -> None:
+        """One token for every running sequence whose prompt is computed, best first, preempting
+        from the end of `running` when a new block is needed and none is free."""
+        i = 0
+        while i < len(self.running):
+            seq = self.running[i]
+            i += 1
+            if not seq.is_decoding:
+                continue
             while not self.block_manager.can_append(seq):
-                if self.running:
-                    self.preempt(self.running.pop())
-                else:
-                    self.preempt(seq)
+                victim = self.running[-1]  # the lowest priority, latest arrival: may be seq itself
+                self._preempt(plan)
+                if victim is seq:
                     break
             else:
                 self.block_manager.may_append(seq)
-                seq.num_scheduled_tokens = 1
-                scheduled.append(seq)
-        self.running.extendleft(reversed(scheduled))
-        return ScheduledBatch(scheduled, False)
+                plan.add(seq, 1, prefill=False)
 
-    def preempt(self, seq: Sequence) -> None:
-        seq.status = SequenceStatus.WAITING
-        self.num_preemptions += 1
+    def _schedule_prefill_chunks(self, plan: _StepPlan) -> None:
+        """The next prompt chunk of each running sequence still in its prompt, in order, within the budget."""
+        for seq in self.running:
+            if plan.budget == 0:
+                return
+            if seq.num_computed_tokens < len(seq) - 1:
+                plan.add(seq, min(len(seq) - seq.num_computed_tokens, plan.budget), prefill=True)
+
+    def _admit(self, plan: _StepPlan, take_waiting: bool, take_swapped: bool) -> None:
+        """Bring swapped and waiting sequences in, best first, until one does not fit."""
+        bm = self.block_manager
+        while plan.budget > 0 and len(self.running) < self.max_running:
+            head_w, head_s = self.waiting.peek(), self.swapped.peek()
+            if head_s is not None and (head_w is None or head_s.sort_key < head_w.sort_key):
+                seq = head_s
+                if bm.swapped_prefix_lost(seq):  # it cannot be swapped in: recompute it instead
+                    self.swapped.pop()
+                    bm.deallocate(seq)
+                    self.stats.swapped_prefix_lost += 1
+                    self.add(seq)
+                    plan.requeued = True
+                    continue
+                if not take_swapped:
+                    return
+                copies = bm.swap_in(seq)
+                if copies is None:
+                    return
+                self.swapped.pop()
+                plan.swap_in.src.extend(copies.src)
+                plan.swap_in.dst.extend(copies.dst)
+                self.stats.swap_ins += 1
+                self.stats.blocks_swapped_in += len(copies.src)
+            elif head_w is not None:
+                if not take_waiting:
+                    return
+                seq = head_w
+                if not bm.allocate(seq):
+                    return
+                self.waiting.pop()
+            else:
+                return
+            seq.status = SequenceStatus.RUNNING
+            insort(self.running, seq, key=_sort_key)
+            # A swapped sequence resumes its decode; a waiting one computes its tokens.
+            plan.add(seq, min(len(seq) - seq.num_computed_tokens, plan.budget), prefill=seq is head_w)
+
+    def _preempt(self, plan: _StepPlan) -> None:
+        """Preempt the last running sequence: swap it out when the mode and host space allow,
+        else free its blocks to recompute it later."""
+        seq = self.running.pop()
+        plan.preempted = True
+        if self.preemption_mode == SWAP and seq.is_decoding:
+            copies = self.block_manager.swap_out(seq)
+            if copies is not None:
+                seq.status = SequenceStatus.SWAPPED
+                self.swapped.push(seq)
+                plan.swap_out.src.extend(copies.src)
+                plan.swap_out.dst.extend(copies.dst)
+                self.stats.preemptions_swap += 1
+                self.stats.blocks_swapped_out += len(copies.src)
+                return
+            self.stats.swap_space_full += 1
         self.block_manager.deallocate(seq)
-        self.waiting.appendleft(seq)
+        self.stats.preemptions_recompute += 1
+        self.add(seq)
+
+    # --- after the step ---
 
     def postprocess(self, batch: ScheduledBatch, token_ids: list[int]) -> list[Sequence]:
         """Advance each scheduled sequence by its computed tokens and its sampled token (a
@@ -113,7 +318,8 @@ class Scheduler:
             if seq.num_computed_tokens < len(seq.token_ids):
                 continue
             if seq.pending_siblings:  # the prompt's blocks are published now: let the other samples in
-                self.waiting.extendleft(reversed(seq.pending_siblings))
+                for sibling in seq.pending_siblings:
+                    self.add(sibling)
                 seq.pending_siblings = []
             seq.append_token(token_id)
             advanced.append(seq)
@@ -125,7 +331,7 @@ class Scheduler:
 
     def finish(self, seq: Sequence, finish_reason: str, stop_reason: int | str | None) -> None:
         """Mark a sequence finished and free its blocks; it leaves `running` at the next
-        `drop_finished` (one O(n) rebuild per step, not an O(n) deque.remove per sequence)."""
+        `drop_finished` (one O(n) rebuild per step, not an O(n) list.remove per sequence)."""
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason, seq.stop_reason = finish_reason, stop_reason
         self.block_manager.deallocate(seq)
@@ -133,12 +339,12 @@ class Scheduler:
 
     def drop_finished(self) -> None:
         if self.num_unswept_finished:
-            self.running = deque(seq for seq in self.running if not seq.is_finished)
+            self.running = [seq for seq in self.running if not seq.is_finished]
             self.num_unswept_finished = 0
 
     def abort(self, seqs: list[Sequence]) -> None:
         """Finish unfinished sequences with finish_reason "abort" (a request aborted, or a call its
-        caller stopped early) and free their blocks at once."""
+        caller stopped early) and free their blocks, device and host, at once."""
         doomed = {id(s) for seq in seqs for s in [seq, *seq.pending_siblings]}
         for seq in seqs:
             seq.pending_siblings = []
@@ -146,7 +352,11 @@ class Scheduler:
                 seq.status = SequenceStatus.FINISHED
                 seq.finish_reason, seq.stop_reason = "abort", None
                 self.num_unswept_finished += 1
-                if seq.block_table:
-                    self.block_manager.deallocate(seq)
-        self.waiting = deque(seq for seq in self.waiting if id(seq) not in doomed)
+                self.block_manager.deallocate(seq)
+        self.waiting.remove(doomed)
+        self.swapped.remove(doomed)
         self.drop_finished()
+
+
+def _sort_key(seq: Sequence) -> tuple[int, int]:
+    return seq.sort_key

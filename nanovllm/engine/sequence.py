@@ -1,7 +1,9 @@
 """One request as the engine tracks it: its tokens, its KV blocks and how far its KV is computed.
 
 Plain Python, no tensors. Every count is derived from `token_ids` or set in one place, so a
-preempted sequence can be recomputed from scratch with nothing stale left behind.
+preempted sequence can be recomputed from scratch with nothing stale left behind. A sequence
+swapped out to host memory keeps its computed count, and its K/V sit in host blocks
+(`host_block_table`) until it is swapped back in.
 """
 from enum import Enum, auto
 
@@ -10,22 +12,33 @@ from nanovllm.utils.math_utils import cdiv
 
 
 class SequenceStatus(Enum):
-    WAITING = auto()
-    RUNNING = auto()
+    WAITING = auto()  # no KV blocks: its tokens are (re)computed when it is admitted
+    RUNNING = auto()  # holds device KV blocks for all its tokens; computes in every step it is given tokens
+    SWAPPED = auto()  # its computed K/V wait in host memory; no device blocks
     FINISHED = auto()
+
+# A host_block_table entry for a block that was shared with other sequences (a prefix-cache hit)
+# when this one was swapped out: not copied, but found in the prefix cache again at swap-in.
+SHARED_BLOCK = -1
 
 
 class Sequence:
 
     def __init__(self, seq_id: int, token_ids: list[int], sampling_params: SamplingParams, block_size: int,
-                 request_id: str | None = None):
-        self.seq_id = seq_id
+                 request_id: str | None = None, priority: int = 0):
+        self.seq_id = seq_id  # given in arrival order, so it breaks priority ties
         self.request_id = request_id  # the request it is a sample of, whose caller gets its output
         self.status = SequenceStatus.WAITING
         self.token_ids = list(token_ids)
         self.num_prompt_tokens = len(self.token_ids)
         self.block_size = block_size
         self.block_table: list[int] = []
+        # While swapped: per block holding computed K/V, the host block it was copied to, or
+        # SHARED_BLOCK. Empty otherwise.
+        self.host_block_table: list[int] = []
+        self.priority = priority  # lower runs first (as vLLM)
+        # Scheduling order: priority, then arrival. Fixed for the sequence's life.
+        self.sort_key = (priority, seq_id)
         # Chained hashes of this sequence's full blocks, computed once each, in order.
         self.block_hashes: list[int] = []
         # Tokens whose K/V are in the cache; the next forward starts here.
@@ -45,6 +58,10 @@ class Sequence:
         # so they find its prefix blocks in the cache.
         self.pending_siblings: list["Sequence"] = []
         self.detokenizer = None  # an engine Detokenizer, for streaming or stop strings
+        # Set by the engine loop for its inter-token latency counters: when the newest token came
+        # (perf_counter seconds) and how many steps with prefill work had run by then.
+        self.last_token_time: float | None = None
+        self.last_token_prefill_steps = 0
 
     @property
     def temperature(self) -> float:
@@ -80,6 +97,11 @@ class Sequence:
     @property
     def completion_token_ids(self) -> list[int]:
         return self.token_ids[self.num_prompt_tokens:]
+
+    @property
+    def is_decoding(self) -> bool:
+        """Everything but the newest token is computed: the next step computes that one token."""
+        return self.num_computed_tokens == len(self.token_ids) - 1
 
     @property
     def num_blocks(self) -> int:

@@ -1,10 +1,12 @@
 """Runs the model over one step and samples the next tokens.
 
-Owns the model, the attention backend, the KV cache (one tensor, sliced per layer), the sampler
-and the decode CUDA graphs. A step: the scheduled sequences become a StepMessage, the message
-becomes the forward pass's tensors (step_inputs.py, decode_inputs.py), the model runs on them,
-eagerly or by replaying a graph (graph.py), and rank 0 samples the rows that complete a
-sequence (sampling_inputs.py). It knows nothing of queues or finishing rules, and changes no
+Owns the model, the attention backend, the KV cache (one tensor, sliced per layer), the host
+swap space (the same layout in host memory, pinned on CUDA, for preemption_mode="swap"), the
+sampler and the decode CUDA graphs. A step: the scheduled sequences become a StepMessage; its
+swap copies move KV blocks between the cache and the swap space; the message becomes the forward
+pass's tensors (step_inputs.py, decode_inputs.py), the model runs on them, eagerly or by
+replaying a graph (graph.py), and rank 0 samples the rows that complete a sequence
+(sampling_inputs.py). It knows nothing of queues or finishing rules, and changes no
 sequence except to give a seeded one its random generator.
 """
 import logging
@@ -15,6 +17,8 @@ import torch.distributed as dist
 
 from nanovllm.attention import create_backend
 from nanovllm.config import Config
+from nanovllm.engine.block_manager import NO_COPIES, BlockCopies
+from nanovllm.engine.scheduler import SWAP
 from nanovllm.engine.sequence import Sequence
 from nanovllm.layers.attention import Attention
 from nanovllm.layers.sampler import Sampler, SamplerOutput
@@ -89,6 +93,7 @@ class ModelRunner:
         self.max_blocks_per_seq = cdiv(config.max_model_len, self.block_size)
         self.warmup_model()
         self.num_kvcache_blocks = self.allocate_kv_cache()
+        self.num_swap_blocks = self.allocate_swap_space()
         with torch.inference_mode():  # like every step's other inputs, so compiled code sees one kind
             self.decode_inputs = DecodeInputs(config.max_num_seqs, self.max_blocks_per_seq, self.block_size,
                                               self.device)
@@ -104,12 +109,15 @@ class ModelRunner:
                         config.compile_mode, f"on ({len(self.graphs)} batch sizes)" if self.graphs else "off",
                         self.num_kvcache_blocks, self.block_size, self.num_kvcache_blocks * self.block_size,
                         self.world_size)
+            if config.preemption_mode == SWAP:
+                logger.info("swap space %d host blocks (swap_space=%s GiB per rank, %s)", self.num_swap_blocks,
+                            config.swap_space, "pinned" if self.swap_cache.is_pinned() else "not pinned")
 
     def exit(self) -> None:
         self.graphs.clear()
         for layer in self.attention_layers:
             layer.k_cache = layer.v_cache = torch.tensor([])
-        self.kv_cache = None
+        self.kv_cache = self.swap_cache = None
         if self.device.type == "cuda":
             torch.cuda.synchronize()
             torch.cuda.empty_cache()
@@ -166,6 +174,35 @@ class ModelRunner:
             layer.k_cache, layer.v_cache = self.kv_cache[0, i], self.kv_cache[1, i]
         return num_blocks
 
+    def allocate_swap_space(self) -> int:
+        """Host blocks for swapped-out K/V, laid out as the KV cache: swap_space GiB on this rank
+        (none unless preemption_mode="swap"), capped by what max_num_seqs full-length sequences
+        use. Pinned on CUDA, so the copies run at full bandwidth; left unwritten until used."""
+        config = self.config
+        num_blocks = 0
+        if config.preemption_mode == SWAP:
+            num_blocks = blocks_in_budget(int(config.swap_space * GIB), self._kv_block_bytes(), config.max_num_seqs,
+                                          self.max_blocks_per_seq)
+        shape = list(self.kv_cache.shape)
+        shape[2] = num_blocks
+        self.swap_cache = torch.empty(shape, dtype=self.kv_cache.dtype, pin_memory=self.device.type == "cuda" and
+                                      num_blocks > 0)
+        return num_blocks
+
+    @torch.inference_mode()
+    def swap(self, swap_out: BlockCopies, swap_in: BlockCopies) -> None:
+        """Make a step's block copies: swap-outs (cache -> host) first, then swap-ins (host ->
+        cache), each one gather and one scatter over block ids for every layer, K and V at once."""
+        if swap_out.src:
+            src = torch.tensor(swap_out.src, dtype=torch.int64, device=self.device)
+            dst = torch.tensor(swap_out.dst, dtype=torch.int64)
+            # [2, layers, n, block_size, kv heads, head_dim], gathered on the device, copied once
+            self.swap_cache.index_copy_(2, dst, self.kv_cache.index_select(2, src).cpu())
+        if swap_in.src:
+            src = torch.tensor(swap_in.src, dtype=torch.int64)
+            dst = torch.tensor(swap_in.dst, dtype=torch.int64, device=self.device)
+            self.kv_cache.index_copy_(2, dst, self.swap_cache.index_select(2, src).to(self.device))
+
     @torch.inference_mode()
     def capture_cudagraphs(self) -> None:
         """Capture a decode graph per batch bucket, after the attention backend has made
@@ -178,14 +215,19 @@ class ModelRunner:
             self.graphs.capture(self.model, self.decode_inputs, batch_sizes, config.hf_config.hidden_size,
                                 config.dtype, self.device)
 
-    def run(self, seqs: list[Sequence], is_prefill: bool) -> SamplerOutput:
+    def run(self, seqs: list[Sequence], is_prefill: bool, swap_out: BlockCopies = NO_COPIES,
+            swap_in: BlockCopies = NO_COPIES) -> SamplerOutput:
         """One step on this rank alone (one process, or each rank's own warm-up)."""
-        return self.sample(seqs, self.forward(StepMessage.of(seqs, is_prefill)))
+        return self.sample(seqs, self.forward(StepMessage.of(seqs, is_prefill, swap_out, swap_in)))
 
     @torch.inference_mode()
     def forward(self, step: StepMessage) -> StepLogits:
-        """The step's forward pass, on every rank: K/V written for every new token, and logits
-        for the rows that sample (none when a prefill chunk leaves part of every prompt)."""
+        """The step's block copies, then its forward pass, on every rank: K/V written for every
+        new token, and logits for the rows that sample (none when a prefill chunk leaves part of
+        every prompt, or when the step is copies alone)."""
+        self.swap(step.swap_out, step.swap_in)
+        if not step.num_seqs:
+            return StepLogits(None, [])
         with compiling(self.compile):
             inputs, hidden_states = self._forward(step)  # hidden_states: [rows, hidden]
             if not inputs.sample_indices:

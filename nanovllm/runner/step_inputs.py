@@ -2,9 +2,10 @@
 
 1. `StepMessage.of(seqs, is_prefill)` (rank 0) takes what the forward pass needs of the scheduled
    sequences as plain lists: the step's new token ids, where each sequence's new tokens start and
-   end, its length and its block table. No sampling fields and no other tokens, so a decode step
-   costs the same at any sequence length. It is also the tensor-parallel wire format: rank 0
-   pickles it once per step for the workers.
+   end, its length and its block table, and the step's swap copies (KV blocks to move between the
+   device cache and host memory before the forward pass). No sampling fields and no other tokens,
+   so a decode step costs the same at any sequence length. It is also the tensor-parallel wire
+   format: rank 0 pickles it once per step for the workers, and each rank swaps its own shard.
 2. `prefill_inputs` (here) and `DecodeInputs.fill` (decode_inputs.py) turn a message into
    `StepInputs`: the forward pass's tensors and attention metadata, and which rows sample.
 Every rank builds its tensors from the same message by the same code, so no two can disagree.
@@ -14,6 +15,7 @@ from typing import NamedTuple
 
 import torch
 
+from nanovllm.engine.block_manager import NO_COPIES, BlockCopies
 from nanovllm.engine.sequence import Sequence
 from nanovllm.utils.context import AttentionMetadata
 from nanovllm.utils.math_utils import cdiv
@@ -26,22 +28,27 @@ class StepMessage(NamedTuple):
     ends: list[int]  # per sequence: its tokens with K/V once the step is done (start + its new tokens)
     lengths: list[int]  # per sequence: all its tokens; it samples in this step iff its end is its length
     block_tables: list[list[int]]  # per sequence; empty for the warm-up, which has no cache
+    swap_out: BlockCopies = NO_COPIES  # device -> host block copies, made first
+    swap_in: BlockCopies = NO_COPIES  # host -> device block copies, made next (then the forward pass)
 
     @classmethod
-    def of(cls, seqs: list[Sequence], is_prefill: bool) -> "StepMessage":
+    def of(cls, seqs: list[Sequence], is_prefill: bool, swap_out: BlockCopies = NO_COPIES,
+           swap_in: BlockCopies = NO_COPIES) -> "StepMessage":
         """The message of a scheduled batch: each sequence's num_scheduled_tokens new tokens from
-        num_computed_tokens on (a prefill chunk, or a decode step's one newest token)."""
+        num_computed_tokens on (a prefill chunk, or a decode step's one newest token). A prefill
+        step may hold decode rows too (a mixed batch): one new token over the cached rest."""
         lengths = [len(seq) for seq in seqs]
         tables = [seq.block_table for seq in seqs]
         if not is_prefill:  # one new token each, the newest: its context is the whole sequence
-            return cls(False, [seq.last_token for seq in seqs], [n - 1 for n in lengths], lengths, lengths, tables)
+            return cls(False, [seq.last_token for seq in seqs], [n - 1 for n in lengths], lengths, lengths, tables,
+                       swap_out, swap_in)
         token_ids, starts, ends = [], [], []
         for seq in seqs:
             start, end = seq.num_computed_tokens, seq.num_computed_tokens + seq.num_scheduled_tokens
             token_ids.extend(seq.token_ids[start:end])
             starts.append(start)
             ends.append(end)
-        return cls(True, token_ids, starts, ends, lengths, tables)
+        return cls(True, token_ids, starts, ends, lengths, tables, swap_out, swap_in)
 
     @property
     def num_seqs(self) -> int:

@@ -9,6 +9,7 @@ once for all of them), then runs the same message itself; the parallel layers' c
 the ranks in step, and only rank 0 samples. It registers no exit hook: the engine's is the one.
 """
 from nanovllm.config import Config
+from nanovllm.engine.block_manager import NO_COPIES, BlockCopies
 from nanovllm.engine.sequence import Sequence
 from nanovllm.layers.sampler import SamplerOutput
 from nanovllm.runner.model_runner import ModelRunner
@@ -19,7 +20,7 @@ from nanovllm.utils.parallel import tensor_parallel_rank
 
 class TensorParallelRunner:
     """Rank 0 of a tensor-parallel group, used by the engine as it uses a ModelRunner (run, exit,
-    num_kvcache_blocks, attention_backend)."""
+    num_kvcache_blocks, num_swap_blocks, attention_backend)."""
 
     def __init__(self, config: Config):
         self.workers = WorkerGroup(config)  # spawns ranks 1..N-1 and joins the process group with them
@@ -32,14 +33,16 @@ class TensorParallelRunner:
             self.workers.close()
             raise
         self.num_kvcache_blocks = self.runner.num_kvcache_blocks
+        self.num_swap_blocks = self.runner.num_swap_blocks  # the same on every rank: same shard sizes
         self.attention_backend = self.runner.attention_backend
 
     @property
     def worker_pids(self) -> list[int]:
         return self.workers.pids
 
-    def run(self, seqs: list[Sequence], is_prefill: bool) -> SamplerOutput:
-        step = StepMessage.of(seqs, is_prefill)
+    def run(self, seqs: list[Sequence], is_prefill: bool, swap_out: BlockCopies = NO_COPIES,
+            swap_in: BlockCopies = NO_COPIES) -> SamplerOutput:
+        step = StepMessage.of(seqs, is_prefill, swap_out, swap_in)  # each rank swaps its own shard
         self.workers.send_step(step)
         with self.workers.reporting_failures():
             return self.runner.sample(seqs, self.runner.forward(step))
