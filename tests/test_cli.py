@@ -97,10 +97,13 @@ def test_missing_model_exits_1_with_one_line(runs):
     assert err.strip().count("\n") == 0 and "does not exist" in err and "Traceback" not in err
 
 
-def test_serve_refuses_bad_engine_settings_before_starting(qwen3_tiny, capsys):
-    assert main(["serve", qwen3_tiny, "--kvcache-block-size", "17", "--port", "0"]) == 1
+@pytest.mark.parametrize("flags, named", [(["--kvcache-block-size", "17"], "kvcache_block_size=17"),
+                                          (["--max-queue-len", "0"], "max_queue_len=0"),
+                                          (["--skip-tokenizer-init"], "skip_tokenizer_init")])
+def test_serve_refuses_bad_settings_before_starting(qwen3_tiny, capsys, flags, named):
+    assert main(["serve", qwen3_tiny, *flags, "--port", "0"]) == 1
     err = capsys.readouterr().err
-    assert err.count("\n") == 1 and "kvcache_block_size=17" in err
+    assert err.count("\n") == 1 and named in err
 
 
 def test_generate_json_equals_llm_generate(runs, offline):

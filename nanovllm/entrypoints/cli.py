@@ -139,10 +139,9 @@ def _serve(args: argparse.Namespace) -> int:
                               **dataclass_kwargs(args, args.server_fields))
     if settings.api_key is None:
         settings.api_key = api_key_from_env()
-    if settings.max_queue_len < 1:
-        raise CLIError(f"max_queue_len={settings.max_queue_len} is not allowed; it must be >= 1")
     try:  # the engine is built later, inside the server: check its settings now, in one line
         Config.from_kwargs(args.model, settings.engine_kwargs)
+        settings.check()
     except ValueError as exc:
         raise CLIError(str(exc)) from None
     try:

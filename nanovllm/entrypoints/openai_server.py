@@ -49,6 +49,8 @@ SSE_DONE = "data: [DONE]\n\n"  # OpenAI's end of a stream
 def build_app(settings: ServerSettings) -> FastAPI:
     """The FastAPI app; its lifespan builds the engine (in the engine loop's thread) and frees it."""
 
+    settings.check()
+
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         client = EngineClient(lambda: LLM(settings.model, **settings.engine_kwargs), settings.max_queue_len,

@@ -29,6 +29,14 @@ class ServerSettings:
     def model_name(self) -> str:
         return self.served_model_name or self.model
 
+    def check(self) -> None:
+        """Refuse settings a server cannot work with (ValueError naming the field)."""
+        if not isinstance(self.max_queue_len, int) or self.max_queue_len < 1:
+            raise ValueError(f"max_queue_len={self.max_queue_len!r} is not allowed; it must be an integer >= 1")
+        if self.engine_kwargs.get("skip_tokenizer_init"):
+            raise ValueError("skip_tokenizer_init=True is not allowed when serving: the OpenAI API takes and "
+                             "returns text, which needs the tokenizer")
+
 
 def api_key_from_env() -> str | None:
     return os.environ.get(API_KEY_ENV) or None
