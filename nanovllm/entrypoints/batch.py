@@ -26,7 +26,8 @@ from jinja2 import TemplateError
 from tqdm.auto import tqdm
 
 from nanovllm.config import Config
-from nanovllm.entrypoints.batch_lines import BatchRequest, LineError, default_sampling, parse_line, result_line
+from nanovllm.entrypoints.batch_lines import (BatchRequest, LineError, parse_line, resolve_sampling_defaults,
+                                              result_line)
 from nanovllm.entrypoints.batch_log import DEFAULT_FLUSH_INTERVAL, ResultLog, count_lines, pending_lines
 
 logger = logging.getLogger("nanovllm.batch")
@@ -46,8 +47,8 @@ class BatchJob:
     input: str  # JSONL requests, one per line
     output: str  # JSONL results, appended; an existing file is resumed
     engine_kwargs: dict[str, Any] = field(default_factory=dict)  # Config fields for every engine
-    # SamplingParams keyword arguments a line's sampling fields override (default: SamplingParams')
-    sampling_defaults: dict[str, Any] = field(default_factory=default_sampling)
+    # SamplingParams keyword arguments a line's sampling fields override (the rest: SamplingParams')
+    sampling_defaults: dict[str, Any] = field(default_factory=dict)
     max_in_flight: int | None = None  # requests in one engine at a time; None: 2 x max_num_seqs
     data_parallel: int = 1  # engine processes on this machine
     flush_interval: float = DEFAULT_FLUSH_INTERVAL  # seconds between fsyncs of finished results
@@ -180,6 +181,7 @@ def _requests(lines: Iterator, defaults: dict[str, Any]) -> Iterator[BatchReques
 def run_batch(job: BatchJob) -> BatchSummary:
     """Run (or resume) a job to the end: afterwards the output holds one result per input line."""
     check_job(job)
+    defaults = resolve_sampling_defaults(job.sampling_defaults)
     num_lines = count_lines(job.input)
     start = perf_counter()
     with ResultLog(job.output, job.flush_interval) as log:
@@ -198,7 +200,7 @@ def run_batch(job: BatchJob) -> BatchSummary:
             progress.update(finished)
             log.maybe_flush()
 
-        requests = _requests(pending_lines(job.input, log.done), job.sampling_defaults)
+        requests = _requests(pending_lines(job.input, log.done), defaults)
         try:
             if job.data_parallel == 1:
                 _run_one_engine(job, requests, record)
@@ -390,9 +392,9 @@ def _run_data_parallel(job: BatchJob, requests: Iterator[BatchRequest | LineErro
 def add_job_flags(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("job")
     group.add_argument("--input", required=True, metavar="PATH",
-                       help="JSONL requests: OpenAI batch lines ({\"custom_id\", \"body\": {\"prompt\" or \"messages\", "
-                            "sampling fields}}) or bare bodies ({\"prompt\": ...}); a line without a custom_id gets "
-                            "\"line-N\" (N: its line number, from 1)")
+                       help='JSONL requests: OpenAI batch lines ({"custom_id", "body": {"prompt" or "messages", '
+                            'sampling fields}}) or bare bodies ({"prompt": ...}); a line without a custom_id gets '
+                            '"line-N" (N: its line number, from 1)')
     group.add_argument("--output", required=True, metavar="PATH",
                        help="JSONL results, one per input line, appended as requests finish; if the file exists "
                             "(an interrupted run), the lines it has results for are skipped")

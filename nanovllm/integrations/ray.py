@@ -25,7 +25,7 @@ from typing import Any
 import numpy as np
 
 from nanovllm.entrypoints.batch import BatchJob, BatchSummary, EngineBatcher, Finished, _Progress, check_job
-from nanovllm.entrypoints.batch_lines import LineError, default_sampling, parse_line
+from nanovllm.entrypoints.batch_lines import LineError, parse_line, resolve_sampling_defaults
 from nanovllm.entrypoints.batch_log import DoneLines, ResultLog
 
 logger = logging.getLogger("nanovllm.ray")
@@ -48,7 +48,7 @@ class NanoVLLMPredictor:
 
         self.llm = LLM(model, **(engine_kwargs or {}))
         self.batcher = EngineBatcher(self.llm)
-        self.sampling_defaults = default_sampling() if sampling_defaults is None else sampling_defaults
+        self.sampling_defaults = resolve_sampling_defaults(sampling_defaults)  # a line's own fields win
 
     def __call__(self, batch: dict[str, Any]) -> dict[str, list]:
         texts = list(batch["text"])
@@ -121,6 +121,7 @@ def run_ray_batch(job: BatchJob, replicas: int = 1, address: str | None = None,
     import ray
 
     check_job(job)
+    resolve_sampling_defaults(job.sampling_defaults)  # refuse bad defaults here, not in every actor
     if job.data_parallel != 1:
         raise ValueError(f"data_parallel={job.data_parallel} is not allowed with Ray; use replicas instead")
     if not isinstance(replicas, int) or replicas < 1:
