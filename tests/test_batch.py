@@ -113,6 +113,14 @@ def test_log_refuses_a_foreign_file(tmp_path, content, message):
         ResultLog(str(path))
 
 
+def test_log_refuses_a_second_writer(tmp_path):
+    path = str(tmp_path / "out.jsonl")
+    with ResultLog(path):
+        with pytest.raises(ValueError, match="being written by another running job"):
+            ResultLog(path)
+    ResultLog(path).close()  # free again once the first has closed
+
+
 def test_log_refuses_results_beyond_the_input(tmp_path):
     path = tmp_path / "out.jsonl"
     path.write_text('{"line": 7}\n')

@@ -282,7 +282,8 @@ def _worker_placements(job: BatchJob) -> list[dict[str, str]]:
 
 def _worker_main(rank: int, model: str, engine_kwargs: dict, inbox, outbox, parent_pid: int) -> None:
     """An engine process: runs the requests it is sent and sends back their result lines.
-    Messages out: ("results", rank, [Finished]) or, when it fails, ("failed", rank, traceback)."""
+    Messages out: ("results", rank, [Finished]); ("refused", rank, message) if the engine refuses
+    its settings, ("failed", rank, traceback) on any other error."""
     llm = None
     try:
         import torch
@@ -292,7 +293,11 @@ def _worker_main(rank: int, model: str, engine_kwargs: dict, inbox, outbox, pare
         threads = os.environ.get("NANOVLLM_BATCH_THREADS")
         if threads:
             torch.set_num_threads(int(threads))
-        llm = LLM(model, **engine_kwargs)
+        try:
+            llm = LLM(model, **engine_kwargs)
+        except ValueError as exc:  # the engine refuses its settings: reported in one line
+            outbox.put(("refused", rank, str(exc)))
+            return
         batcher = EngineBatcher(llm)
         closed = False
         while not (closed and batcher.num_in_flight == 0):
@@ -323,6 +328,7 @@ def _worker_main(rank: int, model: str, engine_kwargs: dict, inbox, outbox, pare
 def _run_data_parallel(job: BatchJob, requests: Iterator[BatchRequest | LineError], record) -> None:
     n = job.data_parallel
     max_in_flight = job.resolved_max_in_flight()
+    Config.from_kwargs(job.model, dict(job.engine_kwargs))  # refuse bad settings here, before N processes start
     placements = _worker_placements(job)
     ctx = mp.get_context("spawn")  # CUDA cannot be forked; spawn is safe everywhere
     outbox = ctx.Queue()
@@ -371,6 +377,8 @@ def _run_data_parallel(job: BatchJob, requests: Iterator[BatchRequest | LineErro
                     raise RuntimeError(f"engine process(es) {dead} died without a word; the output so far is "
                                        "kept, run the same command again to resume") from None
                 continue
+            if kind == "refused":
+                raise ValueError(payload)
             if kind == "failed":
                 raise RuntimeError(f"engine process {rank} failed:\n{payload}")
             if kind == "results":
