@@ -173,6 +173,56 @@ class _Progress:
             self.bar.close()
 
 
+class JobOutput:
+    """A running job's output: the result log (opened, repaired and read at once: `done` lists
+    the lines to skip) and, after start(), the progress bar. record() appends finished results;
+    leaving the `with` block flushes them, whatever ended it (the next run resumes after them)."""
+
+    def __init__(self, job: BatchJob):
+        self.job = job
+        self.started = perf_counter()
+        self.log = ResultLog(job.output, job.flush_interval)
+        self.done = self.log.done
+        self.num_lines = 0
+        self.progress = _Progress(0, 0, False)
+
+    def start(self, num_lines: int) -> None:
+        """The input has `num_lines` lines: refuse a log that is not this input's; show progress."""
+        self.log.check_input(num_lines)
+        self.num_lines = num_lines
+        if self.log.torn_bytes:
+            logger.warning("dropped a torn last line (%d bytes) that an interrupted run left in %s",
+                           self.log.torn_bytes, self.job.output)
+        if self.log.num_existing:
+            logger.info("resuming: %d of %d lines already have results in %s", self.log.num_existing, num_lines,
+                        self.job.output)
+        self.progress = _Progress(num_lines, self.log.num_existing, self.job.progress)
+
+    def record(self, finished: list[Finished]) -> None:
+        for f in finished:
+            self.log.append(f.line, f.text)
+        self.progress.update(finished)
+        self.log.maybe_flush()
+
+    def __enter__(self) -> "JobOutput":
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        try:
+            self.progress.close()
+        finally:
+            self.log.close()
+
+    def summary(self) -> BatchSummary:
+        """What this run did (and log it)."""
+        summary = BatchSummary(self.num_lines, self.log.num_existing, self.progress.num_errors,
+                               self.progress.num_tokens, perf_counter() - self.started)
+        logger.info("batch done: %d lines (%d resumed, %d errors this run), %d tokens in %.1fs -> %s",
+                    summary.num_lines, summary.num_resumed, summary.num_errors, summary.num_tokens,
+                    summary.elapsed_s, self.job.output)
+        return summary
+
+
 def _requests(lines: Iterator, defaults: dict[str, Any]) -> Iterator[BatchRequest | LineError]:
     for number, raw in lines:
         yield parse_line(raw, number, defaults)
@@ -182,37 +232,14 @@ def run_batch(job: BatchJob) -> BatchSummary:
     """Run (or resume) a job to the end: afterwards the output holds one result per input line."""
     check_job(job)
     defaults = resolve_sampling_defaults(job.sampling_defaults)
-    num_lines = count_lines(job.input)
-    start = perf_counter()
-    with ResultLog(job.output, job.flush_interval) as log:
-        log.check_input(num_lines)
-        if log.torn_bytes:
-            logger.warning("dropped a torn last line (%d bytes) that an interrupted run left in %s",
-                           log.torn_bytes, job.output)
-        if log.num_existing:
-            logger.info("resuming: %d of %d lines already have results in %s", log.num_existing, num_lines,
-                        job.output)
-        progress = _Progress(num_lines, log.num_existing, job.progress)
-
-        def record(finished: list[Finished]) -> None:
-            for f in finished:
-                log.append(f.line, f.text)
-            progress.update(finished)
-            log.maybe_flush()
-
-        requests = _requests(pending_lines(job.input, log.done), defaults)
-        try:
-            if job.data_parallel == 1:
-                _run_one_engine(job, requests, record)
-            else:
-                _run_data_parallel(job, requests, record)
-        finally:
-            progress.close()
-    summary = BatchSummary(num_lines, log.num_existing, progress.num_errors, progress.num_tokens,
-                           perf_counter() - start)
-    logger.info("batch done: %d lines (%d resumed, %d errors this run), %d tokens in %.1fs -> %s", num_lines,
-                summary.num_resumed, summary.num_errors, summary.num_tokens, summary.elapsed_s, job.output)
-    return summary
+    with JobOutput(job) as output:
+        output.start(count_lines(job.input))
+        requests = _requests(pending_lines(job.input, output.done), defaults)
+        if job.data_parallel == 1:
+            _run_one_engine(job, requests, output.record)
+        else:
+            _run_data_parallel(job, requests, output.record)
+    return output.summary()
 
 
 def _run_one_engine(job: BatchJob, requests: Iterator[BatchRequest | LineError], record) -> None:
