@@ -26,7 +26,8 @@ from jinja2 import TemplateError
 from tqdm.auto import tqdm
 
 from nanovllm.config import Config
-from nanovllm.entrypoints.batch_lines import BatchRequest, LineError, default_sampling, parse_line, result_line
+from nanovllm.entrypoints.batch_lines import (BatchRequest, LineError, parse_line, resolve_sampling_defaults,
+                                              result_line)
 from nanovllm.entrypoints.batch_log import DEFAULT_FLUSH_INTERVAL, ResultLog, count_lines, pending_lines
 
 logger = logging.getLogger("nanovllm.batch")
@@ -46,8 +47,8 @@ class BatchJob:
     input: str  # JSONL requests, one per line
     output: str  # JSONL results, appended; an existing file is resumed
     engine_kwargs: dict[str, Any] = field(default_factory=dict)  # Config fields for every engine
-    # SamplingParams keyword arguments a line's sampling fields override (default: SamplingParams')
-    sampling_defaults: dict[str, Any] = field(default_factory=default_sampling)
+    # SamplingParams keyword arguments a line's sampling fields override (the rest: SamplingParams')
+    sampling_defaults: dict[str, Any] = field(default_factory=dict)
     max_in_flight: int | None = None  # requests in one engine at a time; None: 2 x max_num_seqs
     data_parallel: int = 1  # engine processes on this machine
     flush_interval: float = DEFAULT_FLUSH_INTERVAL  # seconds between fsyncs of finished results
@@ -172,6 +173,56 @@ class _Progress:
             self.bar.close()
 
 
+class JobOutput:
+    """A running job's output: the result log (opened, repaired and read at once: `done` lists
+    the lines to skip) and, after start(), the progress bar. record() appends finished results;
+    leaving the `with` block flushes them, whatever ended it (the next run resumes after them)."""
+
+    def __init__(self, job: BatchJob):
+        self.job = job
+        self.started = perf_counter()
+        self.log = ResultLog(job.output, job.flush_interval)
+        self.done = self.log.done
+        self.num_lines = 0
+        self.progress = _Progress(0, 0, False)
+
+    def start(self, num_lines: int) -> None:
+        """The input has `num_lines` lines: refuse a log that is not this input's; show progress."""
+        self.log.check_input(num_lines)
+        self.num_lines = num_lines
+        if self.log.torn_bytes:
+            logger.warning("dropped a torn last line (%d bytes) that an interrupted run left in %s",
+                           self.log.torn_bytes, self.job.output)
+        if self.log.num_existing:
+            logger.info("resuming: %d of %d lines already have results in %s", self.log.num_existing, num_lines,
+                        self.job.output)
+        self.progress = _Progress(num_lines, self.log.num_existing, self.job.progress)
+
+    def record(self, finished: list[Finished]) -> None:
+        for f in finished:
+            self.log.append(f.line, f.text)
+        self.progress.update(finished)
+        self.log.maybe_flush()
+
+    def __enter__(self) -> "JobOutput":
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        try:
+            self.progress.close()
+        finally:
+            self.log.close()
+
+    def summary(self) -> BatchSummary:
+        """What this run did (and log it)."""
+        summary = BatchSummary(self.num_lines, self.log.num_existing, self.progress.num_errors,
+                               self.progress.num_tokens, perf_counter() - self.started)
+        logger.info("batch done: %d lines (%d resumed, %d errors this run), %d tokens in %.1fs -> %s",
+                    summary.num_lines, summary.num_resumed, summary.num_errors, summary.num_tokens,
+                    summary.elapsed_s, self.job.output)
+        return summary
+
+
 def _requests(lines: Iterator, defaults: dict[str, Any]) -> Iterator[BatchRequest | LineError]:
     for number, raw in lines:
         yield parse_line(raw, number, defaults)
@@ -180,37 +231,15 @@ def _requests(lines: Iterator, defaults: dict[str, Any]) -> Iterator[BatchReques
 def run_batch(job: BatchJob) -> BatchSummary:
     """Run (or resume) a job to the end: afterwards the output holds one result per input line."""
     check_job(job)
-    num_lines = count_lines(job.input)
-    start = perf_counter()
-    with ResultLog(job.output, job.flush_interval) as log:
-        log.check_input(num_lines)
-        if log.torn_bytes:
-            logger.warning("dropped a torn last line (%d bytes) that an interrupted run left in %s",
-                           log.torn_bytes, job.output)
-        if log.num_existing:
-            logger.info("resuming: %d of %d lines already have results in %s", log.num_existing, num_lines,
-                        job.output)
-        progress = _Progress(num_lines, log.num_existing, job.progress)
-
-        def record(finished: list[Finished]) -> None:
-            for f in finished:
-                log.append(f.line, f.text)
-            progress.update(finished)
-            log.maybe_flush()
-
-        requests = _requests(pending_lines(job.input, log.done), job.sampling_defaults)
-        try:
-            if job.data_parallel == 1:
-                _run_one_engine(job, requests, record)
-            else:
-                _run_data_parallel(job, requests, record)
-        finally:
-            progress.close()
-    summary = BatchSummary(num_lines, log.num_existing, progress.num_errors, progress.num_tokens,
-                           perf_counter() - start)
-    logger.info("batch done: %d lines (%d resumed, %d errors this run), %d tokens in %.1fs -> %s", num_lines,
-                summary.num_resumed, summary.num_errors, summary.num_tokens, summary.elapsed_s, job.output)
-    return summary
+    defaults = resolve_sampling_defaults(job.sampling_defaults)
+    with JobOutput(job) as output:
+        output.start(count_lines(job.input))
+        requests = _requests(pending_lines(job.input, output.done), defaults)
+        if job.data_parallel == 1:
+            _run_one_engine(job, requests, output.record)
+        else:
+            _run_data_parallel(job, requests, output.record)
+    return output.summary()
 
 
 def _run_one_engine(job: BatchJob, requests: Iterator[BatchRequest | LineError], record) -> None:
@@ -280,7 +309,8 @@ def _worker_placements(job: BatchJob) -> list[dict[str, str]]:
 
 def _worker_main(rank: int, model: str, engine_kwargs: dict, inbox, outbox, parent_pid: int) -> None:
     """An engine process: runs the requests it is sent and sends back their result lines.
-    Messages out: ("results", rank, [Finished]) or, when it fails, ("failed", rank, traceback)."""
+    Messages out: ("results", rank, [Finished]); ("refused", rank, message) if the engine refuses
+    its settings, ("failed", rank, traceback) on any other error."""
     llm = None
     try:
         import torch
@@ -290,7 +320,11 @@ def _worker_main(rank: int, model: str, engine_kwargs: dict, inbox, outbox, pare
         threads = os.environ.get("NANOVLLM_BATCH_THREADS")
         if threads:
             torch.set_num_threads(int(threads))
-        llm = LLM(model, **engine_kwargs)
+        try:
+            llm = LLM(model, **engine_kwargs)
+        except ValueError as exc:  # the engine refuses its settings: reported in one line
+            outbox.put(("refused", rank, str(exc)))
+            return
         batcher = EngineBatcher(llm)
         closed = False
         while not (closed and batcher.num_in_flight == 0):
@@ -321,6 +355,7 @@ def _worker_main(rank: int, model: str, engine_kwargs: dict, inbox, outbox, pare
 def _run_data_parallel(job: BatchJob, requests: Iterator[BatchRequest | LineError], record) -> None:
     n = job.data_parallel
     max_in_flight = job.resolved_max_in_flight()
+    Config.from_kwargs(job.model, dict(job.engine_kwargs))  # refuse bad settings here, before N processes start
     placements = _worker_placements(job)
     ctx = mp.get_context("spawn")  # CUDA cannot be forked; spawn is safe everywhere
     outbox = ctx.Queue()
@@ -369,6 +404,8 @@ def _run_data_parallel(job: BatchJob, requests: Iterator[BatchRequest | LineErro
                     raise RuntimeError(f"engine process(es) {dead} died without a word; the output so far is "
                                        "kept, run the same command again to resume") from None
                 continue
+            if kind == "refused":
+                raise ValueError(payload)
             if kind == "failed":
                 raise RuntimeError(f"engine process {rank} failed:\n{payload}")
             if kind == "results":
@@ -390,9 +427,9 @@ def _run_data_parallel(job: BatchJob, requests: Iterator[BatchRequest | LineErro
 def add_job_flags(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("job")
     group.add_argument("--input", required=True, metavar="PATH",
-                       help="JSONL requests: OpenAI batch lines ({\"custom_id\", \"body\": {\"prompt\" or \"messages\", "
-                            "sampling fields}}) or bare bodies ({\"prompt\": ...}); a line without a custom_id gets "
-                            "\"line-N\" (N: its line number, from 1)")
+                       help='JSONL requests: OpenAI batch lines ({"custom_id", "body": {"prompt" or "messages", '
+                            'sampling fields}}) or bare bodies ({"prompt": ...}); a line without a custom_id gets '
+                            '"line-N" (N: its line number, from 1)')
     group.add_argument("--output", required=True, metavar="PATH",
                        help="JSONL results, one per input line, appended as requests finish; if the file exists "
                             "(an interrupted run), the lines it has results for are skipped")

@@ -63,6 +63,18 @@ def default_sampling() -> dict[str, Any]:
     return {f.name: f.default for f in dataclasses.fields(SamplingParams) if f.init}
 
 
+def resolve_sampling_defaults(overrides: dict[str, Any] | None = None) -> dict[str, Any]:
+    """A job's sampling defaults: SamplingParams' with `overrides` on top, checked once (a
+    ValueError names an unknown key or a bad value)."""
+    known = default_sampling()
+    unknown = sorted(set(overrides or {}) - set(known))
+    if unknown:
+        raise ValueError(f"sampling_defaults has unknown key(s) {unknown}; allowed keys: {sorted(known)}")
+    merged = {**known, **(overrides or {})}
+    SamplingParams(**merged)
+    return merged
+
+
 def derived_custom_id(line: int | None) -> str | None:
     return None if line is None else f"{DERIVED_ID_PREFIX}{line}"
 
@@ -82,7 +94,8 @@ def _with_defaults(body: dict, defaults: dict[str, Any], chat: bool) -> dict:
 
 def parse_line(raw: str | bytes, line: int | None, defaults: dict[str, Any] | None = None
                ) -> BatchRequest | LineError:
-    """Read one input line (with or without its newline); `line` is its number, from 1, if known."""
+    """Read one input line (with or without its newline); `line` is its number, from 1, if known.
+    `defaults` come from resolve_sampling_defaults() (None: SamplingParams' defaults)."""
     custom_id = derived_custom_id(line)
     where = "the line" if line is None else f"line {line}"
 

@@ -4,9 +4,11 @@ The output is append-only JSONL. Lines are written in batches, each written, flu
 fsynced at once, so a job killed at any moment (SIGKILL included) leaves whole result lines
 plus at most one torn last line. Reopening the log drops that torn tail and learns which input
 lines have a result (each result names its input "line"), so the restarted job skips them and
-ends with exactly one result per input line. One process writes the log; it knows nothing of
-what a line means or how it is run.
+ends with exactly one result per input line. One process writes the log (it holds an exclusive
+lock on the file, so a second job on the same output is refused); it knows nothing of what a
+line means or how it is run.
 """
+import fcntl
 import json
 import os
 from time import monotonic
@@ -86,11 +88,21 @@ class ResultLog:
         self.num_existing = 0  # results already in the file when it was opened
         self.torn_bytes = 0  # size of the torn last line cut off on opening (0: none)
         created = not os.path.exists(path)
-        if not created:
-            self._read_existing()
-        self._file = open(path, "ab")
-        if created:  # make the new file's directory entry durable too
-            _fsync_dir(os.path.dirname(os.path.abspath(path)))
+        self._file = open(path, "ab")  # O_APPEND: every write lands at the end, after any repair
+        try:
+            fcntl.flock(self._file, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            self._file.close()
+            raise ValueError(f"output={path!r} is being written by another running job; two jobs on one "
+                             "output would interleave their results") from None
+        try:
+            if created:  # make the new file's directory entry durable too
+                _fsync_dir(os.path.dirname(os.path.abspath(path)))
+            else:
+                self._read_existing()
+        except BaseException:
+            self._file.close()
+            raise
         self._pending: list[bytes] = []
         self._last_flush = monotonic()
 
@@ -147,8 +159,10 @@ class ResultLog:
 
     def close(self) -> None:
         if not self._file.closed:
-            self.flush()
-            self._file.close()
+            try:
+                self.flush()
+            finally:
+                self._file.close()  # also releases the lock
 
     def __enter__(self) -> "ResultLog":
         return self

@@ -24,9 +24,9 @@ from typing import Any
 
 import numpy as np
 
-from nanovllm.entrypoints.batch import BatchJob, BatchSummary, EngineBatcher, Finished, _Progress, check_job
-from nanovllm.entrypoints.batch_lines import LineError, default_sampling, parse_line
-from nanovllm.entrypoints.batch_log import DoneLines, ResultLog
+from nanovllm.entrypoints.batch import BatchJob, BatchSummary, EngineBatcher, Finished, JobOutput, check_job
+from nanovllm.entrypoints.batch_lines import LineError, parse_line, resolve_sampling_defaults
+from nanovllm.entrypoints.batch_log import DoneLines
 
 logger = logging.getLogger("nanovllm.ray")
 
@@ -48,7 +48,7 @@ class NanoVLLMPredictor:
 
         self.llm = LLM(model, **(engine_kwargs or {}))
         self.batcher = EngineBatcher(self.llm)
-        self.sampling_defaults = default_sampling() if sampling_defaults is None else sampling_defaults
+        self.sampling_defaults = resolve_sampling_defaults(sampling_defaults)  # a line's own fields win
 
     def __call__(self, batch: dict[str, Any]) -> dict[str, list]:
         texts = list(batch["text"])
@@ -116,47 +116,35 @@ def _read_chunks(batch: dict[str, np.ndarray], path: str, chunks: list[tuple[int
 def run_ray_batch(job: BatchJob, replicas: int = 1, address: str | None = None,
                   cpus_per_replica: float = 1.0) -> BatchSummary:
     """Run (or resume) a job with `replicas` engine actors; the output is that of run_batch."""
-    from time import perf_counter
-
     import ray
 
     check_job(job)
+    resolve_sampling_defaults(job.sampling_defaults)  # refuse bad defaults here, not in every actor
     if job.data_parallel != 1:
         raise ValueError(f"data_parallel={job.data_parallel} is not allowed with Ray; use replicas instead")
     if not isinstance(replicas, int) or replicas < 1:
         raise ValueError(f"replicas={replicas!r} is not allowed; it must be an integer >= 1")
     if not isinstance(cpus_per_replica, (int, float)) or cpus_per_replica <= 0:
         raise ValueError(f"cpus_per_replica={cpus_per_replica!r} is not allowed; it must be a number > 0")
-    start = perf_counter()
-    with ResultLog(job.output, job.flush_interval) as log:
-        chunk_lines = max(job.resolved_max_in_flight(), MIN_CHUNK_LINES)
-        num_lines, chunks = _index_input(job.input, log.done, chunk_lines)
-        log.check_input(num_lines)
-        if log.torn_bytes:
-            logger.warning("dropped a torn last line (%d bytes) that an interrupted run left in %s",
-                           log.torn_bytes, job.output)
-        progress = _Progress(num_lines, log.num_existing, job.progress)
-        started_ray = False
-        try:
+    started_ray = False
+    try:
+        with JobOutput(job) as output:
+            chunk_lines = max(job.resolved_max_in_flight(), MIN_CHUNK_LINES)
+            num_lines, chunks = _index_input(job.input, output.done, chunk_lines)
+            output.start(num_lines)
             if chunks:
                 if not ray.is_initialized():
                     address = address or os.environ.get("RAY_ADDRESS")
                     ray.init(address=address, **({} if address else {"include_dashboard": False}))
                     started_ray = address is None
                 ray.data.DataContext.get_current().enable_progress_bars = False  # ours is enough
-                for batch in _results(job, chunks, chunk_lines, log.done, replicas, cpus_per_replica):
-                    finished = [Finished(int(line), custom_id, text, int(tokens), bool(ok))
-                                for line, custom_id, text, tokens, ok in zip(*(batch[c] for c in RESULT_COLUMNS))]
-                    for f in finished:
-                        log.append(f.line, f.text)
-                    progress.update(finished)
-                    log.maybe_flush()
-        finally:
-            progress.close()
-            if started_ray:
-                ray.shutdown()
-    return BatchSummary(num_lines, log.num_existing, progress.num_errors, progress.num_tokens,
-                        perf_counter() - start)
+                for batch in _results(job, chunks, chunk_lines, output.done, replicas, cpus_per_replica):
+                    output.record([Finished(int(line), custom_id, text, int(tokens), bool(ok)) for
+                                   line, custom_id, text, tokens, ok in zip(*(batch[c] for c in RESULT_COLUMNS))])
+    finally:
+        if started_ray:
+            ray.shutdown()
+    return output.summary()
 
 
 def _results(job: BatchJob, chunks: list[tuple[int, int]], chunk_lines: int, done: DoneLines, replicas: int,

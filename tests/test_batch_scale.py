@@ -1,0 +1,128 @@
+"""Batch jobs at scale: memory stays flat over a long input of short prompts (peak RSS of the
+`nanovllm batch` process measured), and the scale-out paths give exactly the single engine's
+greedy results: `--data-parallel 2` (two engine processes) and `--ray --replicas 2` (local Ray,
+two CPU actors)."""
+import json
+import os
+import random
+import subprocess
+import time
+
+import pytest
+
+from batching import (BAD_LINES, GREEDY, JOB_ENGINE, JOB_FLAGS, SUBPROCESS_ENV, by_line, read_results,
+                      request_lines, write_lines)
+from nanovllm.entrypoints.batch import BatchJob, run_batch
+from serving import ENGINE_FLAGS, REPO_ROOT, cli
+
+# The issue asks for 100,000 lines; on 2 busy cores that run takes minutes (about 1.4 ms a
+# request plus start-up), so CI runs this many and NANOVLLM_BATCH_MEMORY_LINES=100000 runs the
+# full size. Flatness is judged after the first tenth (start-up and warm-up done).
+MEMORY_LINES = int(os.environ.get("NANOVLLM_BATCH_MEMORY_LINES", "25000"))
+BASELINE_FRACTION = 0.1
+# Allowed RSS growth from the baseline to the end. Keeping just each request's input line
+# (about 150 bytes as a Python bytes object) would add over 3 MiB across 22,500 requests.
+RSS_GROWTH_BOUND_KIB = 2048
+MEMORY_MAX_NUM_SEQS = 64
+POLL_S = 0.1
+RUN_TIMEOUT = 600
+
+
+@pytest.fixture(scope="module")
+def small_job(tmp_path_factory, qwen3_tiny):
+    """A small input with bad lines, and its single-engine results (in process, greedy)."""
+    lines = request_lines(24, max_tokens=8)
+    for i, bad in enumerate(list(BAD_LINES)[:4]):
+        lines.insert(1 + 3 * i, bad)
+    folder = tmp_path_factory.mktemp("scale")
+    path = write_lines(folder / "in.jsonl", lines)
+    run_batch(BatchJob(qwen3_tiny, path, str(folder / "single.jsonl"), JOB_ENGINE, GREEDY, progress=False))
+    return path, by_line(read_results(folder / "single.jsonl"))
+
+
+def _status_kib(pid: int) -> tuple[int, int] | None:
+    """(VmRSS, VmHWM) of a process, in KiB; None once it has exited (a zombie has neither)."""
+    with open(f"/proc/{pid}/status") as f:
+        fields = dict(line.split(":", 1) for line in f)
+    if "VmRSS" not in fields:
+        return None
+    return int(fields["VmRSS"].split()[0]), int(fields["VmHWM"].split()[0])
+
+
+def test_memory_stays_flat_over_a_long_input(tmp_path, qwen3_tiny):
+    rng = random.Random(0)
+    words = "the quick brown fox jumps over the lazy dog cache block token".split()
+    inp, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    with open(inp, "w") as f:
+        for i in range(MEMORY_LINES):
+            prompt = " ".join(rng.choice(words) for _ in range(4))
+            f.write(json.dumps({"custom_id": f"r{i}", "body": {"prompt": prompt, "max_tokens": 1}}) + "\n")
+    command = cli("batch", qwen3_tiny, "--input", str(inp), "--output", str(out), "--temperature", "0",
+                  "--max-num-seqs", str(MEMORY_MAX_NUM_SEQS), "--no-progress", *ENGINE_FLAGS)
+    with open(tmp_path / "stderr.txt", "w") as err:
+        proc = subprocess.Popen(command, cwd=REPO_ROOT, stdout=subprocess.DEVNULL, stderr=err, env=SUBPROCESS_ENV)
+    baseline = None  # (lines done, VmRSS, VmHWM) once a tenth is done
+    max_rss_after = peak = 0  # peak: the last high-water mark (the most RSS the process ever had)
+    done, tail = 0, None
+    deadline = time.monotonic() + RUN_TIMEOUT
+    try:
+        while True:
+            # Not poll(): reaping the process before its last sample would lose the sample. (Its
+            # ru_maxrss is no use either: it counts the forked copy of this test process.)
+            pid, status = os.waitpid(proc.pid, os.WNOHANG)
+            if pid:
+                proc.returncode = os.waitstatus_to_exitcode(status)
+                break
+            assert time.monotonic() < deadline, "the job did not finish in time"
+            status_kib = _status_kib(proc.pid)
+            if status_kib is None:
+                continue  # exited just now: waitpid reaps it next
+            rss, hwm = status_kib
+            peak = max(peak, hwm, rss)
+            if tail is None and out.exists():
+                tail = open(out, "rb")
+            if tail is not None:
+                done += tail.read().count(b"\n")  # only the bytes appended since the last poll
+            if baseline is None and done >= BASELINE_FRACTION * MEMORY_LINES:
+                baseline = (done, rss, hwm)
+            elif baseline is not None:
+                max_rss_after = max(max_rss_after, rss)
+            time.sleep(POLL_S)
+    finally:
+        if tail is not None:
+            tail.close()
+        if proc.returncode is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 0, (tmp_path / "stderr.txt").read_text()
+    assert sum(1 for _ in open(out, "rb")) == MEMORY_LINES
+    assert baseline is not None, "the job finished before its progress could be sampled"
+    base_done, base_rss, base_hwm = baseline
+    report = (f"{MEMORY_LINES} lines: RSS {base_rss} KiB at {base_done} done, highest {max_rss_after} KiB after; "
+              f"peak RSS {peak} KiB (high-water mark {base_hwm} KiB at the baseline)")
+    print(report)
+    assert max_rss_after - base_rss <= RSS_GROWTH_BOUND_KIB, report
+    assert peak - max(base_hwm, base_rss) <= RSS_GROWTH_BOUND_KIB, report
+
+
+def test_data_parallel_equals_single_engine(small_job, qwen3_tiny, tmp_path):
+    path, single = small_job
+    out = tmp_path / "dp.jsonl"
+    summary = run_batch(BatchJob(qwen3_tiny, path, str(out), JOB_ENGINE, GREEDY, data_parallel=2, progress=False))
+    assert summary.num_lines == len(single)
+    assert by_line(read_results(out)) == single
+
+
+def test_ray_two_cpu_actors_equal_single_engine(small_job, qwen3_tiny, tmp_path):
+    pytest.importorskip("ray.data", reason="Ray Data is not installed (pip install 'nanovllm[ray]')")
+    path, single = small_job
+    out = tmp_path / "ray.jsonl"
+    # Lines go to the actors in chunks of --max-in-flight: 16 here, so both actors get some.
+    command = cli("batch", qwen3_tiny, "--input", path, "--output", str(out), "--temperature", "0", "--ray",
+                  "--replicas", "2", "--max-in-flight", "16", "--no-progress", *JOB_FLAGS)
+    with open(tmp_path / "stderr.txt", "w") as err:
+        proc = subprocess.run(command, cwd=REPO_ROOT, stdout=subprocess.DEVNULL, stderr=err, env=SUBPROCESS_ENV,
+                              timeout=RUN_TIMEOUT)
+    stderr = (tmp_path / "stderr.txt").read_text()
+    assert proc.returncode == 0, stderr[-5000:]
+    assert by_line(read_results(out)) == single
