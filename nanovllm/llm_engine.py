@@ -380,17 +380,24 @@ class LLMEngine:
         step with prefill work ran in between (this one included)."""
         now = perf_counter()
         self._num_prefill_steps += computed_prompts
-        itl = self._itl
+        epoch = self._num_prefill_steps
+        total = count = prefill_total = prefill_count = 0
         for seq in advanced:
-            if seq.last_token_time is not None:
-                gap = now - seq.last_token_time
-                itl[0] += gap
-                itl[1] += 1
-                if seq.last_token_prefill_steps != self._num_prefill_steps:
-                    itl[2] += gap
-                    itl[3] += 1
+            last = seq.last_token_time
+            if last is not None:
+                gap = now - last
+                total += gap
+                count += 1
+                if seq.last_token_prefill_steps != epoch:
+                    prefill_total += gap
+                    prefill_count += 1
             seq.last_token_time = now
-            seq.last_token_prefill_steps = self._num_prefill_steps
+            seq.last_token_prefill_steps = epoch
+        itl = self._itl
+        itl[0] += total
+        itl[1] += count
+        itl[2] += prefill_total
+        itl[3] += prefill_count
 
     def stats(self) -> EngineStats:
         """The scheduler's counters (preemptions by mode, swaps, mixed steps...), the queues'

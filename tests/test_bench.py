@@ -9,6 +9,8 @@ from pathlib import Path
 
 import pytest
 
+from nanovllm.engine.scheduler import DEFAULT_SCHEDULING_POLICY
+
 REPO = Path(__file__).resolve().parents[1]
 # 4 sequences of 8..16 tokens: seconds of work, while still batching and padding on the HF side.
 WORKLOAD = ["--num-seqs", "4", "--min-len", "8", "--max-len", "16"]
@@ -74,6 +76,26 @@ def test_bench_reports_nanovllm_throughput(plain_run):
     run, _ = plain_run
     check_nanovllm(run)
     assert not any(key.startswith("hf_") for key in run), "no HF numbers without --compare-hf"
+    # All 4 admitted at once: one prefill step, then decodes; no gap spans a prefill.
+    assert run["scheduling_policy"] == DEFAULT_SCHEDULING_POLICY
+    assert run["prefill_steps"] == 1 and run["mixed_steps"] == 0
+    assert run["itl_during_prefill_count"] == 0 and run["itl_during_prefill_mean_ms"] is None
+
+
+@pytest.mark.parametrize("policy", ["mixed", "prefill_first"])
+def test_bench_scheduling_policy_and_inter_token_latency(workdir, policy):
+    """Two sequences at a time out of 4: the later ones are prefilled while the first decode, so
+    there are gaps during prefills; mixed steps exactly under the mixed policy."""
+    run, _ = run_bench(workdir, policy, ["--scheduling-policy", policy, "--max-num-seqs", "2",
+                                         "--max-num-batched-tokens", "64"])
+    check_nanovllm(run)
+    assert (run["scheduling_policy"], run["max_num_seqs"], run["max_num_batched_tokens"]) == (policy, 2, 64)
+    assert run["prefill_steps"] >= 2 and run["decode_steps"] > 0 and run["preemptions"] == 0
+    assert (run["mixed_steps"] > 0) == (policy == "mixed")
+    # Every output token after a sequence's first closes one gap.
+    assert run["itl_mean_ms"] > 0 and run["itl_during_prefill_mean_ms"] > 0
+    assert 0 < run["itl_during_prefill_count"] < run["total_output_tokens"] - 4
+    assert run["process_cpu_s"] > 0
 
 
 def test_bench_compare_hf(hf_run, plain_run):

@@ -132,6 +132,8 @@ class _StepPlan:
         self.budget = budget  # tokens left of max_num_batched_tokens
         self.seqs: list[Sequence] = []
         self.num_prefill_seqs = 0
+        self.varlen = False  # some sequence computes more than its newest token
+        self.in_prompt: list[Sequence] = []  # running sequences still in their prompt, in order
         self.preempted = False
         self.requeued = False  # a swapped sequence went back to waiting, to be recomputed
         self.swap_out = BlockCopies([], [])
@@ -143,6 +145,7 @@ class _StepPlan:
         self.budget -= num_tokens
         self.seqs.append(seq)
         self.num_prefill_seqs += prefill
+        self.varlen = self.varlen or not seq.is_decoding
 
 
 class Scheduler:
@@ -183,11 +186,11 @@ class Scheduler:
         plan = _StepPlan(self.max_num_batched_tokens)
         if self.policy == MIXED:
             self._schedule_decodes(plan)
-            self._schedule_prefill_chunks(plan)
+            self._schedule_prefill_chunks(plan, plan.in_prompt)
             if not plan.preempted:
                 self._admit(plan, take_waiting=True, take_swapped=True)
         else:
-            self._schedule_prefill_chunks(plan)
+            self._schedule_prefill_chunks(plan, self.running)
             self._admit(plan, take_waiting=True, take_swapped=False)
             if not plan.seqs:
                 self._schedule_decodes(plan)
@@ -196,8 +199,7 @@ class Scheduler:
         # Host blocks read by this step's swap-ins are free from the next step on, so no swap-out
         # of this step (the runner makes those first) can overwrite them before they are read.
         self.block_manager.free_host(plan.swap_in.src)
-        batch = ScheduledBatch(plan.seqs, any(not seq.is_decoding for seq in plan.seqs), plan.swap_out,
-                               plan.swap_in, plan.num_prefill_seqs)
+        batch = ScheduledBatch(plan.seqs, plan.varlen, plan.swap_out, plan.swap_in, plan.num_prefill_seqs)
         if batch.seqs:
             self._count_step(batch)
         elif not self.running and not (plan.preempted or plan.requeued) and (self.waiting or self.swapped):
@@ -218,25 +220,36 @@ class Scheduler:
 
     def _schedule_decodes(self, plan: _StepPlan) -> None:
         """One token for every running sequence whose prompt is computed, best first, preempting
-        from the end of `running` when a new block is needed and none is free."""
+        from the end of `running` when a new block is needed and none is free. The sequences
+        still in their prompt are noted in plan.in_prompt (a victim is always later in the order
+        than the sequence that needs its blocks, so none of them is preempted after being noted).
+        The hot loop of a decode step: plain attribute reads, no per-row call but the block checks."""
+        running, in_prompt, decoded = self.running, plan.in_prompt, plan.seqs
+        can_append, may_append = self.block_manager.can_append, self.block_manager.may_append
+        num_before = len(decoded)
         i = 0
-        while i < len(self.running):
-            seq = self.running[i]
+        while i < len(running):
+            seq = running[i]
             i += 1
-            if not seq.is_decoding:
+            if seq.num_computed_tokens != len(seq.token_ids) - 1:
+                in_prompt.append(seq)
                 continue
-            while not self.block_manager.can_append(seq):
-                victim = self.running[-1]  # the lowest priority, latest arrival: may be seq itself
+            while not can_append(seq):
+                victim = running[-1]  # the lowest priority, latest arrival: may be seq itself
                 self._preempt(plan)
                 if victim is seq:
                     break
             else:
-                self.block_manager.may_append(seq)
-                plan.add(seq, 1, prefill=False)
+                may_append(seq)
+                seq.num_scheduled_tokens = 1
+                decoded.append(seq)
+        plan.budget -= len(decoded) - num_before
+        assert plan.budget >= 0, "more running sequences than the token budget"
 
-    def _schedule_prefill_chunks(self, plan: _StepPlan) -> None:
-        """The next prompt chunk of each running sequence still in its prompt, in order, within the budget."""
-        for seq in self.running:
+    @staticmethod
+    def _schedule_prefill_chunks(plan: _StepPlan, candidates: list[Sequence]) -> None:
+        """The next prompt chunk of each candidate still in its prompt, in order, within the budget."""
+        for seq in candidates:
             if plan.budget == 0:
                 return
             if seq.num_computed_tokens < len(seq) - 1:
@@ -308,6 +321,7 @@ class Scheduler:
         stop checker says are done. Returns the sequences that got a new token; the finished
         ones among them have their blocks freed and have left `running`."""
         bs = self.block_manager.block_size
+        check = self.stop_checker.check
         advanced = []
         for seq, token_id in zip(batch.seqs, token_ids):
             first_block = seq.num_computed_tokens // bs
@@ -323,7 +337,7 @@ class Scheduler:
                 seq.pending_siblings = []
             seq.append_token(token_id)
             advanced.append(seq)
-            finish = self.stop_checker.check(seq)
+            finish = check(seq)
             if finish is not None:
                 self.finish(seq, finish.finish_reason, finish.stop_reason)
         self.drop_finished()
