@@ -77,7 +77,9 @@ def workloads() -> list[Workload]:
     pressure = [shared + tail for tail in random_prompts([3, 17, 30, 1, 12], SEED + 3)]
     pressure += random_prompts([5, 40, 64], SEED + 4)
     return [Workload("mixed", mixed, 1, dict(num_kvcache_blocks=256)),
-            Workload("pressure", pressure, 2, dict(num_kvcache_blocks=14, max_num_batched_tokens=40))]
+            # 8 blocks of 16 tokens: the longest prompt (78) plus MAX_TOKENS fits alone, and the mixed
+            # scheduler preempts even with --max-tokens 4 (the tests' setting).
+            Workload("pressure", pressure, 2, dict(num_kvcache_blocks=8, max_num_batched_tokens=40))]
 
 
 def agreeing_prefix(got: list[int], expected: list[int]) -> int:
