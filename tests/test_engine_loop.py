@@ -8,8 +8,11 @@ from types import SimpleNamespace
 import pytest
 
 from nanovllm.engine.request import RequestOutput, SampleDelta
+from nanovllm.llm_engine import EngineStats
 from nanovllm.entrypoints.engine_loop import EngineClient, EngineDeadError, QueueFullError
+from nanovllm.entrypoints.metrics import ServerMetrics
 from nanovllm.sampling_params import SamplingParams
+from serving import metric
 
 BOOM = "boom"  # a prompt that makes the stand-in's next step raise
 SILENT = "silent"  # a prompt that never gets a token (it stays queued until aborted)
@@ -23,10 +26,10 @@ class StandInEngine:
     def __init__(self):
         self.config = SimpleNamespace(max_model_len=64, kvcache_block_size=16)
         self.block_manager = SimpleNamespace(num_blocks=8, num_free_blocks=8)
-        self.scheduler = SimpleNamespace(running=[], waiting=[])
         self.live: dict[str, list] = {}  # request id -> [prompt, params, tokens, finish_reason]
         self.news: dict[str, None] = {}
         self.exited = False
+        self.num_steps = 0
 
     def add_request(self, prompt, params, request_id):
         if prompt == "bad":
@@ -34,11 +37,16 @@ class StandInEngine:
         self.live[request_id] = [prompt, params, [], None]
         return request_id
 
+    def stats(self) -> EngineStats:
+        running = sum(entry[3] is None for entry in self.live.values())
+        return EngineStats(num_running=running, num_kv_blocks=8, num_free_kv_blocks=8, decode_steps=self.num_steps)
+
     def has_unfinished_requests(self) -> bool:
         return any(entry[3] is None for entry in self.live.values())
 
     def step(self):
         time.sleep(self.STEP_SECONDS)
+        self.num_steps += 1
         for request_id, entry in self.live.items():
             if entry[3] is None and entry[0] != SILENT:
                 if entry[0] == BOOM:
@@ -149,3 +157,37 @@ def test_a_failed_build_is_raised_by_start():
             await client.add(["a"], SamplingParams(max_tokens=1), "r")
         await client.shutdown()
     asyncio.run(main())
+
+
+def test_metrics_export_the_engine_stats():
+    """observe_engine puts a stats snapshot's queues, block use and counters into /metrics."""
+    metrics = ServerMetrics()
+    assert metric(metrics.render().decode(), "nanovllm_steps_total", 'kind="decode"') == 0
+    stats = EngineStats(prefill_steps=7, decode_steps=11, mixed_steps=5, preemptions_recompute=2,
+                        preemptions_swap=3, swap_space_full=1, swap_ins=4, blocks_swapped_out=9,
+                        blocks_swapped_in=6, swapped_prefix_lost=1, num_running=3, num_waiting=2, num_swapped=1,
+                        num_free_kv_blocks=6, num_kv_blocks=8, num_free_swap_blocks=1, num_swap_blocks=4)
+    metrics.observe_engine(stats)
+    text = metrics.render().decode()
+    expected = {
+        ("nanovllm_steps_total", 'kind="prefill"'): 7, ("nanovllm_steps_total", 'kind="decode"'): 11,
+        ("nanovllm_steps_total", 'kind="mixed"'): 5, ("nanovllm_preemptions_total", 'mode="recompute"'): 2,
+        ("nanovllm_preemptions_total", 'mode="swap"'): 3, ("nanovllm_swap_space_full_total", ""): 1,
+        ("nanovllm_swap_ins_total", ""): 4, ("nanovllm_blocks_swapped_total", 'direction="out"'): 9,
+        ("nanovllm_blocks_swapped_total", 'direction="in"'): 6, ("nanovllm_swapped_prefix_lost_total", ""): 1,
+        ("nanovllm_num_requests_running", ""): 3, ("nanovllm_num_requests_waiting", ""): 2,
+        ("nanovllm_num_requests_swapped", ""): 1, ("nanovllm_kv_cache_usage_ratio", ""): 0.25,
+        ("nanovllm_swap_space_usage_ratio", ""): 0.75,
+    }
+    assert {key: metric(text, *key) for key in expected} == expected
+
+
+def test_the_loop_feeds_the_metrics():
+    """Steps the loop drives show in its metrics (the stand-in counts each as a decode step)."""
+    async def test(client):
+        submission = await client.add(["a"], SamplingParams(max_tokens=3), "r")
+        assert len([o async for o in submission]) == 3
+        text = client.metrics.render().decode()
+        assert metric(text, "nanovllm_steps_total", 'kind="decode"') >= 3
+        assert metric(text, "nanovllm_generation_tokens_total") == 3
+    run_client(test)

@@ -51,7 +51,8 @@ def test_models_health_metrics(server, client):
     text = httpx.get(server.url + "/metrics").text
     for name in ("nanovllm_num_requests_running", "nanovllm_num_requests_waiting", "nanovllm_kv_cache_usage_ratio",
                  "nanovllm_generation_tokens_total", "nanovllm_time_to_first_token_seconds_bucket",
-                 "nanovllm_time_per_output_token_seconds_bucket"):
+                 "nanovllm_time_per_output_token_seconds_bucket", "nanovllm_num_requests_swapped",
+                 "nanovllm_steps_total", "nanovllm_preemptions_total", "nanovllm_blocks_swapped_total"):
         assert name in text
 
 

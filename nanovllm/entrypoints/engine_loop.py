@@ -219,6 +219,7 @@ class EngineClient:
             return
         self.config = engine.config
         self.cache_capacity_tokens = engine.block_manager.num_blocks * engine.config.kvcache_block_size
+        self.metrics.observe_engine(engine.stats())  # every metric shows from the start
         self._post(_settle, ready, None)
         live: dict[str, _Timing] = {}
         try:
@@ -316,10 +317,7 @@ class EngineClient:
             if output.finished:
                 m.e2e_request_latency.observe(now - timing.arrival)
                 del live[request_id]
-        scheduler, blocks = engine.scheduler, engine.block_manager
-        m.num_requests_running.set(len(scheduler.running))
-        m.num_requests_waiting.set(len(scheduler.waiting))
-        m.kv_cache_usage.set(1.0 - blocks.num_free_blocks / blocks.num_blocks)
+        m.observe_engine(engine.stats())
 
 
 def _settle(future: asyncio.Future, error: BaseException | None) -> None:
