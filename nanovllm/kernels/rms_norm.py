@@ -87,6 +87,8 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.
         _check_rows("residual", residual, x)
         residual_out = torch.empty_like(out) if residual_out is None else residual_out
         _check_rows("residual_out", residual_out, x)
+    elif residual_out is not None:
+        raise ValueError("residual_out is given without a residual to add")
     if rows == 0:
         return RMSNormOutput(out, residual_out)
     block = next_power_of_2(hidden)

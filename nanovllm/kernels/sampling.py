@@ -16,16 +16,21 @@ the other rows. (log1p, not log(u): an exponential's small values decide the rac
 u's fine resolution near 0; written with Goldberg's identity, exact to rounding.) Tests inject
 E instead (`noise=`), to compare tokens with the torch sampler's for the same noise.
 
-Design: grid (rows, vocabulary chunks); each program keeps a running best per lane over its
-chunk's tiles and reduces once, writing its chunk's best (value, index); a second kernel,
-grid (rows,), picks each row's best chunk. Rows and chunks are the grid, never arguments: no
-per-step integer reaches the kernels (see kernels/__init__.py on specialisation).
+Design: grid (row tiles, vocabulary chunks); a program keeps a running best per lane over its
+chunk's tiles and reduces once, writing its chunk's best (value, index) per row; a second kernel
+picks each row's best chunk. A chunk is 8192 logits for real vocabularies (a 152k vocabulary is
+19 programs per row, so even one row spreads over the GPU), and a tile holds one row there and
+several rows of tiny test vocabularies (fewer programs for the CPU interpreter). A program whose
+rows are all greedy skips the noise. The row count changes every step, so it is excluded from
+integer specialisation (see kernels/__init__.py).
 """
+from typing import NamedTuple
+
 import torch
 import triton
 import triton.language as tl
 
-from nanovllm.kernels import SUPPORTED_DTYPES, check_tensor, next_power_of_2
+from nanovllm.kernels import SUPPORTED_DTYPES, check_tensor, next_power_of_2, previous_power_of_2
 from nanovllm.kernels.reductions import MAX, MIN
 
 # Constants the kernels read are tl.constexpr: compiled Triton refuses other globals.
@@ -41,10 +46,14 @@ FLOAT32_TINY = tl.constexpr(1.1754943508222875e-38)
 # Larger than any vocabulary index: loses every "smallest index" vote.
 MAX_VOCAB = 2**31 - 1
 INDEX_SENTINEL = tl.constexpr(MAX_VOCAB)
-# Logits per tile, and tiles per program: a chunk of 8192 splits a 152k vocabulary into 19
-# programs per row, so even a batch of one row spreads over the GPU.
+# Logits per tile, and tiles per chunk: a chunk of 8192 splits a 152k vocabulary into 19 programs
+# per row, so even a batch of one row spreads over the GPU.
 MAX_BLOCK = 1024
 TILES_PER_CHUNK = 8
+# Logits per program: rows are added to a program's tiles up to this (at least one row).
+ELEMENTS_PER_PROGRAM = 8192
+# Rows per program of the pick kernel (a few values each).
+PICK_ROWS = 64
 
 
 @triton.jit
@@ -70,69 +79,85 @@ def exponential_from_uint32(x):
     return tl.where(w == 1.0, u, u * (-tl.log(w)) / tl.where(w == 1.0, 1.0, 1.0 - w))
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["rows"])
 def _race_chunk_kernel(
     logits_ptr, temperatures_ptr, seeds_ptr, counters_ptr, noise_ptr, chunk_value_ptr, chunk_index_ptr,
-    stride_logits, stride_noise, vocab,
-    CHUNK: tl.constexpr, BLOCK: tl.constexpr, NUM_CHUNKS: tl.constexpr, HAS_NOISE: tl.constexpr,
+    stride_logits, stride_noise, rows, vocab,
+    ROWS: tl.constexpr, CHUNK: tl.constexpr, BLOCK: tl.constexpr, NUM_CHUNKS: tl.constexpr,
+    HAS_NOISE: tl.constexpr,
 ):
-    row = tl.program_id(0).to(tl.int64)
+    row = (tl.program_id(0) * ROWS + tl.arange(0, ROWS)).to(tl.int64)  # [ROWS]
+    row_ok = row < rows
     chunk = tl.program_id(1)
-    temperature = tl.load(temperatures_ptr + row)
-    # 1. The row's Philox key (its seed) and counter words, as uint32.
-    seed = tl.load(seeds_ptr + row)
-    counter = tl.load(counters_ptr + row)
+    temperature_1d = tl.load(temperatures_ptr + row, mask=row_ok, other=0.0)
+    any_sampled = tl.reduce(temperature_1d, 0, MAX) > 0
+    temperature = temperature_1d[:, None]  # [ROWS, 1]
+    sampled = temperature > 0
+    # 1. Each row's Philox key (its seed) and counter words, as uint32, [ROWS, 1].
+    seed = tl.load(seeds_ptr + row, mask=row_ok, other=0)[:, None]
+    counter = tl.load(counters_ptr + row, mask=row_ok, other=0)[:, None]
     k0 = (seed & 0xFFFFFFFF).to(tl.uint32)
     k1 = ((seed >> 32) & 0xFFFFFFFF).to(tl.uint32)
     c1 = (counter & 0xFFFFFFFF).to(tl.uint32)
     c2 = ((counter >> 32) & 0xFFFFFFFF).to(tl.uint32)
 
     # 2. A running best per lane over the chunk's tiles; ties keep the earlier tile (smaller index).
-    lanes = tl.arange(0, BLOCK)
+    lanes = tl.arange(0, BLOCK)[None, :]
     start = chunk * CHUNK
-    best_value = tl.full([BLOCK], float("-inf"), tl.float32)
-    best_index = start + lanes
+    best_value = tl.full([ROWS, BLOCK], float("-inf"), tl.float32)
+    best_index = start + lanes + (row[:, None] * 0).to(tl.int32)  # [ROWS, BLOCK]
     for tile in range(start, start + CHUNK, BLOCK):
-        offsets = tile + lanes
-        mask = offsets < vocab
-        z = tl.load(logits_ptr + row * stride_logits + offsets, mask=mask, other=float("-inf")).to(tl.float32)
-        if temperature > 0:
+        offsets = tile + lanes  # [1, BLOCK]
+        mask = row_ok[:, None] & (offsets < vocab)
+        z = tl.load(logits_ptr + row[:, None] * stride_logits + offsets, mask=mask,
+                    other=float("-inf")).to(tl.float32)  # [ROWS, BLOCK]
+        if any_sampled:
             if HAS_NOISE:
-                e = tl.load(noise_ptr + row * stride_noise + offsets, mask=mask, other=1.0)
+                e = tl.load(noise_ptr + row[:, None] * stride_noise + offsets, mask=mask, other=1.0)
             else:
-                zero = offsets.to(tl.uint32) * 0
-                e = exponential_from_uint32(philox_4x32(offsets.to(tl.uint32), c1 + zero, c2 + zero, zero,
+                zero = (row[:, None] * 0 + offsets * 0).to(tl.uint32)  # [ROWS, BLOCK], to broadcast every word
+                e = exponential_from_uint32(philox_4x32(offsets.to(tl.uint32) + zero, c1 + zero, c2 + zero, zero,
                                                         k0 + zero, k1 + zero, PHILOX_ROUNDS))
             # div_rn: exactly torch's float32 division (plain `/` may be approximate on a GPU).
-            z = tl.math.div_rn(z, temperature) - tl.log(tl.maximum(e, FLOAT32_TINY))
+            noisy = tl.math.div_rn(z, tl.where(sampled, temperature, 1.0)) - tl.log(tl.maximum(e, FLOAT32_TINY))
+            z = tl.where(sampled, noisy, z)
         better = z > best_value
         best_index = tl.where(better, offsets, best_index)
         best_value = tl.where(better, z, best_value)
 
-    # 3. The chunk's best: the largest value, and among lanes holding it the smallest index.
-    value = tl.reduce(best_value, 0, MAX)
-    index = tl.reduce(tl.where(best_value == value, best_index, INDEX_SENTINEL), 0, MIN)
-    tl.store(chunk_value_ptr + row * NUM_CHUNKS + chunk, value)
-    tl.store(chunk_index_ptr + row * NUM_CHUNKS + chunk, index)
+    # 3. The chunk's best per row: the largest value, and among lanes holding it the smallest index.
+    value = tl.reduce(best_value, 1, MAX)  # [ROWS]
+    index = tl.reduce(tl.where(best_value == value[:, None], best_index, INDEX_SENTINEL), 1, MIN)
+    tl.store(chunk_value_ptr + row * NUM_CHUNKS + chunk, value, mask=row_ok)
+    tl.store(chunk_index_ptr + row * NUM_CHUNKS + chunk, index, mask=row_ok)
 
 
-@triton.jit
-def _pick_kernel(chunk_value_ptr, chunk_index_ptr, out_ptr, NUM_CHUNKS: tl.constexpr, CHUNKS_PAD: tl.constexpr):
-    # One program per row: the best chunk, the earlier one on a tie (chunks are in index order).
-    row = tl.program_id(0).to(tl.int64)
-    chunks = tl.arange(0, CHUNKS_PAD)
-    mask = chunks < NUM_CHUNKS
+@triton.jit(do_not_specialize=["rows"])
+def _pick_kernel(chunk_value_ptr, chunk_index_ptr, out_ptr, rows,
+                 ROWS: tl.constexpr, NUM_CHUNKS: tl.constexpr, CHUNKS_PAD: tl.constexpr):
+    # Each row's best chunk, the earlier one on a tie (chunks are in index order).
+    rows_1d = (tl.program_id(0) * ROWS + tl.arange(0, ROWS)).to(tl.int64)
+    row = rows_1d[:, None]  # [ROWS, 1]
+    chunks = tl.arange(0, CHUNKS_PAD)[None, :]
+    mask = (row < rows) & (chunks < NUM_CHUNKS)
     values = tl.load(chunk_value_ptr + row * NUM_CHUNKS + chunks, mask=mask, other=float("-inf"))
     indices = tl.load(chunk_index_ptr + row * NUM_CHUNKS + chunks, mask=mask, other=INDEX_SENTINEL)
-    value = tl.reduce(values, 0, MAX)
-    index = tl.reduce(tl.where(mask & (values == value), indices, INDEX_SENTINEL), 0, MIN)
-    tl.store(out_ptr + row, index.to(tl.int64))
+    value = tl.reduce(values, 1, MAX)[:, None]
+    index = tl.reduce(tl.where(mask & (values == value), indices, INDEX_SENTINEL), 1, MIN)  # [ROWS]
+    tl.store(out_ptr + rows_1d, index.to(tl.int64), mask=rows_1d < rows)
 
 
-def chunking(vocab: int) -> tuple[int, int]:
-    """(BLOCK, CHUNK): logits per tile and per program, powers of two fixed by the vocabulary alone."""
+class Chunking(NamedTuple):
+    block: int  # logits per row per tile
+    chunk: int  # logits per row per program
+    rows: int  # rows per program
+
+
+def chunking(vocab: int) -> Chunking:
+    """How the race kernel cuts the logits: powers of two fixed by the vocabulary alone."""
     block = min(MAX_BLOCK, next_power_of_2(vocab))
-    return block, min(block * TILES_PER_CHUNK, next_power_of_2(vocab))
+    chunk = min(block * TILES_PER_CHUNK, next_power_of_2(vocab))
+    return Chunking(block, chunk, previous_power_of_2(max(1, ELEMENTS_PER_PROGRAM // chunk)))
 
 
 def sample_tokens(logits: torch.Tensor, temperatures: torch.Tensor, seeds: torch.Tensor, counters: torch.Tensor,
@@ -165,16 +190,16 @@ def sample_tokens(logits: torch.Tensor, temperatures: torch.Tensor, seeds: torch
         raise ValueError(f"out has {out.size(0)} entries for {rows} rows")
     if rows == 0:
         return out
-    block, chunk = chunking(vocab)
-    num_chunks = triton.cdiv(vocab, chunk)
+    tiles = chunking(vocab)
+    num_chunks = triton.cdiv(vocab, tiles.chunk)
     chunk_values = torch.empty(rows, num_chunks, dtype=torch.float32, device=device)
     chunk_indices = torch.empty(rows, num_chunks, dtype=torch.int32, device=device)
     noise_arg = noise if noise is not None else logits  # never read without noise
-    _race_chunk_kernel[(rows, num_chunks)](
+    _race_chunk_kernel[(triton.cdiv(rows, tiles.rows), num_chunks)](
         logits, temperatures, seeds, counters, noise_arg, chunk_values, chunk_indices,
-        logits.stride(0), noise_arg.stride(0), vocab,
-        CHUNK=chunk, BLOCK=block, NUM_CHUNKS=num_chunks, HAS_NOISE=noise is not None,
+        logits.stride(0), noise_arg.stride(0), rows, vocab,
+        ROWS=tiles.rows, CHUNK=tiles.chunk, BLOCK=tiles.block, NUM_CHUNKS=num_chunks, HAS_NOISE=noise is not None,
     )
-    _pick_kernel[(rows,)](chunk_values, chunk_indices, out, NUM_CHUNKS=num_chunks,
-                          CHUNKS_PAD=next_power_of_2(num_chunks))
+    _pick_kernel[(triton.cdiv(rows, PICK_ROWS),)](chunk_values, chunk_indices, out, rows, ROWS=PICK_ROWS,
+                                                  NUM_CHUNKS=num_chunks, CHUNKS_PAD=next_power_of_2(num_chunks))
     return out
