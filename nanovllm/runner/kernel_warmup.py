@@ -8,8 +8,10 @@ covers only decode with graphs on; with the cache allocated, this launches what 
    of two sequences;
 2. sampling from their logits on both sampler paths: the common one (the race over the logits in
    the model's dtype) and the general one (filters, penalties and logprobs over float32 logits);
-3. without CUDA graphs, eager decode steps of padding rows at batch 1 and 2 and at every (batch,
-   block-table width) where the attention backend's launches change (decode_warmup_shapes).
+3. without CUDA graphs, eager decode steps of padding rows at every (batch, block-table width)
+   where the attention backend's launches change (decode_warmup_shapes), and with torch.compile
+   on at batch 1 and 2 too (dynamo specialises size 1; Triton kernels take batch sizes as the grid
+   or as arguments excluded from specialisation).
 The prefills write K/V for one token into block 0, which no sequence owns yet (every block is
 written before anything reads it). It knows the runner's parts and nothing of scheduling.
 """
@@ -23,7 +25,7 @@ from nanovllm.sampling_params import SamplingParams
 from nanovllm.utils.compile import compiling
 from nanovllm.utils.context import forward_context
 
-# Batch sizes 1 and 2: torch.compile specialises size 1 (and Triton integers equal to 1).
+# Batch sizes 1 and 2: torch.compile specialises size 1.
 WARMUP_BATCHES = (1, 2)
 # The general sampler path with every filter, a penalty and logprobs: all its operations run once.
 GENERAL_SAMPLING = SamplingParams(top_k=2, top_p=0.9, min_p=0.01, repetition_penalty=1.1, logprobs=1)
@@ -52,7 +54,7 @@ def warm_up_kernels(runner, eager_decode: bool) -> None:
         return
     # 3. Eager decode of padding rows (slot -1, context 0: they store and read nothing).
     full = runner.max_blocks_per_seq
-    shapes = {(batch, full) for batch in batches}
+    shapes = {(batch, full) for batch in batches} if runner.compile else set()
     shapes |= set(runner.backend.decode_warmup_shapes(runner.config.max_num_seqs, runner.num_kv_heads, full,
                                                       runner.block_size, runner.device))
     empty = StepMessage.of([], is_prefill=False)

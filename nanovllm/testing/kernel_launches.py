@@ -45,13 +45,10 @@ def triton_kernels() -> dict[str, Any]:
     for info in pkgutil.iter_modules(nanovllm.kernels.__path__):
         module = importlib.import_module(f"nanovllm.kernels.{info.name}")
         for name, value in vars(module).items():
-            if isinstance(value, KernelInterface) and getattr(value, "__module__", module.__name__) == module.__name__:
+            # Defined here, not imported (reductions' combine functions come from triton.language).
+            if isinstance(value, KernelInterface) and value.fn.__module__ == module.__name__:
                 kernels[f"{info.name}.{name}"] = value
     return kernels
-
-
-def _python_function(kernel) -> Any:
-    return kernel.fn
 
 
 def _binder(kernel):
@@ -60,7 +57,7 @@ def _binder(kernel):
     from triton.backends.compiler import BaseBackend
     from triton.runtime.jit import KernelParam, create_function_from_signature
 
-    fn = _python_function(kernel)
+    fn = kernel.fn  # the Python function, for JITFunction and InterpretedFunction alike
     options = getattr(kernel, "kwargs", {})  # an InterpretedFunction keeps the decorator's arguments here
     never = set(getattr(kernel, "do_not_specialize", None) or options.get("do_not_specialize") or ())
     never_aligned = set(getattr(kernel, "do_not_specialize_on_alignment", None)
