@@ -128,3 +128,16 @@ def test_fused_kernels_without_qk_norm_equal_hf(qwen2_tiny, device):
     outputs = llm.generate(prompts, GREEDY, use_tqdm=False)
     llm.exit()
     assert [o["token_ids"] for o in outputs] == hf_greedy(qwen2_tiny, prompts, MAX_TOKENS)
+
+
+@pytest.mark.parametrize("num_kv_heads,block_size,sms", [(8, 256, 132), (2, 16, 64), (1, 512, 108)])
+def test_warmup_decode_shapes_cover_every_split_count(num_kv_heads, block_size, sms):
+    """The eager decode warm-up launches one (batch, width) per split count; every (batch, width) an
+    eager step can have must need one of those counts, or its first launch would compile."""
+    max_batch, max_blocks = 64, 40
+    shapes = decode_attention.split_shapes(max_batch, num_kv_heads, max_blocks, block_size, sms)
+    for splits, (batch, width) in shapes.items():
+        assert decode_attention.choose_num_splits(batch, num_kv_heads, width, block_size, sms) == splits
+    reachable = {decode_attention.choose_num_splits(b, num_kv_heads, w, block_size, sms)
+                 for b in range(1, max_batch + 1) for w in range(1, max_blocks + 1)}
+    assert reachable == set(shapes)
