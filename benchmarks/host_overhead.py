@@ -32,6 +32,7 @@ from nanovllm.runner.sampling_inputs import prepare_sampling  # noqa: E402
 from nanovllm.runner.step_inputs import StepMessage  # noqa: E402
 from nanovllm.sampling_params import SamplingParams  # noqa: E402
 from nanovllm.testing.synthetic import build_checkpoint  # noqa: E402
+from nanovllm.utils.math_utils import cdiv  # noqa: E402
 
 BLOCK_SIZE = 256  # nano-vllm's default
 VOCAB = 151936  # Qwen3's: prompt ids and the sampler's width (the stand-in never reads the model's)
@@ -44,7 +45,7 @@ class StandInRunner:
     attention_backend = "none (stand-in)"
 
     def __init__(self, config: Config):
-        max_blocks = -(-config.max_model_len // BLOCK_SIZE)
+        max_blocks = cdiv(config.max_model_len, BLOCK_SIZE)
         self.num_kvcache_blocks = config.max_num_seqs * max_blocks
         self.eos = config.eos
         self.inputs = DecodeInputs(config.max_num_seqs, max_blocks, BLOCK_SIZE, torch.device("cpu"))

@@ -9,14 +9,15 @@ runner, which needs the backends' imports. It does not know how the model runs.
 import copy
 import importlib.util
 import json
-import math
 import os
 from dataclasses import dataclass, field, fields
 
 import torch
 from transformers import AutoConfig, PretrainedConfig, PreTrainedTokenizerBase
 
+from nanovllm.kernels import MIN_DOT_SIZE
 from nanovllm.utils.tokenizer import end_of_text_id, load_tokenizer
+from nanovllm.utils.validation import is_int, is_number, require
 
 # Architectures `models/qwen3.py` can build, by the name in config.json's "architectures".
 SUPPORTED_ARCHITECTURES = ("Qwen3ForCausalLM", "Qwen2ForCausalLM")
@@ -25,8 +26,8 @@ ATTENTION_BACKENDS = ("auto", "flash_attn", "triton", "torch")
 COMPILE_MODES = ("auto", "on", "off")
 FUSED_KERNELS = ("auto", "triton", "torch")
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
-# The smallest paged-KV block the backends accept: Triton's tl.dot needs tiles of >= 16.
-MIN_BLOCK_SIZE = 16
+# The smallest paged-KV block the backends accept: Triton's tl.dot needs tiles of at least this.
+MIN_BLOCK_SIZE = MIN_DOT_SIZE
 # Tensor parallelism spans at most one 8-GPU node.
 MAX_TENSOR_PARALLEL_SIZE = 8
 # Model sizes split across tensor-parallel ranks (heads, KV heads, vocabulary, MLP width).
@@ -34,15 +35,6 @@ TENSOR_PARALLEL_DIVIDES = ("num_attention_heads", "num_key_value_heads", "vocab_
 # A worker beats several times per timeout from a thread that competes with its compute for the
 # CPU; below a second, a busy but healthy worker could be taken for a silent one.
 MIN_HEARTBEAT_TIMEOUT_S = 1.0
-
-
-def _require(ok: bool, name: str, value, allowed: str) -> None:
-    if not ok:
-        raise ValueError(f"{name}={value!r} is not allowed; {name} must be {allowed}")
-
-
-def _is_int(value) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
 
 
 @dataclass
@@ -120,31 +112,31 @@ class Config:
     def _check_fields(self) -> None:
         for name in ("max_num_batched_tokens", "max_num_seqs", "max_model_len"):
             value = getattr(self, name)
-            _require(_is_int(value) and value >= 1, name, value, "an integer >= 1")
+            require(is_int(value) and value >= 1, name, value, "an integer >= 1")
         u = self.gpu_memory_utilization
-        _require(isinstance(u, (int, float)) and 0 < u <= 1, "gpu_memory_utilization", u, "in (0, 1]")
+        require(is_number(u) and 0 < u <= 1, "gpu_memory_utilization", u, "in (0, 1]")
         tp = self.tensor_parallel_size
-        _require(_is_int(tp) and 1 <= tp <= MAX_TENSOR_PARALLEL_SIZE, "tensor_parallel_size", tp,
-                 f"an integer in 1..{MAX_TENSOR_PARALLEL_SIZE}")
+        require(is_int(tp) and 1 <= tp <= MAX_TENSOR_PARALLEL_SIZE, "tensor_parallel_size", tp,
+                f"an integer in 1..{MAX_TENSOR_PARALLEL_SIZE}")
         bs = self.kvcache_block_size
-        _require(_is_int(bs) and bs >= MIN_BLOCK_SIZE and bs & (bs - 1) == 0, "kvcache_block_size", bs,
-                 f"a power of two >= {MIN_BLOCK_SIZE}")
+        require(is_int(bs) and bs >= MIN_BLOCK_SIZE and bs & (bs - 1) == 0, "kvcache_block_size", bs,
+                f"a power of two >= {MIN_BLOCK_SIZE}")
         n = self.num_kvcache_blocks
-        _require(_is_int(n) and (n == -1 or n >= 1), "num_kvcache_blocks", n, "-1 (size from memory) or >= 1")
+        require(is_int(n) and (n == -1 or n >= 1), "num_kvcache_blocks", n, "-1 (size from memory) or >= 1")
         for name in ("enforce_eager", "enable_prefix_caching", "skip_tokenizer_init"):
-            _require(isinstance(getattr(self, name), bool), name, getattr(self, name), "True or False")
-        _require(self.device in DEVICES, "device", self.device, f"one of {DEVICES}")
-        _require(self.attention_backend in ATTENTION_BACKENDS, "attention_backend", self.attention_backend,
-                 f"one of {ATTENTION_BACKENDS}")
-        _require(self.compile_mode in COMPILE_MODES, "compile_mode", self.compile_mode, f"one of {COMPILE_MODES}")
-        _require(self.fused_kernels in FUSED_KERNELS, "fused_kernels", self.fused_kernels, f"one of {FUSED_KERNELS}")
-        _require(self.dtype == "auto" or self.dtype in DTYPES or self.dtype in DTYPES.values(), "dtype",
-                 self.dtype, f"'auto', one of {list(DTYPES)} or the matching torch.dtype")
+            require(isinstance(getattr(self, name), bool), name, getattr(self, name), "True or False")
+        require(self.device in DEVICES, "device", self.device, f"one of {DEVICES}")
+        require(self.attention_backend in ATTENTION_BACKENDS, "attention_backend", self.attention_backend,
+                f"one of {ATTENTION_BACKENDS}")
+        require(self.compile_mode in COMPILE_MODES, "compile_mode", self.compile_mode, f"one of {COMPILE_MODES}")
+        require(self.fused_kernels in FUSED_KERNELS, "fused_kernels", self.fused_kernels, f"one of {FUSED_KERNELS}")
+        require(self.dtype == "auto" or self.dtype in DTYPES or self.dtype in DTYPES.values(), "dtype",
+                self.dtype, f"'auto', one of {list(DTYPES)} or the matching torch.dtype")
         g = self.cpu_kvcache_space_gib
-        _require(isinstance(g, (int, float)) and g > 0, "cpu_kvcache_space_gib", g, "a number > 0")
+        require(is_number(g) and g > 0, "cpu_kvcache_space_gib", g, "a number > 0")
         t = self.tensor_parallel_heartbeat_timeout_s
-        _require(isinstance(t, (int, float)) and not isinstance(t, bool) and MIN_HEARTBEAT_TIMEOUT_S <= t < math.inf,
-                 "tensor_parallel_heartbeat_timeout_s", t, f"a finite number of seconds >= {MIN_HEARTBEAT_TIMEOUT_S}")
+        require(is_number(t) and t >= MIN_HEARTBEAT_TIMEOUT_S, "tensor_parallel_heartbeat_timeout_s", t,
+                f"a finite number of seconds >= {MIN_HEARTBEAT_TIMEOUT_S}")
 
     def _check_tensor_parallel(self) -> None:
         """Each rank holds 1/tensor_parallel_size of these, so each must divide; checked here,

@@ -31,6 +31,8 @@ from nanovllm.engine.sequence import Sequence
 from nanovllm.engine.stop_checker import StopChecker
 from nanovllm.runner.tensor_parallel import create_model_runner
 from nanovllm.sampling_params import SamplingParams
+from nanovllm.utils.math_utils import cdiv
+from nanovllm.utils.validation import is_int
 
 Prompt = str | list[int]
 
@@ -74,14 +76,18 @@ class LLMEngine:
         self.stop_checker = StopChecker(config.eos, config.max_model_len)
         self.scheduler = Scheduler(config.max_num_seqs, config.max_num_batched_tokens, self.block_manager,
                                    self.stop_checker)
+        self._init_routing()
+
+    def _init_routing(self) -> None:
+        """The request bookkeeping, the single-thread lock and the exit flag."""
         self._seq_ids = count()
         self._request_ids = count()
         self._requests: dict[str, Request] = {}  # every live request, whoever made it
         self._news: dict[str, None] = {}  # add_request()'s requests with news not yet popped (an ordered set)
         self._lock = threading.Lock()  # held by the thread inside the engine
         self._inside: str | None = None  # that thread's name, for the refusal message
-        # Calls whose requests were released by a thread that could not enter; the thread inside
-        # frees them at its next step.
+        # Calls whose requests were released by a thread that could not enter; they are freed at
+        # the next step or the next entry, whichever comes first.
         self._deferred: list[list[Request]] = []
         self._exited = False
         self._prefill_tps = self._decode_tps = 0.0  # the latest step's throughput, for the progress bar
@@ -116,7 +122,7 @@ class LLMEngine:
                                "nanovllm.entrypoints does")
         self._inside = threading.current_thread().name
         try:
-            if self._exited:  # exited while this thread waited to enter
+            if self._exited:  # another thread exited it between the check above and the lock
                 raise RuntimeError(EXITED_MESSAGE)
             self._free_deferred()
             yield
@@ -137,7 +143,7 @@ class LLMEngine:
                 raise ValueError(f"prompt={prompt!r:.80} is a string, but this engine has no tokenizer "
                                  "(skip_tokenizer_init=True); give each prompt as a list of token ids")
             token_ids = self.tokenizer.encode(prompt)
-        elif isinstance(prompt, (list, tuple)) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+        elif isinstance(prompt, (list, tuple)) and all(is_int(t) for t in prompt):
             token_ids = list(prompt)
         else:
             raise ValueError(f"prompt={prompt!r:.80} is not allowed; a prompt must be a str or a list of int token ids")
@@ -159,7 +165,7 @@ class LLMEngine:
         # The longest this sequence can grow must fit in the whole cache, or it could never run.
         bs = self.config.kvcache_block_size
         longest = min(len(token_ids) + params.max_tokens, max_len)
-        needed = (longest + bs - 1) // bs
+        needed = cdiv(longest, bs)
         if needed > self.block_manager.num_blocks:
             raise ValueError(f"a request of {len(token_ids)} prompt tokens and max_tokens={params.max_tokens} "
                              f"needs {needed} KV blocks of {bs} tokens, more than the whole cache "
@@ -168,7 +174,10 @@ class LLMEngine:
         for i in range(params.n):
             seq = Sequence(next(self._seq_ids), token_ids, params, bs)
             seq.seed = None if params.seed is None else params.seed + i
-            if deltas or params.stop_strings:  # generate() alone decodes each sample's text once, at the end
+            # generate() decodes a sample's text once, at the end, unless stop strings need it on the
+            # way. A sample with a detokenizer reports each new token to its caller (see _step): so
+            # every sample of stream() and add_request() does.
+            if deltas or params.stop_strings:
                 seq.detokenizer = Detokenizer(self.tokenizer, params)
             seqs.append(seq)
         return Request(index, token_ids, params, seqs, request_id, inbox)
@@ -220,8 +229,8 @@ class LLMEngine:
             request.inbox.pop(request.request_id, None)
 
     def _release(self, requests: list[Request]) -> None:
-        """_forget() from a call that has ended, possibly in a thread that is not the one inside
-        the engine now: then the thread inside does it at its next step."""
+        """_forget() from a call that has ended (a stream closed, finished or dropped), which may
+        happen while another thread is inside the engine: then that thread does it at its next step."""
         if not any(r.request_id is not None for r in requests):  # never submitted
             return
         if self._lock.acquire(blocking=False):
@@ -303,17 +312,21 @@ class LLMEngine:
             n = seq.sampling_params.logprobs
             if lp is not None and n is not None:
                 seq.logprobs.append(lp._replace(top_logprobs=dict(list(lp.top_logprobs.items())[:n])))
-        for request_id in dict.fromkeys(seq.request_id for seq in advanced):  # each request once
-            request = self._requests.get(request_id)
-            if request is not None:
-                request.inbox[request_id] = None
+        requests, finished = self._requests, []
+        for seq in advanced:
+            if seq.is_finished:
+                finished.append(seq)
+            elif seq.detokenizer is None:  # no text deltas (generate()): its caller needs only its finish
+                continue
+            request = requests.get(seq.request_id)
+            if request is not None:  # a benchmark may step bare sequences
+                request.inbox[seq.request_id] = None
         tps = num_tokens / max(perf_counter() - start, 1e-9)
         if batch.is_prefill:
             self._prefill_tps = tps
         else:
             self._decode_tps = tps
-        return StepOutput(advanced, [seq for seq in advanced if seq.is_finished], num_tokens, batch.is_prefill,
-                          list(self._news))
+        return StepOutput(advanced, finished, num_tokens, batch.is_prefill, list(self._news))
 
     def _next_news(self, inbox: dict[str, None]) -> list[str]:
         """Step until one of a caller's requests has news; returns (and clears) their ids."""

@@ -8,8 +8,9 @@ could skip every check; a changed copy is a new one (`dataclasses.replace(params
 checked again. Lists given for `stop` and `stop_token_ids` are kept as tuples, so the caller's
 own list cannot change them afterwards either.
 """
-import math
 from dataclasses import FrozenInstanceError, dataclass, fields
+
+from nanovllm.utils.validation import is_int, is_number, require
 
 # vLLM's limits: penalties beyond +-2 make no useful distribution; 20 top logprobs is what
 # the OpenAI API allows and what the sampler is sized for.
@@ -18,19 +19,6 @@ MAX_LOGPROBS = 20
 # What torch.Generator.manual_seed accepts (an int64 or a uint64); sample i of a request is
 # seeded with seed + i, so all n of them must fall in this range.
 MIN_SEED, MAX_SEED = -2**63, 2**64 - 1
-
-
-def _is_int(x) -> bool:
-    return isinstance(x, int) and not isinstance(x, bool)
-
-
-def _is_number(x) -> bool:
-    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
-
-
-def _check(ok: bool, name: str, value, allowed: str) -> None:
-    if not ok:
-        raise ValueError(f"{name}={value!r} is not allowed; {name} must be {allowed}")
 
 
 def _explain_frozen(cls: type) -> type:
@@ -73,37 +61,37 @@ class SamplingParams:
     skip_special_tokens: bool = True
 
     def __post_init__(self) -> None:
-        _check(_is_int(self.n) and self.n >= 1, "n", self.n, "an integer >= 1")
-        _check(_is_number(self.temperature) and self.temperature >= 0, "temperature", self.temperature,
-               "a finite number >= 0 (0 means greedy)")
-        _check(_is_number(self.top_p) and 0 < self.top_p <= 1, "top_p", self.top_p, "in (0, 1]")
-        _check(_is_int(self.top_k) and (self.top_k >= 0 or self.top_k == -1), "top_k", self.top_k,
-               "an integer >= 1, or 0 or -1 for off")
-        _check(_is_number(self.min_p) and 0 <= self.min_p <= 1, "min_p", self.min_p, "in [0, 1]")
-        _check(self.seed is None or _is_int(self.seed), "seed", self.seed, "None or an integer")
+        require(is_int(self.n) and self.n >= 1, "n", self.n, "an integer >= 1")
+        require(is_number(self.temperature) and self.temperature >= 0, "temperature", self.temperature,
+                "a finite number >= 0 (0 means greedy)")
+        require(is_number(self.top_p) and 0 < self.top_p <= 1, "top_p", self.top_p, "in (0, 1]")
+        require(is_int(self.top_k) and (self.top_k >= 0 or self.top_k == -1), "top_k", self.top_k,
+                "an integer >= 1, or 0 or -1 for off")
+        require(is_number(self.min_p) and 0 <= self.min_p <= 1, "min_p", self.min_p, "in [0, 1]")
+        require(self.seed is None or is_int(self.seed), "seed", self.seed, "None or an integer")
         if self.seed is not None and not (MIN_SEED <= self.seed and self.seed + self.n - 1 <= MAX_SEED):
             raise ValueError(f"seed={self.seed} is not allowed with n={self.n}: sample i is seeded with seed + i and "
                              f"torch.Generator takes seeds in [-2**63, 2**64 - 1], so with n={self.n} seed must be in "
                              f"[{MIN_SEED}, {MAX_SEED - self.n + 1}]")
         stop = [self.stop] if isinstance(self.stop, str) else self.stop
-        _check(stop is None or (isinstance(stop, (list, tuple)) and all(isinstance(s, str) and s for s in stop)),
-               "stop", self.stop, "None, a non-empty string or a list of non-empty strings")
+        require(stop is None or (isinstance(stop, (list, tuple)) and all(isinstance(s, str) and s for s in stop)),
+                "stop", self.stop, "None, a non-empty string or a list of non-empty strings")
         ids = self.stop_token_ids
-        _check(ids is None or (isinstance(ids, (list, tuple)) and all(_is_int(t) and t >= 0 for t in ids)),
-               "stop_token_ids", ids, "None or a list of token ids >= 0")
-        _check(_is_int(self.max_tokens) and self.max_tokens >= 1, "max_tokens", self.max_tokens, "an integer >= 1")
-        _check(_is_int(self.min_tokens) and 0 <= self.min_tokens <= self.max_tokens, "min_tokens", self.min_tokens,
-               f"an integer in [0, max_tokens={self.max_tokens}]")
-        _check(self.logprobs is None or (_is_int(self.logprobs) and 0 <= self.logprobs <= MAX_LOGPROBS),
-               "logprobs", self.logprobs, f"None or an integer in [0, {MAX_LOGPROBS}]")
-        _check(_is_number(self.repetition_penalty) and self.repetition_penalty > 0, "repetition_penalty",
-               self.repetition_penalty, "a number > 0 (1 = off)")
+        require(ids is None or (isinstance(ids, (list, tuple)) and all(is_int(t) and t >= 0 for t in ids)),
+                "stop_token_ids", ids, "None or a list of token ids >= 0")
+        require(is_int(self.max_tokens) and self.max_tokens >= 1, "max_tokens", self.max_tokens, "an integer >= 1")
+        require(is_int(self.min_tokens) and 0 <= self.min_tokens <= self.max_tokens, "min_tokens", self.min_tokens,
+                f"an integer in [0, max_tokens={self.max_tokens}]")
+        require(self.logprobs is None or (is_int(self.logprobs) and 0 <= self.logprobs <= MAX_LOGPROBS),
+                "logprobs", self.logprobs, f"None or an integer in [0, {MAX_LOGPROBS}]")
+        require(is_number(self.repetition_penalty) and self.repetition_penalty > 0, "repetition_penalty",
+                self.repetition_penalty, "a number > 0 (1 = off)")
         for name in ("presence_penalty", "frequency_penalty"):
             value = getattr(self, name)
-            _check(_is_number(value) and abs(value) <= MAX_ABS_PENALTY, name, value,
-                   f"a number in [-{MAX_ABS_PENALTY}, {MAX_ABS_PENALTY}] (0 = off)")
+            require(is_number(value) and abs(value) <= MAX_ABS_PENALTY, name, value,
+                    f"a number in [-{MAX_ABS_PENALTY}, {MAX_ABS_PENALTY}] (0 = off)")
         for name in ("include_stop_str_in_output", "ignore_eos", "skip_special_tokens"):
-            _check(isinstance(getattr(self, name), bool), name, getattr(self, name), "True or False")
+            require(isinstance(getattr(self, name), bool), name, getattr(self, name), "True or False")
         # The one place a field is stored after __init__: the checked values in the form they are
         # kept in (tuples, which the caller cannot change later; a float temperature). Written as a
         # frozen dataclass's own __init__ writes its fields, past the __setattr__ that refuses changes.

@@ -9,6 +9,8 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, PreTrainedModel
 
+from nanovllm import SamplingParams
+
 HAS_CUDA = torch.cuda.is_available()
 # What device="auto" must resolve to on the machine the tests run on.
 AUTO_DEVICE = "cuda" if HAS_CUDA else "cpu"
@@ -65,3 +67,9 @@ def spanning_stop_string(tokenizer, token_ids: list[int]) -> tuple[str, int]:
         if left and right and "\ufffd" not in left + right and left == tokenizer.decode(token_ids[:i]):
             return left[-1] + right[0], i
     pytest.skip("no clean token boundary in this continuation")
+
+
+def greedy(max_tokens: int, **kwargs) -> SamplingParams:
+    """Greedy sampling of exactly `max_tokens` tokens (end of text ignored, as in the HF reference,
+    unless ignore_eos=False is given), with any other SamplingParams field as given."""
+    return SamplingParams(**{"temperature": 0, "max_tokens": max_tokens, "ignore_eos": True, **kwargs})

@@ -9,7 +9,7 @@ import shutil
 import pytest
 import torch
 
-from helpers import AUTO_BACKEND_SMALL_BLOCKS, AUTO_DEVICE, EVERY_DEVICE, hf_greedy, random_prompts
+from helpers import AUTO_BACKEND_SMALL_BLOCKS, AUTO_DEVICE, EVERY_DEVICE, greedy, hf_greedy, random_prompts
 from nanovllm import LLM, SamplingParams
 from nanovllm.config import Config
 from nanovllm.layers.rotary_embedding import rope_theta_of
@@ -23,10 +23,6 @@ def llm(qwen3_tiny):
     engine = LLM(qwen3_tiny, device="cpu", kvcache_block_size=BLOCK, num_kvcache_blocks=64, max_model_len=256)
     yield engine
     engine.exit()
-
-
-def greedy(max_tokens: int = 8, ignore_eos: bool = True) -> SamplingParams:
-    return SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=ignore_eos)
 
 
 def test_outputs_in_input_order_with_text_and_counts(llm):
@@ -243,7 +239,7 @@ def test_request_larger_than_the_whole_cache_is_refused(qwen3_tiny):
 
 def test_mismatched_sampling_params_list_refused(llm):
     with pytest.raises(ValueError, match="sampling_params"):
-        llm.generate([[1, 2], [3, 4]], [greedy()], use_tqdm=False)
+        llm.generate([[1, 2], [3, 4]], [greedy(8)], use_tqdm=False)
     with pytest.raises(ValueError, match="sampling_params"):
         llm.generate([[1, 2]], {"temperature": 0}, use_tqdm=False)
     assert llm.is_finished()

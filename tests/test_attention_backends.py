@@ -7,16 +7,12 @@ import pytest
 import torch
 
 import nanovllm.attention as attention
-from helpers import AUTO_BACKEND_SMALL_BLOCKS, AUTO_DEVICE, random_prompts
-from nanovllm import LLM, SamplingParams
+from helpers import AUTO_BACKEND_SMALL_BLOCKS, AUTO_DEVICE, greedy, random_prompts
+from nanovllm import LLM
 
 BLOCK = 16
 HAS_TRITON = importlib.util.find_spec("triton") is not None
 HAS_FLASH_ATTN = importlib.util.find_spec("flash_attn") is not None
-
-
-def greedy(max_tokens: int) -> SamplingParams:
-    return SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
 
 
 def run_twice(path: str, backend: str, prompts, device: str = "cpu", **kwargs) -> tuple[list, list]:

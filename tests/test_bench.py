@@ -18,13 +18,13 @@ PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 # bound what that rounding can change in the quantities recomputed here.
 TIME_TOLERANCE_S = 0.001
 THROUGHPUT_ROUNDING = 0.005  # half of 0.01 tok/s
+RATIO_TOLERANCE = 0.002
 
 
 def time_tolerance(time_s: float, throughput: float) -> float:
     """How far tokens / rounded throughput may lie from the rounded time: half a millisecond,
     plus what rounding the throughput moves it (time * 0.005 / throughput; ~2 ms on a slow run)."""
     return TIME_TOLERANCE_S / 2 + time_s * THROUGHPUT_ROUNDING / throughput
-RATIO_TOLERANCE = 0.002
 
 
 def run_script(args: list[str], cwd: Path, env: dict | None = None) -> subprocess.CompletedProcess:

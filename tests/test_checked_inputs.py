@@ -9,21 +9,17 @@ import shutil
 
 import pytest
 
-from helpers import random_prompts
+from helpers import greedy, random_prompts
 from nanovllm import LLM, SamplingParams, llm_engine
 from nanovllm.config import Config
 from nanovllm.sampling_params import MAX_SEED, MIN_SEED
 
 BLOCK = 16
-ENGINE = dict(kvcache_block_size=BLOCK, num_kvcache_blocks=32, max_model_len=256)
+ENGINE = dict(device="cpu", kvcache_block_size=BLOCK, num_kvcache_blocks=32, max_model_len=256)
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
 # The bound on the heartbeat timeout's default: a silent worker is reported within a
 # minute unless the user asks for longer.
 MAX_DEFAULT_HEARTBEAT_TIMEOUT_S = 60
-
-
-def greedy(**kwargs) -> SamplingParams:
-    return SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, **kwargs)
 
 
 def copy_checkpoint(src: str, dst, drop: tuple[str, ...] = ()) -> str:
@@ -71,7 +67,7 @@ def test_misspelt_field_is_named():
 
 
 def test_the_audits_assignments_are_refused_and_the_engine_runs_the_checked_values(llm):
-    params = greedy()
+    params = greedy(6)
     for field, value in (("stop", ["a"]), ("temperature", -1), ("logprobs", 1000), ("n", 0)):
         with pytest.raises(AttributeError, match=re.escape(f"{field}={value!r} refused")):
             setattr(params, field, value)
@@ -138,32 +134,32 @@ def test_skip_tokenizer_init_runs_token_ids_end_to_end(llm, no_tokenizer):
     try:
         assert bare.tokenizer is None and bare.config.eos == llm.config.eos >= 0  # from config.json
         prompts = random_prompts(200, [5, 23, 40], seed=21)
-        params = [greedy(), SamplingParams(temperature=0.8, seed=7, n=2, max_tokens=6),
+        params = [greedy(6), SamplingParams(temperature=0.8, seed=7, n=2, max_tokens=6),
                   SamplingParams(temperature=0, max_tokens=6, stop_token_ids=[llm.config.eos + 1])]
         got = bare.generate(prompts, params, use_tqdm=False)
         want = llm.generate(prompts, params, use_tqdm=False)
         assert [o["token_ids"] for o in got] == [o["token_ids"] for o in want]
         assert [s["token_ids"] for s in got[1]["outputs"]] == [s["token_ids"] for s in want[1]["outputs"]]
         assert all(o["text"] == "" for o in got + got[1]["outputs"]) and any(o["text"] for o in want)
-        streamed = list(bare.stream(prompts[:1], greedy()))
+        streamed = list(bare.stream(prompts[:1], greedy(6)))
         assert [t for s in streamed for t in s.token_ids] == got[0]["token_ids"]
         assert all(s.text == "" for s in streamed) and streamed[-1].finished
         assert_clean(bare)
 
         refusals = [
-            (lambda: bare.generate([prompts[0], "hello world"], greedy(), use_tqdm=False),
+            (lambda: bare.generate([prompts[0], "hello world"], greedy(6), use_tqdm=False),
              r"prompt='hello world' is a string.*skip_tokenizer_init=True.*token ids"),
-            (lambda: bare.generate(prompts[:1], greedy(stop=["ab"]), use_tqdm=False),
+            (lambda: bare.generate(prompts[:1], greedy(6, stop=["ab"]), use_tqdm=False),
              r"stop=\['ab'\] needs a tokenizer.*skip_tokenizer_init=True.*stop_token_ids"),
-            (lambda: list(bare.stream(prompts[:1], greedy(stop="ab"))), r"stop=\['ab'\] needs a tokenizer"),
-            (lambda: bare.chat([{"role": "user", "content": "hi"}], greedy(), use_tqdm=False),
+            (lambda: list(bare.stream(prompts[:1], greedy(6, stop="ab"))), r"stop=\['ab'\] needs a tokenizer"),
+            (lambda: bare.chat([{"role": "user", "content": "hi"}], greedy(6), use_tqdm=False),
              r"chat\(\) needs the tokenizer's chat template.*skip_tokenizer_init=True"),
         ]
         for call, message in refusals:
             with pytest.raises(ValueError, match=message):
                 call()
             assert_clean(bare)
-        assert bare.generate(prompts[:1], greedy(), use_tqdm=False)[0]["token_ids"] == got[0]["token_ids"]
+        assert bare.generate(prompts[:1], greedy(6), use_tqdm=False)[0]["token_ids"] == got[0]["token_ids"]
     finally:
         bare.exit()
 
@@ -197,7 +193,7 @@ def test_truncated_safetensors_is_named(qwen3_tiny, tmp_path, keep, llm):
     with pytest.raises(ValueError, match=rf"checkpoint file {file} cannot be read as safetensors \(.+\); it may "
                                          r"be truncated or corrupt"):
         LLM(path, **ENGINE)
-    assert len(llm.generate([[1, 2, 3]], greedy(), use_tqdm=False)[0]["token_ids"]) == 6  # others unaffected
+    assert len(llm.generate([[1, 2, 3]], greedy(6), use_tqdm=False)[0]["token_ids"]) == 6  # others unaffected
 
 
 def test_heartbeat_timeout_has_a_short_default_and_is_checked(qwen3_tiny):

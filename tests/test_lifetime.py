@@ -7,16 +7,13 @@ import weakref
 
 import pytest
 
-from nanovllm import LLM, SamplingParams
+from helpers import greedy
+from nanovllm import LLM
 
 BLOCK = 16
 # A KV cache big enough that keeping one alive per cycle would stand far above allocator noise.
 KV_CACHE_TARGET_BYTES = 96 << 20
 CYCLES = 5
-
-
-def greedy(max_tokens: int = 6) -> SamplingParams:
-    return SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
 
 
 def rss_bytes() -> int:
@@ -32,11 +29,11 @@ def kv_cache_bytes(llm: LLM) -> int:
 def use_and_drop(path: str, num_blocks: int) -> tuple[weakref.ref, int]:
     """Make an engine, use every way of calling it (leaving a stream open and an online request
     unread), and drop it without exit(). Returns a weak reference to it and its cache size."""
-    llm = LLM(path, kvcache_block_size=BLOCK, num_kvcache_blocks=num_blocks, max_model_len=256)
-    llm.generate([[1, 2, 3]], greedy(), use_tqdm=False)
+    llm = LLM(path, device="cpu", kvcache_block_size=BLOCK, num_kvcache_blocks=num_blocks, max_model_len=256)
+    llm.generate([[1, 2, 3]], greedy(6), use_tqdm=False)
     stream = llm.stream([[4, 5, 6], "hello"], greedy(20))
     next(stream)
-    llm.add_request([7, 8], greedy())
+    llm.add_request([7, 8], greedy(6))
     llm.step()
     llm.chat([{"role": "user", "content": "hi"}], greedy(2), use_tqdm=False)
     return weakref.ref(llm), kv_cache_bytes(llm)
@@ -44,7 +41,7 @@ def use_and_drop(path: str, num_blocks: int) -> tuple[weakref.ref, int]:
 
 @pytest.fixture(scope="module")
 def blocks_for_target(qwen3_tiny) -> int:
-    with LLM(qwen3_tiny, kvcache_block_size=BLOCK, num_kvcache_blocks=16, max_model_len=256) as probe:
+    with LLM(qwen3_tiny, device="cpu", kvcache_block_size=BLOCK, num_kvcache_blocks=16, max_model_len=256) as probe:
         block_bytes = kv_cache_bytes(probe) // 16
     return KV_CACHE_TARGET_BYTES // block_bytes
 
@@ -70,23 +67,23 @@ def test_make_and_drop_does_not_grow_memory(qwen3_tiny, blocks_for_target):
 
 
 def test_with_form_frees_on_leaving(qwen3_tiny):
-    with LLM(qwen3_tiny, kvcache_block_size=BLOCK, num_kvcache_blocks=32) as llm:
-        out = llm.generate([[1, 2, 3]], greedy(), use_tqdm=False)
+    with LLM(qwen3_tiny, device="cpu", kvcache_block_size=BLOCK, num_kvcache_blocks=32) as llm:
+        out = llm.generate([[1, 2, 3]], greedy(6), use_tqdm=False)
         assert len(out[0]["token_ids"]) == 6
     assert llm.model_runner.kv_cache is None
     with pytest.raises(RuntimeError, match="exited"):
-        llm.generate([[1, 2, 3]], greedy(), use_tqdm=False)
+        llm.generate([[1, 2, 3]], greedy(6), use_tqdm=False)
     # Leaving through an exception frees it too, and the exception goes on.
     with pytest.raises(KeyError):
-        with LLM(qwen3_tiny, kvcache_block_size=BLOCK, num_kvcache_blocks=32) as failing:
+        with LLM(qwen3_tiny, device="cpu", kvcache_block_size=BLOCK, num_kvcache_blocks=32) as failing:
             raise KeyError("in the block")
     assert failing.model_runner.kv_cache is None
 
 
 def test_every_call_after_exit_raises_before_any_work(qwen3_tiny):
-    llm = LLM(qwen3_tiny, kvcache_block_size=BLOCK, num_kvcache_blocks=32)
-    rid = llm.add_request([1, 2, 3], greedy())
-    open_stream = llm.stream([[4, 5]], greedy())
+    llm = LLM(qwen3_tiny, device="cpu", kvcache_block_size=BLOCK, num_kvcache_blocks=32)
+    rid = llm.add_request([1, 2, 3], greedy(6))
+    open_stream = llm.stream([[4, 5]], greedy(6))
     next(open_stream)
     llm.exit()
     llm.exit()  # idempotent
@@ -94,9 +91,9 @@ def test_every_call_after_exit_raises_before_any_work(qwen3_tiny):
     calls = {
         # Bad arguments too: the exit is reported first, before any validation or queueing.
         "generate": lambda: llm.generate([[]], "not params", use_tqdm=False),
-        "stream": lambda: llm.stream([[1, 2]], greedy()),
+        "stream": lambda: llm.stream([[1, 2]], greedy(6)),
         "chat": lambda: llm.chat([{"role": "user", "content": "hi"}]),
-        "add_request": lambda: llm.add_request([1, 2], greedy()),
+        "add_request": lambda: llm.add_request([1, 2], greedy(6)),
         "step": llm.step,
         "abort": lambda: llm.abort(rid),
         "pop_output": lambda: llm.pop_output(rid),

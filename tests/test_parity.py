@@ -6,7 +6,7 @@ EVERY_DEVICE run on CUDA too where there is a GPU (the same float32 tokens are e
 """
 import pytest
 
-from helpers import EVERY_DEVICE, hf_greedy, random_prompts
+from helpers import EVERY_DEVICE, greedy, hf_greedy, random_prompts
 from nanovllm import LLM, SamplingParams
 
 CHECKPOINTS = ["qwen3_tiny", "qwen3_tiny_tied", "qwen2_tiny"]
@@ -16,10 +16,6 @@ MAX_TOKENS = 24
 BLOCK = 16
 # More than any test's batch; on CUDA it means 5 decode graphs to capture instead of nano-vllm's 36.
 MAX_NUM_SEQS = 16
-
-
-def greedy(max_tokens: int = MAX_TOKENS) -> SamplingParams:
-    return SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
 
 
 def engine(path: str, device: str, **kwargs) -> LLM:
@@ -64,15 +60,15 @@ def test_prefix_cache_hits_keep_outputs(ckpt, request):
     tails = random_prompts(200, [1, 9, 16, 23], seed=3)
     prompts = [shared + tail for tail in tails] + [shared[:32], shared[:32]]  # 32 = 2 full blocks
     llm = engine(path, "cpu", num_kvcache_blocks=256)
-    first = llm.generate([shared], greedy(), use_tqdm=False)
+    first = llm.generate([shared], greedy(MAX_TOKENS), use_tqdm=False)
     assert first[0]["num_cached_tokens"] == 0
-    outputs = llm.generate(prompts, greedy(), use_tqdm=False)
+    outputs = llm.generate(prompts, greedy(MAX_TOKENS), use_tqdm=False)
     expected = hf_greedy(path, prompts, MAX_TOKENS)
     assert [o["token_ids"] for o in outputs] == expected
     # The 40-token prefix holds 2 full blocks; a fully cached prompt still computes its last block.
     assert [o["num_cached_tokens"] for o in outputs] == [32, 32, 32, 32, 16, 16]
     # A third call hits blocks published by the second (prefix + generated-free tails).
-    again = llm.generate(prompts, greedy(), use_tqdm=False)
+    again = llm.generate(prompts, greedy(MAX_TOKENS), use_tqdm=False)
     assert [o["token_ids"] for o in again] == expected
     assert all(a["num_cached_tokens"] >= o["num_cached_tokens"] for a, o in zip(again, outputs))
     llm.exit()
@@ -84,7 +80,7 @@ def test_parity_under_preemption(ckpt, request):
     prompts = random_prompts(200, MIXED_LENGTHS, seed=4)
     # 12 blocks of 16 hold 192 tokens: far less than the batch needs at once.
     llm = engine(path, "cpu", num_kvcache_blocks=12)
-    outputs = llm.generate(prompts, greedy(), use_tqdm=False)
+    outputs = llm.generate(prompts, greedy(MAX_TOKENS), use_tqdm=False)
     assert llm.scheduler.num_preemptions > 0
     assert [o["token_ids"] for o in outputs] == hf_greedy(path, prompts, MAX_TOKENS)
     assert llm.block_manager.num_free_blocks == llm.block_manager.num_blocks
@@ -98,7 +94,7 @@ def test_parity_with_chunked_prefill(ckpt, request):
     budget = 24  # smaller than the longer prompts, and not a multiple of the block size
     llm = engine(path, "cpu", num_kvcache_blocks=256, max_num_batched_tokens=budget)
     chunks = record_prefill_chunks(llm)
-    outputs = llm.generate(prompts, greedy(), use_tqdm=False)
+    outputs = llm.generate(prompts, greedy(MAX_TOKENS), use_tqdm=False)
     assert [o["token_ids"] for o in outputs] == hf_greedy(path, prompts, MAX_TOKENS)
     assert all(sum(step) <= budget for step in chunks)
     assert sum(sum(step) for step in chunks) == sum(map(len, prompts))  # no preemption: each token once
@@ -114,8 +110,8 @@ def test_parity_with_everything_at_once(qwen3_tiny, device):
     prompts += random_prompts(200, [5, 40, 64], seed=8)
     llm = engine(qwen3_tiny, device, num_kvcache_blocks=14, max_num_batched_tokens=40)
     expected = hf_greedy(qwen3_tiny, prompts, MAX_TOKENS)
-    first = llm.generate(prompts, greedy(), use_tqdm=False)
-    second = llm.generate(prompts, greedy(), use_tqdm=False)
+    first = llm.generate(prompts, greedy(MAX_TOKENS), use_tqdm=False)
+    second = llm.generate(prompts, greedy(MAX_TOKENS), use_tqdm=False)
     assert [o["token_ids"] for o in first] == expected
     assert [o["token_ids"] for o in second] == expected
     assert llm.scheduler.num_preemptions > 0
@@ -128,7 +124,8 @@ def test_block_size_32_and_sampling_rows_beside_greedy(qwen3_tiny, device):
     """Another power-of-two block size; greedy rows stay argmax next to sampled rows."""
     prompts = random_prompts(200, [3, 31, 32, 33, 70], seed=9)
     llm = engine(qwen3_tiny, device, kvcache_block_size=32, num_kvcache_blocks=64)
-    params = [greedy() if i % 2 == 0 else SamplingParams(temperature=1.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    params = [greedy(MAX_TOKENS) if i % 2 == 0
+              else SamplingParams(temperature=1.0, max_tokens=MAX_TOKENS, ignore_eos=True)
               for i in range(len(prompts))]
     outputs = llm.generate(prompts, params, use_tqdm=False)
     expected = hf_greedy(qwen3_tiny, prompts, MAX_TOKENS)

@@ -6,7 +6,7 @@ import threading
 
 import pytest
 
-from helpers import hf_greedy, random_prompts
+from helpers import greedy, hf_greedy, random_prompts
 from nanovllm import LLM, RequestOutput, SamplingParams
 from nanovllm.engine.block_manager import BlockManager
 from nanovllm.engine.scheduler import Scheduler
@@ -19,13 +19,9 @@ THREAD_WAIT_S = 60.0  # generous bound on waiting for the other thread (never re
 
 @pytest.fixture(scope="module")
 def llm(qwen3_tiny):
-    engine = LLM(qwen3_tiny, kvcache_block_size=BLOCK, num_kvcache_blocks=64, max_model_len=256)
+    engine = LLM(qwen3_tiny, device="cpu", kvcache_block_size=BLOCK, num_kvcache_blocks=64, max_model_len=256)
     yield engine
     engine.exit()
-
-
-def greedy(max_tokens: int, **kwargs) -> SamplingParams:
-    return SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True, **kwargs)
 
 
 def assert_all_free(llm: LLM) -> None:

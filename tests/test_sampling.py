@@ -8,7 +8,7 @@ import random
 import pytest
 import torch
 
-from helpers import _hf_model, hf_greedy, random_prompts, spanning_stop_string
+from helpers import _hf_model, greedy, hf_greedy, random_prompts, spanning_stop_string
 from nanovllm import LLM, SamplingParams
 from nanovllm.layers.sampler import (Sampler, SamplingTensors, apply_min_p, apply_penalties, apply_top_k_top_p)
 
@@ -21,10 +21,6 @@ def llm(qwen3_tiny):
     engine = LLM(qwen3_tiny, device="cpu", kvcache_block_size=BLOCK, num_kvcache_blocks=128, max_model_len=256)
     yield engine
     engine.exit()
-
-
-def greedy(**kwargs) -> SamplingParams:
-    return SamplingParams(**{"temperature": 0, "max_tokens": MAX_TOKENS, "ignore_eos": True, **kwargs})
 
 
 def tensors(batch: int, temperature: float, **kwargs) -> SamplingTensors:
@@ -135,11 +131,11 @@ def test_stop_token_ids_and_min_tokens(llm, qwen3_tiny):
     free = hf_greedy(qwen3_tiny, [prompt], MAX_TOKENS)[0]
     stop_id = free[4]
     first = free.index(stop_id)
-    (out,) = llm.generate([prompt], greedy(stop_token_ids=[stop_id]), use_tqdm=False)
+    (out,) = llm.generate([prompt], greedy(MAX_TOKENS, stop_token_ids=[stop_id]), use_tqdm=False)
     assert out["token_ids"] == free[:first + 1]
     assert (out["finish_reason"], out["stop_reason"]) == ("stop", stop_id)
     # min_tokens forbids the stop token until min_tokens tokens exist.
-    (late,) = llm.generate([prompt], greedy(stop_token_ids=[stop_id], min_tokens=first + 2), use_tqdm=False)
+    (late,) = llm.generate([prompt], greedy(MAX_TOKENS, stop_token_ids=[stop_id], min_tokens=first + 2), use_tqdm=False)
     assert stop_id not in late["token_ids"][:first + 2]
     assert late["token_ids"][:first] == free[:first]
     assert len(late["token_ids"]) >= first + 2
@@ -151,7 +147,7 @@ def test_eos_stop_reason_is_none(llm, qwen3_tiny):
     old = llm.stop_checker.eos
     llm.stop_checker.eos = free[3]
     try:
-        (out,) = llm.generate([prompt], greedy(ignore_eos=False), use_tqdm=False)
+        (out,) = llm.generate([prompt], greedy(MAX_TOKENS, ignore_eos=False), use_tqdm=False)
     finally:
         llm.stop_checker.eos = old
     assert out["token_ids"] == free[:free.index(free[3]) + 1]
@@ -179,8 +175,8 @@ def test_stop_string_spanning_tokens(llm, include):
 
 def test_logprobs_match_hf_log_softmax(llm, qwen3_tiny):
     prompts = random_prompts(200, [7, 20], seed=26)
-    params = [greedy(logprobs=5), SamplingParams(temperature=1.0, seed=3, max_tokens=MAX_TOKENS, ignore_eos=True,
-                                                 logprobs=2)]
+    params = [greedy(MAX_TOKENS, logprobs=5),
+              SamplingParams(temperature=1.0, seed=3, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=2)]
     outputs = llm.generate(prompts, params, use_tqdm=False)
     model = _hf_model(qwen3_tiny)
     for prompt, out, p in zip(prompts, outputs, params):
@@ -195,7 +191,7 @@ def test_logprobs_match_hf_log_softmax(llm, qwen3_tiny):
             top_values, top_ids = row.topk(p.logprobs)
             assert list(entry["top_logprobs"]) == top_ids.tolist()
             assert all(abs(a - b) < 1e-4 for a, b in zip(entry["top_logprobs"].values(), top_values.tolist()))
-    no_logprobs = llm.generate(prompts[:1], greedy(), use_tqdm=False)[0]
+    no_logprobs = llm.generate(prompts[:1], greedy(MAX_TOKENS), use_tqdm=False)[0]
     assert "logprobs" not in no_logprobs
 
 
@@ -226,7 +222,7 @@ def test_penalties_match_reference():
 
 def test_repetition_penalty_matches_hf_greedy(llm, qwen3_tiny):
     prompts = random_prompts(200, [6, 30], seed=27)
-    outputs = llm.generate(prompts, greedy(repetition_penalty=1.5), use_tqdm=False)
+    outputs = llm.generate(prompts, greedy(MAX_TOKENS, repetition_penalty=1.5), use_tqdm=False)
     model = _hf_model(qwen3_tiny)
     for prompt, out in zip(prompts, outputs):
         ids = torch.tensor([prompt])
@@ -258,7 +254,7 @@ def test_n_samples_share_the_prompt_blocks(llm):
                           use_tqdm=False)[0]
     assert samples[1]["token_ids"] == single["token_ids"]
     assert "outputs" not in single
-    (greedy_out,) = llm.generate([prompt], greedy(n=2), use_tqdm=False)
+    (greedy_out,) = llm.generate([prompt], greedy(MAX_TOKENS, n=2), use_tqdm=False)
     assert greedy_out["outputs"][0]["token_ids"] == greedy_out["outputs"][1]["token_ids"]
 
 
@@ -338,5 +334,5 @@ def test_invalid_field_is_named(field, value):
 
 def test_stop_token_outside_vocabulary_refused(llm):
     with pytest.raises(ValueError, match="stop_token_ids"):
-        llm.generate([[1, 2]], greedy(stop_token_ids=[10**7]), use_tqdm=False)
+        llm.generate([[1, 2]], greedy(MAX_TOKENS, stop_token_ids=[10**7]), use_tqdm=False)
     assert llm.is_finished()

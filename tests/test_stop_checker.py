@@ -53,7 +53,8 @@ def test_end_of_text_stops_with_no_stop_reason_unless_ignored():
     assert generate(sequence(), [10, 11, EOS, 12]) == (Finish("stop", None), 3)
     assert generate(sequence(ignore_eos=True, max_tokens=5), [EOS] * 8) == (Finish("length", None), 5)
     # A checkpoint without an end-of-text token (eos < 0): only the other rules end a sequence.
-    assert generate(sequence(max_tokens=4), [EOS, 5, 6, 8], StopChecker(-1, MAX_MODEL_LEN)) == (Finish("length", None), 4)
+    no_eos = StopChecker(-1, MAX_MODEL_LEN)
+    assert generate(sequence(max_tokens=4), [EOS, 5, 6, 8], no_eos) == (Finish("length", None), 4)
 
 
 def test_stop_token_ids_stop_with_the_token_as_reason():

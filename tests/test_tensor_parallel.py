@@ -19,7 +19,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from helpers import hf_greedy, random_prompts
+from helpers import greedy, hf_greedy, random_prompts
 from nanovllm import LLM, SamplingParams
 from nanovllm.engine.sequence import Sequence
 from nanovllm.runner import worker_group
@@ -35,10 +35,6 @@ BLOCK = 16
 MAX_TOKENS = 24
 # A dead worker must surface well within this (gloo reports a lost peer at once).
 FAILURE_DEADLINE_S = 15.0
-
-
-def greedy(max_tokens: int = MAX_TOKENS) -> SamplingParams:
-    return SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
 
 
 def engine(path: str, tp: int, **kwargs) -> LLM:
@@ -181,8 +177,8 @@ def test_tp2_equals_tp1_and_hf_with_prefix_hits_chunking_and_preemption(ckpt, re
     outputs = {}
     for tp in (1, 2):
         llm = engine(path, tp, **small)
-        first = llm.generate(prompts, greedy(), use_tqdm=False)
-        second = llm.generate(prompts, greedy(), use_tqdm=False)  # hits the blocks the first call cached
+        first = llm.generate(prompts, greedy(MAX_TOKENS), use_tqdm=False)
+        second = llm.generate(prompts, greedy(MAX_TOKENS), use_tqdm=False)  # hits the blocks the first call cached
         assert llm.scheduler.num_preemptions > 0
         assert sum(o["num_cached_tokens"] for o in first + second) > 0
         assert llm.block_manager.num_blocks == 14
@@ -314,12 +310,14 @@ def test_killed_worker_fails_generate_promptly(qwen3_tiny, monkeypatch):
     (pid,) = llm.model_runner.worker_pids
     prompts = random_prompts(200, [9, 30], seed=15)
     signal_worker_at_third_step(monkeypatch, pid, signal.SIGKILL)
-    error, seconds = call_with_deadline(lambda: llm.generate(prompts, greedy(), use_tqdm=False), FAILURE_DEADLINE_S)
+    error, seconds = call_with_deadline(lambda: llm.generate(prompts, greedy(MAX_TOKENS), use_tqdm=False),
+                                        FAILURE_DEADLINE_S)
     assert isinstance(error, TensorParallelError) and isinstance(error, RuntimeError), error
     assert f"worker rank 1 (pid {pid}) was killed by SIGKILL" in str(error)
     assert seconds < FAILURE_DEADLINE_S
     # The group stays stopped: later calls fail at once with the same cause; exit() still cleans up.
-    error, seconds = call_with_deadline(lambda: llm.generate(prompts, greedy(), use_tqdm=False), FAILURE_DEADLINE_S)
+    error, seconds = call_with_deadline(lambda: llm.generate(prompts, greedy(MAX_TOKENS), use_tqdm=False),
+                                        FAILURE_DEADLINE_S)
     assert isinstance(error, TensorParallelError) and "SIGKILL" in str(error) and seconds < 1
     _, seconds = call_with_deadline(llm.exit, FAILURE_DEADLINE_S)
     assert not dist.is_initialized()
@@ -353,7 +351,7 @@ def test_stopped_worker_is_reported_by_its_silence_and_killed(qwen3_tiny, monkey
     assert len(llm.generate(prompts, greedy(4), use_tqdm=False)) == 2  # healthy beats are not silence
     steps = signal_worker_at_third_step(monkeypatch, pid, signal.SIGSTOP)
     try:
-        error, _ = call_with_deadline(lambda: llm.generate(prompts, greedy(), use_tqdm=False),
+        error, _ = call_with_deadline(lambda: llm.generate(prompts, greedy(MAX_TOKENS), use_tqdm=False),
                                       HEARTBEAT_TIMEOUT_S + FAILURE_DEADLINE_S)
     finally:
         monkeypatch.undo()
@@ -363,7 +361,7 @@ def test_stopped_worker_is_reported_by_its_silence_and_killed(qwen3_tiny, monkey
     assert "tensor_parallel_heartbeat_timeout_s=3" in str(error)
     assert pid_ended(pid), "the stopped worker was left in place, not killed"
     # The group stays stopped; exit() frees the rest, and no thread or process of it is left.
-    error, _ = call_with_deadline(lambda: llm.generate(prompts, greedy(), use_tqdm=False), FAILURE_DEADLINE_S)
+    error, _ = call_with_deadline(lambda: llm.generate(prompts, greedy(MAX_TOKENS), use_tqdm=False), FAILURE_DEADLINE_S)
     assert isinstance(error, TensorParallelError) and "sent no heartbeat" in str(error)
     call_with_deadline(llm.exit, FAILURE_DEADLINE_S)
     assert pid_gone(pid)

@@ -9,12 +9,13 @@ import torch.nn.functional as F
 
 from nanovllm.attention.base import AttentionBackend
 from nanovllm.utils.context import AttentionMetadata
+from nanovllm.utils.math_utils import cdiv
 
 
 def gather_kv(cache: torch.Tensor, block_table: torch.Tensor, length: int) -> torch.Tensor:
     """The first `length` tokens of one sequence from the paged cache: [length, num_kv_heads, head_dim]."""
     block_size = cache.size(1)
-    blocks = block_table[:(length + block_size - 1) // block_size].long()
+    blocks = block_table[:cdiv(length, block_size)].long()
     return cache[blocks].flatten(0, 1)[:length]
 
 

@@ -55,7 +55,10 @@ class Request:
 
     @property
     def finished(self) -> bool:
-        return all(seq.is_finished for seq in self.seqs)
+        for seq in self.seqs:  # a loop, not all(...): generate() asks this of each request every step
+            if not seq.is_finished:
+                return False
+        return True
 
     def pop(self, tokenizer: PreTrainedTokenizerBase | None) -> RequestOutput:
         """The news since the last pop; once finished, with the final output."""

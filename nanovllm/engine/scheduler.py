@@ -103,6 +103,7 @@ class Scheduler:
         stop checker says are done. Returns the sequences that got a new token; the finished
         ones among them have their blocks freed and have left `running`."""
         bs = self.block_manager.block_size
+        check = self.stop_checker.check
         advanced = []
         for seq, token_id in zip(batch.seqs, token_ids):
             first_block = seq.num_computed_tokens // bs
@@ -117,7 +118,7 @@ class Scheduler:
                 seq.pending_siblings = []
             seq.append_token(token_id)
             advanced.append(seq)
-            finish = self.stop_checker.check(seq)
+            finish = check(seq)
             if finish is not None:
                 self.finish(seq, finish.finish_reason, finish.stop_reason)
         self.drop_finished()

@@ -6,6 +6,7 @@ preempted sequence can be recomputed from scratch with nothing stale left behind
 from enum import Enum, auto
 
 from nanovllm.sampling_params import SamplingParams
+from nanovllm.utils.math_utils import cdiv
 
 
 class SequenceStatus(Enum):
@@ -83,7 +84,7 @@ class Sequence:
     @property
     def num_blocks(self) -> int:
         """Blocks needed to hold the K/V of every token, including the one not yet computed."""
-        return (len(self.token_ids) + self.block_size - 1) // self.block_size
+        return cdiv(len(self.token_ids), self.block_size)
 
     def block(self, i: int) -> list[int]:
         assert 0 <= i < self.num_blocks

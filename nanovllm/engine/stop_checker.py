@@ -19,6 +19,7 @@ queues (the scheduler finishes the sequence and frees its blocks).
 from typing import NamedTuple
 
 from nanovllm.engine.sequence import Sequence
+from nanovllm.sampling_params import SamplingParams
 
 
 class Finish(NamedTuple):
@@ -26,17 +27,21 @@ class Finish(NamedTuple):
     stop_reason: int | str | None  # the stop token id or stop string; None at end-of-text and for "length"
 
 
-def below_min_tokens(seq: Sequence) -> bool:
+END_OF_TEXT = Finish("stop", None)
+LENGTH = Finish("length", None)
+
+
+def below_min_tokens(num_completion_tokens: int, params: SamplingParams) -> bool:
     """Fewer completion tokens than min_tokens: no stop rule but length may end the sequence yet."""
-    return seq.num_completion_tokens < seq.sampling_params.min_tokens
+    return num_completion_tokens < params.min_tokens
 
 
 def banned_token_ids(seq: Sequence, eos: int) -> list[int]:
     """The token ids the sampler must not pick as this sequence's next token: while it is below
     min_tokens, every token that would stop it (its stop tokens, and end-of-text unless ignored)."""
-    if not below_min_tokens(seq):
-        return []
     params = seq.sampling_params
+    if not below_min_tokens(seq.num_completion_tokens, params):
+        return []
     return [*params.stop_token_ids, *([] if params.ignore_eos or eos < 0 else [eos])]
 
 
@@ -47,23 +52,26 @@ class StopChecker:
         self.max_model_len = max_model_len
 
     def check(self, seq: Sequence) -> Finish | None:
-        """Apply the rules to a sequence whose newest token was just appended; None while it goes on."""
+        """Apply the rules to a sequence whose newest token was just appended; None while it goes on.
+        (It runs for every sequence in every step, so it reads the sequence's fields directly.)"""
         params = seq.sampling_params
-        token = seq.last_token
-        may_stop = not below_min_tokens(seq)
+        token_ids = seq.token_ids
+        token = token_ids[-1]
+        num_completion = len(token_ids) - seq.num_prompt_tokens
+        may_stop = not below_min_tokens(num_completion, params)
         stop = None
-        if may_stop and token in params.stop_token_ids:
-            stop = Finish("stop", token)
-        elif may_stop and token == self.eos and not params.ignore_eos:
-            stop = Finish("stop", None)
-        if seq.detokenizer is not None:
-            found = seq.detokenizer.add_token(token, check_stop=may_stop and stop is None)
+        if may_stop:
+            if token in params.stop_token_ids:
+                stop = Finish("stop", token)
+            elif token == self.eos and not params.ignore_eos:
+                stop = END_OF_TEXT
+        detokenizer = seq.detokenizer
+        if detokenizer is not None:
+            found = detokenizer.add_token(token, check_stop=may_stop and stop is None)
             if found is not None:
                 return Finish("stop", found)
-        else:
-            assert not params.stop_strings, "a sequence with stop strings needs a detokenizer to find them"
         if stop is not None:
             return stop
-        if seq.num_completion_tokens >= params.max_tokens or len(seq) >= self.max_model_len:
-            return Finish("length", None)
+        if num_completion >= params.max_tokens or len(token_ids) >= self.max_model_len:
+            return LENGTH
         return None

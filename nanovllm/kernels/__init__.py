@@ -25,6 +25,7 @@ INDEX_DTYPES = (torch.int32, torch.int64)
 MIN_DOT_SIZE = 16
 # Kernels keep [rows, head_dim] fp32 accumulators in registers; beyond 256 they would spill.
 MAX_HEAD_DIM = 256
+LOG2E = 1.4426950408889634  # softmax runs on exp2, so scores are pre-multiplied by log2(e)
 
 
 def next_power_of_2(n: int) -> int:

@@ -20,11 +20,10 @@ import torch
 import triton
 import triton.language as tl
 
-from nanovllm.kernels import INDEX_DTYPES, MIN_DOT_SIZE, SUPPORTED_DTYPES, check_head_dim, check_paged_cache, \
+from nanovllm.kernels import INDEX_DTYPES, LOG2E, MIN_DOT_SIZE, SUPPORTED_DTYPES, check_head_dim, check_paged_cache, \
     check_tensor, dot_precision, next_power_of_2, output_for, padded_head_dim
 from nanovllm.kernels.reductions import MAX, SUM, online_softmax_step
 
-LOG2E = 1.4426950408889634  # softmax runs on exp2, so scores are pre-multiplied by log2(e)
 # Splits multiply the programs so small batches fill the GPU; past this, the reduce and the
 # scratch cost more than the extra parallelism gains.
 MAX_SPLITS = 64

@@ -19,11 +19,9 @@ import torch
 import triton
 import triton.language as tl
 
-from nanovllm.kernels import INDEX_DTYPES, SUPPORTED_DTYPES, check_head_dim, check_paged_cache, check_tensor, \
-    dot_precision, next_power_of_2, output_for, padded_head_dim
+from nanovllm.kernels import INDEX_DTYPES, LOG2E, MIN_DOT_SIZE, SUPPORTED_DTYPES, check_head_dim, check_paged_cache, \
+    check_tensor, dot_precision, next_power_of_2, output_for, padded_head_dim
 from nanovllm.kernels.reductions import online_softmax_step
-
-LOG2E = 1.4426950408889634  # softmax runs on exp2, so scores are pre-multiplied by log2(e)
 
 
 class PrefillTiles(NamedTuple):
@@ -185,7 +183,8 @@ def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seql
     group = num_heads // num_kv_heads
     group_pad = next_power_of_2(group)
     block_q = max(1, tiles.block_m // group_pad)
-    assert block_q * group_pad >= 16 and tiles.block_n >= 16, f"tl.dot needs tiles >= 16, got {tiles}"
+    assert block_q * group_pad >= MIN_DOT_SIZE and tiles.block_n >= MIN_DOT_SIZE, \
+        f"tl.dot needs tiles >= {MIN_DOT_SIZE}, got {tiles}"
 
     grid = (total_q // block_q + batch, num_kv_heads)
     _prefill_kernel[grid](

@@ -8,7 +8,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from nanovllm.layers.linear import _copy_checked, _divide, _shard
+from nanovllm.layers.linear import _divide, _shard
+from nanovllm.utils.loader import copy_checked
 from nanovllm.utils.parallel import tp_rank, tp_size
 
 
@@ -24,7 +25,7 @@ class VocabParallelEmbedding(nn.Module):
         self.weight.weight_loader = self.weight_loader
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, name: str) -> None:
-        _copy_checked(param.data, _shard(loaded, 0, self.tp_rank, self.shard_size, self.tp_size, name), name)
+        copy_checked(param.data, _shard(loaded, 0, self.tp_rank, self.shard_size, self.tp_size, name), name)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.tp_size == 1:

@@ -10,13 +10,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from nanovllm.utils.loader import copy_checked
 from nanovllm.utils.parallel import tp_rank, tp_size
-
-
-def _copy_checked(dst: torch.Tensor, src: torch.Tensor, name: str) -> None:
-    if dst.shape != src.shape:
-        raise ValueError(f"checkpoint tensor {name} has shape {tuple(src.shape)}; expected {tuple(dst.shape)}")
-    dst.copy_(src)
 
 
 def _shard(loaded: torch.Tensor, dim: int, rank: int, size: int, world: int, name: str) -> torch.Tensor:
@@ -52,7 +47,7 @@ class LinearBase(nn.Module):
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, name: str) -> None:
         if self.tp_dim is not None:
             loaded = _shard(loaded, self.tp_dim, self.tp_rank, param.size(self.tp_dim), self.tp_size, name)
-        _copy_checked(param.data, loaded, name)
+        copy_checked(param.data, loaded, name)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return F.linear(x, self.weight, self.bias)
@@ -81,7 +76,7 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
         offset = sum(self.output_sizes[:shard_id]) // self.tp_size
         size = self.output_sizes[shard_id] // self.tp_size
         loaded = _shard(loaded, 0, self.tp_rank, size, self.tp_size, name)
-        _copy_checked(param.data.narrow(0, offset, size), loaded, name)
+        copy_checked(param.data.narrow(0, offset, size), loaded, name)
 
 
 class QKVParallelLinear(ColumnParallelLinear):
@@ -98,7 +93,7 @@ class QKVParallelLinear(ColumnParallelLinear):
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         offset, size = {"q": (0, q_size), "k": (q_size, kv_size), "v": (q_size + kv_size, kv_size)}[shard_id]
         loaded = _shard(loaded, 0, self.tp_rank, size, self.tp_size, name)
-        _copy_checked(param.data.narrow(0, offset, size), loaded, name)
+        copy_checked(param.data.narrow(0, offset, size), loaded, name)
 
 
 class RowParallelLinear(LinearBase):
@@ -108,7 +103,7 @@ class RowParallelLinear(LinearBase):
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, name: str) -> None:
         if param.dim() == 1:  # the bias is added once, on the reduced output: not split
-            _copy_checked(param.data, loaded, name)
+            copy_checked(param.data, loaded, name)
         else:
             super().weight_loader(param, loaded, name)
 

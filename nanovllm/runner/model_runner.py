@@ -31,6 +31,7 @@ from nanovllm.sampling_params import SamplingParams
 from nanovllm.utils.compile import compiling
 from nanovllm.utils.context import forward_context
 from nanovllm.utils.loader import load_model
+from nanovllm.utils.math_utils import cdiv
 from nanovllm.utils.parallel import tp_rank, tp_size
 
 logger = logging.getLogger("nanovllm")
@@ -127,7 +128,7 @@ class ModelRunner:
             for module in [*self.model.modules(), self.sampler]:
                 if isinstance(module, TRITON_LAYERS):
                     module.enable_triton()
-        self.max_blocks_per_seq = (config.max_model_len + self.block_size - 1) // self.block_size
+        self.max_blocks_per_seq = cdiv(config.max_model_len, self.block_size)
         load_s = lap()
         self.warmup_model()
         warmup_s = lap()

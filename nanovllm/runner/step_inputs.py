@@ -16,6 +16,7 @@ import torch
 
 from nanovllm.engine.sequence import Sequence
 from nanovllm.utils.context import AttentionMetadata
+from nanovllm.utils.math_utils import cdiv
 
 
 class StepMessage(NamedTuple):
@@ -67,7 +68,7 @@ def to_device(data: list, dtype: torch.dtype, device: torch.device) -> torch.Ten
 def token_slots(block_table: list[int], block_size: int, start: int, end: int) -> list[int]:
     """Flat cache slots (block_id * block_size + offset) of token positions start..end-1."""
     slots = []
-    for i in range(start // block_size, (end + block_size - 1) // block_size):
+    for i in range(start // block_size, cdiv(end, block_size)):
         base = block_table[i] * block_size
         slots.extend(range(base + max(start - i * block_size, 0), base + min(end - i * block_size, block_size)))
     return slots

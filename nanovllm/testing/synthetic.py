@@ -13,6 +13,8 @@ from torch import nn
 from transformers import (PretrainedConfig, PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM,
                           Qwen3Config, Qwen3ForCausalLM)
 
+from nanovllm.utils.math_utils import round_up
+
 EOS_TOKEN = "<|endoftext|>"  # Qwen's end of text; also its pad token
 SPECIAL_TOKENS = [EOS_TOKEN, "<|im_start|>", "<|im_end|>"]
 # The model's vocabulary is the tokenizer's rounded up to this, as real checkpoints pad it.
@@ -109,10 +111,6 @@ def _token_ids(path: str) -> tuple[int, int]:
     return tokenizer.get_vocab_size(with_added_tokens=True), tokenizer.token_to_id(EOS_TOKEN)
 
 
-def _round_up(n: int, multiple: int) -> int:
-    return -(-n // multiple) * multiple
-
-
 @torch.no_grad()
 def _randomize(model: nn.Module, std: float, seed: int) -> None:
     """Draw every parameter from a generator seeded with `seed` (torch's global RNG is left alone):
@@ -159,7 +157,7 @@ def build_checkpoint(path: str, arch: str = "qwen3", *, hidden_size: int = 64, i
     build_tokenizer(path)
     num_tokens, eos_id = _token_ids(path)
     if vocab_size is None:
-        vocab_size = _round_up(num_tokens, VOCAB_MULTIPLE)
+        vocab_size = round_up(num_tokens, VOCAB_MULTIPLE)
     if vocab_size < num_tokens:
         raise ValueError(f"vocab_size={vocab_size} is smaller than the tokenizer's {num_tokens} tokens")
     config = config_class(

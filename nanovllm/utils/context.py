@@ -1,7 +1,8 @@
 """The attention metadata of the forward pass in flight, scoped by a context manager.
 
-The model runner builds an `AttentionMetadata` per step and enters `forward_context(...)`
-around the model call; attention layers read it with `get_context()`. Nothing else does.
+The runner's step-input builders (runner/step_inputs.py, runner/decode_inputs.py) make an
+`AttentionMetadata` per step, and the model runner enters `forward_context(...)` around the
+model call (or a graph's capture); attention layers read it with `get_context()`. Nothing else does.
 """
 from contextlib import contextmanager
 from dataclasses import dataclass

@@ -14,10 +14,16 @@ from safetensors import SafetensorError, safe_open
 from torch import nn
 
 
+def copy_checked(dst: torch.Tensor, src: torch.Tensor, name: str) -> None:
+    """Copy checkpoint tensor `name` into `dst` (a parameter or this rank's slice of one), which
+    must have its shape: every weight loader ends here."""
+    if dst.shape != src.shape:
+        raise ValueError(f"checkpoint tensor {name} has shape {tuple(src.shape)}; expected {tuple(dst.shape)}")
+    dst.copy_(src)
+
+
 def _default_weight_loader(param: nn.Parameter, loaded: torch.Tensor, name: str) -> None:
-    if param.shape != loaded.shape:
-        raise ValueError(f"checkpoint tensor {name} has shape {tuple(loaded.shape)}; expected {tuple(param.shape)}")
-    param.data.copy_(loaded)
+    copy_checked(param.data, loaded, name)
 
 
 def _resolve(weight_name: str, packed: dict) -> tuple[str, object]:
