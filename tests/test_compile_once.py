@@ -14,7 +14,6 @@ general path. On a GPU the same checks run compiled, plus Triton's real kernel c
 import copy
 
 import pytest
-import torch
 
 pytest.importorskip("triton", reason="triton is not installed")
 
