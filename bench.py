@@ -152,6 +152,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--device", default="auto", choices=["auto", "cuda", "cpu"])
     parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "float16", "bfloat16"])
     parser.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
+    parser.add_argument("--fused-kernels", default="auto", choices=["auto", "triton", "torch"],
+                        help="Config.fused_kernels: the small layer functions and the sampler as Triton kernels or torch")
     parser.add_argument("--max-model-len", type=int, default=4096)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json-out", help="also write the result JSON to this file")
@@ -341,7 +343,7 @@ def main() -> None:
         path, model_name = synthetic_checkpoint(choice.synthetic, args.workdir)
     startup_begin = time.perf_counter()
     llm = LLM(path, device=args.device, dtype=args.dtype, enforce_eager=args.enforce_eager,
-              max_model_len=args.max_model_len)
+              fused_kernels=args.fused_kernels, max_model_len=args.max_model_len)
     startup_s = time.perf_counter() - startup_begin
     device = llm.config.device
     if 2 * max_len > llm.config.max_model_len:  # input + output must fit, or outputs get cut short
