@@ -160,7 +160,7 @@ def test_qk_norm_rope_store_matches_torch(dtype, num_heads, num_kv_heads, head_d
     flat = (-1, num_kv_heads, head_dim)
     assert_close(k_cache.view(flat)[written], k_cache_ref.view(flat)[written], dtype)
     torch.testing.assert_close(v_cache.view(flat)[written], v.view(flat)[slot_mapping >= 0], rtol=0, atol=0)
-    # The cache holds exactly what the kernel wrote to the queue: the k it returned in place.
+    # The cache holds exactly the rotated k the kernel left in place.
     torch.testing.assert_close(k_cache.view(flat)[written], k[slot_mapping >= 0], rtol=0, atol=0)
     untouched = torch.ones(num_blocks * block_size, dtype=torch.bool, device=DEVICE)
     untouched[written] = False
