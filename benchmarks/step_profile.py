@@ -10,10 +10,12 @@ state (its prompts hit the prefix cache). Every engine step is cut into
 - sampler: the sampling inputs built on the host, the sampling kernels, the tokens back on the host,
 - host: the rest of the step (scheduling, postprocessing, output routing),
 each part ended by a device synchronisation, so the parts add up to the step and the instrumented
-run is somewhat slower than bench.py's. Printed per run: prefill time and tokens; decode time by
-batch-size bucket in milliseconds per step for each part; the KV cache bytes decode read over its
-model passes as bandwidth, against the device-to-device copy bandwidth measured here (the floor:
-KV bytes / copy bandwidth). Start-up times first; one JSON line last.
+run is somewhat slower than bench.py's. Printed per run: prefill time and tokens; mixed steps
+(prompt chunks beside the running sequences' decode rows, what the default "mixed" scheduling
+policy runs while prompts arrive); pure decode time by batch-size bucket in milliseconds per step
+for each part; the KV cache bytes pure decode steps read over their model passes as bandwidth,
+against the device-to-device copy bandwidth measured here (the floor: KV bytes / copy bandwidth).
+Start-up times first; one JSON line last.
 
 Run from the repository root: python benchmarks/step_profile.py [--synthetic qwen3-0.6b] [--num-seqs N] ...
 """
@@ -32,6 +34,7 @@ sys.path.insert(0, REPO)  # run as a script: nanovllm and bench.py from this che
 
 import bench  # noqa: E402  (the workload, the model choice)
 from nanovllm import LLM, SamplingParams  # noqa: E402
+from nanovllm.engine.scheduler import SCHEDULING_POLICIES  # noqa: E402
 from nanovllm.runner.model_runner import ModelRunner  # noqa: E402
 from nanovllm.runner.step_inputs import StepMessage  # noqa: E402
 
@@ -42,10 +45,14 @@ COPY_REPEATS = 20
 TB = 1e12
 
 
+PREFILL, MIXED, DECODE = "prefill", "mixed", "decode"
+
+
 class StepRecord(NamedTuple):
-    is_prefill: bool
+    kind: str  # PREFILL (prompts only), MIXED (prompt chunks beside decode rows: the default policy) or DECODE
     num_seqs: int
     num_tokens: int  # tokens the forward pass computed
+    decode_rows: int  # sequences that computed their one newest token (all of a decode step's)
     context_tokens: int  # decode: tokens of KV cache the step's attention read (every sequence's length)
     model_s: float
     lmhead_s: float
@@ -69,12 +76,22 @@ class StepProfiler:
         self._device = runner.device
         self._current: dict = {}
         forward, lm_head, sample, step = runner._forward, runner.model.compute_logits, runner.sample, llm._step
+        schedule = llm.scheduler.schedule
+
+        def counted_schedule():
+            batch = schedule()
+            self._current["num_prefill_seqs"] = batch.num_prefill_seqs
+            return batch
 
         def timed_forward(message: StepMessage):
-            self._current.update(is_prefill=message.is_prefill, num_seqs=message.num_seqs,
-                                 num_tokens=len(message.token_ids),
-                                 context_tokens=0 if message.is_prefill else sum(message.lengths))
+            decode_rows = message.num_seqs - self._current.pop("num_prefill_seqs")
+            kind = DECODE if not message.is_prefill else MIXED if decode_rows else PREFILL
+            self._current.update(kind=kind, num_seqs=message.num_seqs, num_tokens=len(message.token_ids),
+                                 decode_rows=decode_rows,
+                                 context_tokens=sum(message.lengths) if kind == DECODE else 0)
             return self._time("model_s", forward, message)
+
+        llm.scheduler.schedule = counted_schedule
 
         runner._forward = timed_forward
         runner.model.compute_logits = lambda hidden_states: self._time("lmhead_s", lm_head, hidden_states)
@@ -83,7 +100,7 @@ class StepProfiler:
         def timed_step():
             self._current = {"model_s": 0.0, "lmhead_s": 0.0, "sampler_s": 0.0}
             out = self._time("step_s", step)
-            if "is_prefill" in self._current:  # not an idle step
+            if "kind" in self._current:  # not an idle step
                 self.records.append(StepRecord(**self._current))
             return out
 
@@ -113,9 +130,10 @@ def bucket_of(batch: int) -> str:
 
 def summarize(records: list[StepRecord], kv_bytes_per_token: int, copy_bytes_per_s: float,
               output_tokens: int, wall_s: float) -> dict:
-    """A run's numbers: totals, prefill, decode by batch bucket, KV bandwidth and its floor."""
-    prefill = [r for r in records if r.is_prefill]
-    decode = [r for r in records if not r.is_prefill]
+    """A run's numbers: totals, prefill, mixed steps, decode by batch bucket, KV bandwidth and its floor."""
+    prefill = [r for r in records if r.kind == PREFILL]
+    mixed = [r for r in records if r.kind == MIXED]
+    decode = [r for r in records if r.kind == DECODE]
     kv_bytes = sum(r.context_tokens for r in decode) * kv_bytes_per_token
     decode_model_s = sum(r.model_s for r in decode)
     buckets = {}
@@ -145,6 +163,10 @@ def summarize(records: list[StepRecord], kv_bytes_per_token: int, copy_bytes_per
         "prefill_steps": len(prefill),
         "prefill_tokens": sum(r.num_tokens for r in prefill),
         "prefill_s": round(sum(r.step_s for r in prefill), 3),
+        "mixed_steps": len(mixed),
+        "mixed_prompt_tokens": sum(r.num_tokens - r.decode_rows for r in mixed),
+        "mixed_decode_rows": sum(r.decode_rows for r in mixed),
+        "mixed_s": round(sum(r.step_s for r in mixed), 3),
         "decode_steps": len(decode),
         "decode_s": round(sum(r.step_s for r in decode), 3),
         "model_s": round(decode_model_s, 3),
@@ -163,6 +185,8 @@ def print_run(tag: str, s: dict, copy_bytes_per_s: float) -> None:
     print(f"steps {s['steps']}: {s['step_s']:.2f} s in steps, of which host (schedule, postprocess) "
           f"{s['host_s']:.2f} s; outside steps {s['outside_steps_s']:.2f} s")
     print(f"prefill: {s['prefill_steps']} steps, {s['prefill_tokens']} tokens, {s['prefill_s']:.2f} s")
+    print(f"mixed: {s['mixed_steps']} steps, {s['mixed_prompt_tokens']} prompt tokens beside "
+          f"{s['mixed_decode_rows']} decode rows, {s['mixed_s']:.2f} s")
     print(f"decode: {s['decode_steps']} steps, {s['decode_s']:.2f} s (model {s['model_s']:.2f} s, lm head "
           f"{s['lmhead_s']:.2f} s, sampler {s['sampler_s']:.2f} s); KV read {s['kv_read_tb']:.2f} TB -> "
           f"{s['kv_tb_per_s']:.2f} TB/s over the model passes; floor at {copy_bytes_per_s / TB:.2f} TB/s copy = "
@@ -194,7 +218,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     source = parser.add_mutually_exclusive_group()
     source.add_argument("--model", help="local checkpoint directory (default: as bench.py)")
-    source.add_argument("--synthetic", choices=list(bench.SYNTHETIC), help="a random-weight checkpoint (built once)")
+    source.add_argument("--synthetic", choices=list(bench.SYNTHETIC_KINDS),
+                        help="a random-weight checkpoint (built once)")
     parser.add_argument("--workdir", default="./checkpoints/", help="where --synthetic checkpoints are cached")
     parser.add_argument("--num-seqs", type=int, default=bench.GPU_NUM_SEQS)
     parser.add_argument("--min-len", type=int, default=bench.GPU_MIN_LEN)
@@ -203,6 +228,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
     parser.add_argument("--fused-kernels", default="auto", choices=["auto", "triton", "torch"])
     parser.add_argument("--max-model-len", type=int, default=4096)
+    parser.add_argument("--scheduling-policy", choices=list(SCHEDULING_POLICIES),
+                        help="the engine's scheduling_policy (default: the engine's default)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json-out", help="also write the result JSON to this file")
     return parser.parse_args(argv)
@@ -216,15 +243,19 @@ def main() -> None:
     if os.environ.get("TRITON_INTERPRET") == "1":
         sys.exit("unset TRITON_INTERPRET: the interpreter runs Triton kernels on the CPU")
     choice = bench.choose_model(args.model, args.synthetic, on_cpu=False)
-    path, model_name = (choice.path, os.path.basename(os.path.normpath(choice.path))) if choice.path \
-        else bench.synthetic_checkpoint(choice.synthetic, args.workdir)
+    if choice.path is not None:
+        path, model_name = choice.path, os.path.basename(os.path.normpath(choice.path))
+    else:
+        synthetic = bench.synthetic_model(choice.synthetic, on_cpu=False)
+        path, model_name = bench.synthetic_checkpoint(synthetic, args.workdir), synthetic.name
     print(f"step_profile: model {model_name} ({choice.reason}); workload {args.num_seqs} seqs of "
           f"{args.min_len}..{args.max_len} tokens in and out", flush=True)
 
     # 1. Start-up, timed, and the engine's own parts of it.
     start = time.perf_counter()
+    scheduling = {} if args.scheduling_policy is None else {"scheduling_policy": args.scheduling_policy}
     llm = LLM(path, device="cuda", dtype=args.dtype, enforce_eager=args.enforce_eager,
-              fused_kernels=args.fused_kernels, max_model_len=args.max_model_len)
+              fused_kernels=args.fused_kernels, max_model_len=args.max_model_len, **scheduling)
     startup_s = time.perf_counter() - start
     parts = llm.model_runner.startup
     print(f"start-up {startup_s:.1f} s: " + ", ".join(f"{k.removesuffix('_s')} {v:.1f} s"
@@ -254,6 +285,7 @@ def main() -> None:
         "device_name": torch.cuda.get_device_name(), "torch": torch.__version__, "model": model_name,
         "dtype": str(config.dtype).removeprefix("torch."), "attention_backend": llm.attention_backend,
         "fused_kernels": config.fused_kernels, "compile_mode": config.compile_mode,
+        "scheduling_policy": config.scheduling_policy,
         "enforce_eager": args.enforce_eager, "num_seqs": args.num_seqs, "len_range": [args.min_len, args.max_len],
         "seed": args.seed, "copy_tb_per_s": round(copy_bytes_per_s / TB, 3), "startup_s": round(startup_s, 2),
         "startup_parts_s": {k.removesuffix("_s"): round(v, 2) for k, v in parts._asdict().items()},

@@ -37,15 +37,18 @@ def test_every_step_is_recorded_and_split(step_profile, qwen3_tiny):
     outputs = llm.generate(prompts, params, use_tqdm=False)
     llm.exit()
     records = profiler.records
-    prefill = [r for r in records if r.is_prefill]
-    decode = [r for r in records if not r.is_prefill]
+    prefill = [r for r in records if r.kind == step_profile.PREFILL]
+    mixed = [r for r in records if r.kind == step_profile.MIXED]
+    decode = [r for r in records if r.kind == step_profile.DECODE]
     # Every prompt token was prefilled once (random prompts share no cached block), over several
-    # chunked steps of at most 64 tokens; every output token after the first came from a decode step.
-    assert sum(r.num_tokens for r in prefill) == sum(map(len, prompts)) and len(prefill) > 1
-    assert all(r.num_tokens <= 64 for r in prefill)
-    assert sum(r.num_seqs for r in decode) == sum(len(o["token_ids"]) - 1 for o in outputs)
+    # chunked steps of at most 64 tokens, some beside decode rows (the mixed policy); every output
+    # token after the first came from a decode row, in a decode step or a mixed one.
+    assert sum(r.num_tokens - r.decode_rows for r in prefill + mixed) == sum(map(len, prompts))
+    assert prefill and mixed and all(r.num_tokens <= 64 for r in prefill + mixed)
+    assert all(r.decode_rows == 0 for r in prefill) and all(0 < r.decode_rows < r.num_seqs for r in mixed)
+    assert sum(r.decode_rows for r in decode + mixed) == sum(len(o["token_ids"]) - 1 for o in outputs)
     for r in decode:
-        assert r.num_tokens == r.num_seqs and r.context_tokens > r.num_seqs
+        assert r.num_tokens == r.num_seqs == r.decode_rows and r.context_tokens > r.num_seqs
     for r in records:
         assert min(r.model_s, r.lmhead_s, r.sampler_s) >= 0 and r.host_s >= 0
         assert r.model_s + r.lmhead_s + r.sampler_s <= r.step_s
@@ -53,6 +56,7 @@ def test_every_step_is_recorded_and_split(step_profile, qwen3_tiny):
     summary = step_profile.summarize(records, kv_bytes_per_token=1000, copy_bytes_per_s=1e9,
                                      output_tokens=sum(p.max_tokens for p in params), wall_s=10.0)
     assert summary["decode_steps"] == len(decode) and summary["prefill_steps"] == len(prefill)
+    assert summary["mixed_steps"] == len(mixed) and summary["mixed_decode_rows"] == sum(r.decode_rows for r in mixed)
     assert sum(b["steps"] for b in summary["decode_buckets"]) == len(decode)
     assert summary["kv_read_tb"] == pytest.approx(sum(r.context_tokens for r in decode) * 1000 / 1e12, abs=1e-4)
     assert summary["kv_floor_s"] == pytest.approx(sum(r.context_tokens for r in decode) * 1000 / 1e9, abs=1e-3)
