@@ -5,18 +5,23 @@ One engine on the Triton path (attention backend "triton", fused_kernels "triton
 launch is recorded with its specialisation key, the key Triton's kernel cache is keyed by
 (nanovllm/testing/kernel_launches.py; without a GPU the kernels run under TRITON_INTERPRET=1,
 which has no cache, but the keys are Triton's own). Then generate() runs what start-up never saw:
-batch sizes 3 to 6, a chunked prefill, prefix-cache hits, every sampling option, contexts long
-enough for decode to split them. Every key launched then must be one start-up launched, and
-dynamo's counters must not move. The same run's greedy outputs must equal HF transformers', and
-a seeded request must draw the same tokens alone as beside requests that take the sampler's
-general path. On a GPU the same checks run compiled, plus Triton's real kernel caches.
+batch sizes 3 to 6, mixed steps (decode rows beside prefill chunks: the default scheduling
+policy), a chunked prefill, prefix-cache hits, every sampling option, priorities, swap preemption
+under a small cache, contexts long enough for decode to split them. Every key launched then must
+be one start-up launched, and dynamo's counters must not move. The same run's greedy outputs must
+equal HF transformers', and a seeded request must draw the same tokens alone as beside requests
+that take the sampler's general path (and after being swapped out and in). On a GPU the same
+checks run compiled, plus Triton's real kernel caches. The other model families (Llama, GPT-2,
+Qwen3-MoE through the fused MoE kernel) get the same launch check and HF parity on a shorter run.
 """
 import copy
 
 import pytest
+import torch
 
 pytest.importorskip("triton", reason="triton is not installed")
 
+import nanovllm.layers.fused_moe as fused_moe_layer  # noqa: E402
 from helpers import EVERY_DEVICE, GPU_ONLY, hf_greedy, random_prompts  # noqa: E402
 from nanovllm import LLM, SamplingParams  # noqa: E402
 from nanovllm.kernels import decode_attention  # noqa: E402
@@ -52,12 +57,14 @@ def kernel_cache_sizes(kernels: dict) -> dict[str, int]:
 def run(request, qwen3_tiny):
     device, eager = request.param
     kernels = triton_kernels()
-    prompts = random_prompts(200, [40, 9, 17, 33, 20], seed=60)
+    # Lengths at block ends (47, 31, 32, 15): the second call's rows all need a new block at once.
+    prompts = random_prompts(200, [47, 9, 31, 32, 15], seed=60)
     long, short, mid, other, seeded = prompts
-    # max_num_batched_tokens=32 chunks the 40-token prompt's prefill.
+    # max_num_batched_tokens=32 chunks the 47-token prompt's prefill; 8 blocks hold the first call
+    # but not the second, whose lower-priority rows are swapped out.
     config = dict(device=device, enforce_eager=eager, attention_backend="triton", fused_kernels="triton",
-                  compile_mode="on", kvcache_block_size=BLOCK, num_kvcache_blocks=64, max_num_seqs=8,
-                  max_num_batched_tokens=32, max_model_len=128)
+                  compile_mode="on", kvcache_block_size=BLOCK, num_kvcache_blocks=8, max_num_seqs=8,
+                  max_num_batched_tokens=32, max_model_len=128, preemption_mode="swap", swap_space=0.01)
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(decode_attention, "MIN_TOKENS_PER_SPLIT", TOKENS_PER_SPLIT)
         dynamo_before = dynamo_counts()
@@ -68,13 +75,15 @@ def run(request, qwen3_tiny):
             first = llm.generate([long, short, mid], GREEDY, use_tqdm=False)  # batch 3, chunked prefill
             # Prefix hits (the long prompt again, its first blocks cached), a seeded row beside general-path
             # rows (n = 2), a new batch size.
-            second = llm.generate([long, seeded, other, mid], [GREEDY, SEEDED, GENERAL, GREEDY], use_tqdm=False)
+            second = llm.generate([long, seeded, other, mid], [GREEDY, SEEDED, GENERAL, GREEDY], use_tqdm=False,
+                                  priority=[0, 2, 1, 0])
+            stats = llm.stats()
             alone = llm.generate([seeded], SEEDED, use_tqdm=False)
             caches_after = kernel_cache_sizes(kernels)
         llm.exit()
     return dict(prompts=prompts, first=first, second=second, alone=alone, launches=launches, at_start=at_start,
                 dynamo_before=dynamo_before, dynamo_after=dynamo_counts(), caches=(caches_at_start, caches_after),
-                kernels=kernels)
+                kernels=kernels, stats=stats)
 
 
 def test_no_kernel_variant_is_new_after_start_up(run):
@@ -94,6 +103,12 @@ def test_no_kernel_variant_is_new_after_start_up(run):
 
 def test_nothing_goes_through_torch_compile(run):
     assert run["dynamo_after"] == run["dynamo_before"]
+
+
+def test_the_run_had_mixed_steps_and_swaps(run):
+    """What the launch check above is about really happened inside generate()."""
+    stats = run["stats"]
+    assert stats.mixed_steps > 0 and stats.preemptions_swap > 0 and stats.swap_ins > 0
 
 
 def test_greedy_outputs_equal_hf(run, qwen3_tiny):
@@ -140,3 +155,37 @@ def test_warmup_decode_shapes_cover_every_split_count(num_kv_heads, block_size, 
     reachable = {decode_attention.choose_num_splits(b, num_kv_heads, w, block_size, sms)
                  for b in range(1, max_batch + 1) for w in range(1, max_blocks + 1)}
     assert reachable == set(shapes)
+
+
+FAMILY_PROMPTS = random_prompts(200, [20, 30], seed=62)
+FAMILY_TOKENS = 3
+FAMILY_GREEDY = SamplingParams(temperature=0, max_tokens=FAMILY_TOKENS, ignore_eos=True)
+
+
+@pytest.mark.parametrize("ckpt", ["llama_tiny", "gpt2_tiny", "qwen3_moe_tiny"])
+def test_every_family_on_the_fused_kernels_compiles_nothing_after_start_up(ckpt, request, monkeypatch):
+    """Llama (llama3 rope through the fused q/k kernel), GPT-2 (LayerNorm, GELU and learned
+    positions stay torch's; the Triton sampler and attention) and Qwen3-MoE (the fused MoE kernel,
+    which runs only on CUDA unless told otherwise): a chunked prefill beside decode rows (mixed
+    steps, paged attention like a prefix hit's) launches no kernel variant start-up did not, and
+    the greedy tokens are HF's. Eager, in float32, on the device there is."""
+    path = request.getfixturevalue(ckpt)
+    monkeypatch.setattr(fused_moe_layer, "use_fused_kernel", lambda x: True)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    kernels = triton_kernels()
+    with recording(kernels) as launches:
+        llm = LLM(path, device=device, dtype="float32", enforce_eager=True, attention_backend="triton",
+                  fused_kernels="triton", kvcache_block_size=BLOCK, num_kvcache_blocks=16, max_num_batched_tokens=24,
+                  max_model_len=128)
+        at_start = len(launches)
+        outputs = llm.generate(FAMILY_PROMPTS, FAMILY_GREEDY, use_tqdm=False)  # chunked, decode rows beside
+        mixed_steps = llm.stats().mixed_steps
+        llm.exit()
+    start_keys = set(launches[:at_start])
+    new = sorted({launch.kernel for launch in launches[at_start:] if launch not in start_keys})
+    assert not new, f"these kernels compiled a new variant inside generate(): {new}"
+    launched = {launch.kernel for launch in launches[at_start:]}
+    assert ("fused_moe._grouped_gemm_kernel" in launched) == (ckpt == "qwen3_moe_tiny")
+    assert ("qk_norm_rope._qk_norm_rope_store_kernel" in launched) == (ckpt != "gpt2_tiny")
+    assert mixed_steps > 0
+    assert [o["token_ids"] for o in outputs] == hf_greedy(path, FAMILY_PROMPTS, FAMILY_TOKENS)
