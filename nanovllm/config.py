@@ -83,8 +83,9 @@ class Config:
     # The small layer functions (residual add + RMSNorm, q/k norm + rotary + KV store, SiLU-and-mul)
     # and the sampler's race as Triton kernels (nanovllm/kernels/), or as the torch functions:
     # "auto" = "triton" on CUDA when triton is installed, else "torch". "triton" without CUDA needs
-    # TRITON_INTERPRET=1 (tests). The Triton path compiles nothing with torch.compile, whatever
-    # compile_mode says. Resolved to "triton" or "torch" when the Config is made.
+    # TRITON_INTERPRET=1 (tests). On Llama, Qwen2/3 and Qwen3-MoE the Triton path calls no
+    # torch.compile'd function, whatever compile_mode says; GPT-2's LayerNorm and GELU stay torch's.
+    # Resolved to "triton" or "torch" when the Config is made.
     fused_kernels: str = "auto"
     # Read from the checkpoint, not settings:
     hf_config: PretrainedConfig = field(init=False, repr=False)

@@ -5,7 +5,10 @@ which integer arguments equal 1 or divide by 16), torch.compile at a call that f
 The model runner's first forward pass runs before the KV cache exists, and the CUDA-graph capture
 covers only decode with graphs on; with the cache allocated, this launches what they miss:
 1. prefill steps over a cached prefix (paged attention, the variants that store K/V), of one and
-   of two sequences;
+   of two sequences: one new token over a cached one is also how a mixed step's decode rows reach
+   the varlen kernels (the default scheduling policy's steps), and a handful of (token, expert)
+   pairs is the fused MoE kernel's small-tile variant (its large tiles are the first forward
+   pass's full-size prefill);
 2. sampling from their logits on both sampler paths: the common one (the race over the logits in
    the model's dtype) and the general one (filters, penalties and logprobs over float32 logits);
 3. without CUDA graphs, eager decode steps of padding rows at every (batch, block-table width)
@@ -13,7 +16,8 @@ covers only decode with graphs on; with the cache allocated, this launches what 
    on at batch 1 and 2 too (dynamo specialises size 1; Triton kernels take batch sizes as the grid
    or as arguments excluded from specialisation).
 The prefills write K/V for one token into block 0, which no sequence owns yet (every block is
-written before anything reads it). It knows the runner's parts and nothing of scheduling.
+written before anything reads it). Swaps copy blocks with torch indexing and compile nothing. It
+knows the runner's parts and nothing of scheduling.
 """
 import dataclasses
 
