@@ -136,6 +136,15 @@ def make_workload(num_seqs: int, min_len: int, max_len: int, vocab_size: int,
     return prompts, sampling_params
 
 
+def print_json_line(result: dict, json_out: str | None) -> None:
+    """The result as one JSON line, printed last (and written to `json_out` when given)."""
+    line = json.dumps(result)
+    if json_out:
+        with open(json_out, "w") as f:
+            f.write(line + "\n")
+    print(line)
+
+
 def device_name(device: str) -> str:
     if device == "cuda":
         return torch.cuda.get_device_name()
@@ -551,11 +560,7 @@ def main() -> None:
     width = max(len(k) for k, _ in rows)
     for key, value in rows:
         print(f"{key:<{width}}  {value}")
-    line = json.dumps(result)
-    if args.json_out:
-        with open(args.json_out, "w") as f:
-            f.write(line + "\n")
-    print(line)
+    print_json_line(result, args.json_out)
 
 
 if __name__ == "__main__":

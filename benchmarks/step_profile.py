@@ -21,7 +21,6 @@ Run from the repository root: python benchmarks/step_profile.py [--synthetic qwe
 """
 import argparse
 import datetime
-import json
 import os
 import sys
 import time
@@ -291,11 +290,7 @@ def main() -> None:
         "startup_parts_s": {k.removesuffix("_s"): round(v, 2) for k, v in parts._asdict().items()},
         "runs": list(runs.values()),
     }
-    line = json.dumps(result)
-    if args.json_out:
-        with open(args.json_out, "w") as f:
-            f.write(line + "\n")
-    print(line)
+    bench.print_json_line(result, args.json_out)
 
 
 if __name__ == "__main__":

@@ -27,7 +27,7 @@ from nanovllm.kernels.rms_norm import _rms_norm_kernel, rms_norm  # noqa: E402
 from nanovllm.kernels.sampling import sample_tokens  # noqa: E402
 from nanovllm.kernels.silu_mul import silu_and_mul  # noqa: E402
 from nanovllm.layers import activation, layernorm, sampler  # noqa: E402
-from nanovllm.layers.rotary_embedding import RotaryEmbedding, rotate_qk  # noqa: E402
+from nanovllm.layers.rotary_embedding import RopeConfig, RotaryEmbedding, rotate_qk  # noqa: E402
 
 INTERPRET = isinstance(_rms_norm_kernel, InterpretedFunction)
 if not INTERPRET and not torch.cuda.is_available():
@@ -132,7 +132,7 @@ def test_qk_norm_rope_store_matches_torch(dtype, num_heads, num_kv_heads, head_d
     gen = torch.Generator().manual_seed(num_heads * 100 + head_dim + num_tokens)
     max_position, block_size, num_blocks = 512, 16, 5
     q, k, v = qkv_views(num_tokens, num_heads, num_kv_heads, head_dim, dtype, gen)
-    rotary = RotaryEmbedding(head_dim, max_position, 10000.0).to(DEVICE)
+    rotary = RotaryEmbedding(head_dim, max_position, RopeConfig(10000.0, "default", {})).to(DEVICE)
     positions = torch.randint(0, max_position, (num_tokens,), generator=gen).to(DEVICE)
     slots = torch.randperm(num_blocks * block_size, generator=gen)[:num_tokens]
     slots[::3] = -1  # padding rows store nothing
@@ -170,7 +170,7 @@ def test_qk_norm_rope_store_matches_torch(dtype, num_heads, num_kv_heads, head_d
 def test_qk_norm_rope_without_cache_only_rotates():
     gen = torch.Generator().manual_seed(3)
     q, k, v = qkv_views(5, 4, 2, 16, torch.float32, gen)
-    rotary = RotaryEmbedding(16, 64, 10000.0).to(DEVICE)
+    rotary = RotaryEmbedding(16, 64, RopeConfig(10000.0, "default", {})).to(DEVICE)
     positions = torch.arange(5, device=DEVICE)
     q_ref, k_ref = rotate_qk(positions, q, k, rotary.cos_sin_cache)
     qk_norm_rope_store(q, k, v, positions, rotary.cos_sin_cache)
@@ -181,7 +181,7 @@ def test_qk_norm_rope_without_cache_only_rotates():
 def test_qk_norm_rope_rejects_bad_inputs():
     gen = torch.Generator().manual_seed(4)
     q, k, v = qkv_views(3, 4, 2, 16, torch.float32, gen)
-    cos_sin = RotaryEmbedding(16, 64, 10000.0).cos_sin_cache.to(DEVICE)
+    cos_sin = RotaryEmbedding(16, 64, RopeConfig(10000.0, "default", {})).cos_sin_cache.to(DEVICE)
     positions = torch.arange(3, device=DEVICE)
     w = torch.ones(16, device=DEVICE)
     with pytest.raises(ValueError, match="together"):
@@ -341,7 +341,7 @@ def test_bf16_kernels_on_gpu():
     y = randn(rows, 2 * 3072, dtype=dtype, gen=gen, scale=3.0)
     assert_close(silu_and_mul(y), activation.silu_and_mul(y), dtype)
     q, k, v = qkv_views(rows, 16, 8, 128, dtype, gen)
-    rotary = RotaryEmbedding(128, 4096, 1e6).to(DEVICE)
+    rotary = RotaryEmbedding(128, 4096, RopeConfig(1e6, "default", {})).to(DEVICE)
     positions = torch.randint(0, 4096, (rows,), generator=gen).to(DEVICE)
     wq, wk = w[:128].clone(), w[128:256].clone()
     q_ref, k_ref = rotate_qk(positions, layernorm.rms_norm(q, wq, EPS), layernorm.rms_norm(k, wk, EPS),

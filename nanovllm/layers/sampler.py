@@ -121,12 +121,7 @@ class Sampler(nn.Module):
         # logits: [batch, vocab]
         if self.race_kernel is not None:
             return self._forward_triton(logits, t)
-        logits = logits.float()
-        raw_logits = logits
-        if t.penalties is not None:
-            logits = apply_penalties(logits, *t.penalties)
-        if t.banned is not None:
-            logits = logits.index_put((t.banned[0], t.banned[1]), torch.full((), float("-inf"), device=logits.device))
+        raw_logits, logits = self._penalised(logits, t)
         tokens = logits.argmax(dim=-1)
         if not t.all_greedy:
             tokens = torch.where(t.temperatures > 0, self._sample(logits, t), tokens)
@@ -141,12 +136,7 @@ class Sampler(nn.Module):
         # Filters in torch as above (no torch.compile: nothing may compile after start-up), then
         # the kernel races the filtered logits: already scaled for sampled rows (temperature 1
         # divides exactly), raw for greedy ones (temperature 0: argmax).
-        logits = logits.float()
-        raw_logits = logits
-        if t.penalties is not None:
-            logits = apply_penalties(logits, *t.penalties)
-        if t.banned is not None:
-            logits = logits.index_put((t.banned[0], t.banned[1]), torch.full((), float("-inf"), device=logits.device))
+        raw_logits, logits = self._penalised(logits, t)
         temperatures = t.temperatures
         if not t.all_greedy:
             sampled = t.temperatures > 0
@@ -159,6 +149,17 @@ class Sampler(nn.Module):
             temperatures = sampled.float()
         tokens = self.race_kernel(logits, temperatures, seeds, counters)
         return SamplerOutput(tokens.tolist(), self._logprobs(raw_logits, tokens, t.num_logprobs))
+
+    @staticmethod
+    def _penalised(logits: torch.Tensor, t: SamplingTensors) -> tuple[torch.Tensor, torch.Tensor]:
+        """The logits in float32 (logprobs are taken from these), and the same after the penalties
+        and min_tokens bans (what the argmax and the draw see)."""
+        raw_logits = logits = logits.float()
+        if t.penalties is not None:
+            logits = apply_penalties(logits, *t.penalties)
+        if t.banned is not None:
+            logits = logits.index_put((t.banned[0], t.banned[1]), torch.full((), float("-inf"), device=logits.device))
+        return raw_logits, logits
 
     @staticmethod
     def _sample(logits: torch.Tensor, t: SamplingTensors) -> torch.Tensor:
