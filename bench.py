@@ -123,6 +123,28 @@ def synthetic_checkpoint(model: SyntheticModel, workdir: str) -> str:
     return path
 
 
+def make_workload(num_seqs: int, min_len: int, max_len: int, vocab_size: int,
+                  seed: int) -> tuple[list[list[int]], list[SamplingParams]]:
+    """nano-vllm's workload: random prompt ids and output lengths, each length uniform in min_len..max_len."""
+    random.seed(seed)
+    # Draw ids from nano-vllm's range for any vocabulary, so the random stream (and with it every
+    # length) is the same whatever the model; a small vocabulary folds them with a modulo.
+    prompts = [[random.randint(0, MAX_PROMPT_TOKEN_ID) % vocab_size for _ in range(random.randint(min_len, max_len))]
+               for _ in range(num_seqs)]
+    sampling_params = [SamplingParams(temperature=TEMPERATURE, ignore_eos=True,
+                                      max_tokens=random.randint(min_len, max_len)) for _ in range(num_seqs)]
+    return prompts, sampling_params
+
+
+def print_json_line(result: dict, json_out: str | None) -> None:
+    """The result as one JSON line, printed last (and written to `json_out` when given)."""
+    line = json.dumps(result)
+    if json_out:
+        with open(json_out, "w") as f:
+            f.write(line + "\n")
+    print(line)
+
+
 def device_name(device: str) -> str:
     if device == "cuda":
         return torch.cuda.get_device_name()
@@ -187,6 +209,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--device", default="auto", choices=["auto", "cuda", "cpu"])
     parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "float16", "bfloat16"])
     parser.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
+    parser.add_argument("--fused-kernels", default="auto", choices=["auto", "triton", "torch"],
+                        help="Config.fused_kernels: the small layer functions and the sampler as Triton kernels or torch")
     parser.add_argument("--max-model-len", type=int, default=4096)
     parser.add_argument("--scheduling-policy", choices=list(SCHEDULING_POLICIES),
                         help="the engine's scheduling_policy (default: the engine's default)")
@@ -393,8 +417,10 @@ def main() -> None:
                                                   ("max_num_seqs", args.max_num_seqs),
                                                   ("max_num_batched_tokens", args.max_num_batched_tokens))
                   if value is not None}
+    startup_begin = time.perf_counter()
     llm = LLM(path, device=args.device, dtype=args.dtype, enforce_eager=args.enforce_eager,
-              max_model_len=args.max_model_len, **scheduling)
+              fused_kernels=args.fused_kernels, max_model_len=args.max_model_len, **scheduling)
+    startup_s = time.perf_counter() - startup_begin
     device = llm.config.device
     if 2 * max_len > llm.config.max_model_len and args.max_len is None:
         # The default lengths do not fit the model's positions (GPT-2 has 1024): halve them to fit.
@@ -408,14 +434,7 @@ def main() -> None:
     for note in notes:
         print(f"NOTE: {note}")
 
-    random.seed(args.seed)
-    # Draw ids from nano-vllm's range for any vocabulary, so the random stream (and with it every
-    # length) is the same whatever the model; a small vocabulary folds them with a modulo.
-    vocab_size = llm.config.hf_config.vocab_size
-    prompts = [[random.randint(0, MAX_PROMPT_TOKEN_ID) % vocab_size for _ in range(random.randint(min_len, max_len))]
-               for _ in range(num_seqs)]
-    sampling_params = [SamplingParams(temperature=TEMPERATURE, ignore_eos=True, max_tokens=random.randint(min_len, max_len))
-                       for _ in range(num_seqs)]
+    prompts, sampling_params = make_workload(num_seqs, min_len, max_len, llm.config.hf_config.vocab_size, args.seed)
 
     # 2. Warm up, then time one generate call over the whole workload.
     llm.generate(["Benchmark: "], SamplingParams(max_tokens=WARMUP_MAX_TOKENS), use_tqdm=False)
@@ -452,6 +471,11 @@ def main() -> None:
         "total_output_tokens": total_output_tokens,
         "time_s": round(elapsed, 3),
         "throughput_tok_s": round(total_output_tokens / elapsed, 2),
+        "fused_kernels": llm.config.fused_kernels,
+        # LLM() from call to return, and the model runner's parts of it (the rest: config, tokenizer).
+        "startup_s": round(startup_s, 3),
+        "startup_parts_s": {name.removesuffix("_s"): round(value, 3)
+                            for name, value in llm.model_runner.startup._asdict().items()},
         "host_load_1m": round(load_1m, 2),
         "notes": notes,
         "process_cpu_s": round(cpu_s, 3),
@@ -474,6 +498,9 @@ def main() -> None:
         ("model", model_name),
         ("dtype", result["dtype"]),
         ("attention backend", result["attention_backend"]),
+        ("fused kernels", result["fused_kernels"]),
+        ("start-up (s)", f"{startup_s:.2f} (" + ", ".join(f"{name} {value:.2f}" for name, value
+                                                        in result["startup_parts_s"].items()) + ")"),
         ("seqs", num_seqs),
         ("input len", f"{min_len}..{max_len} ({total_input_tokens} tokens)"),
         ("output len", f"{min_len}..{max_len}"),
@@ -533,11 +560,7 @@ def main() -> None:
     width = max(len(k) for k, _ in rows)
     for key, value in rows:
         print(f"{key:<{width}}  {value}")
-    line = json.dumps(result)
-    if args.json_out:
-        with open(args.json_out, "w") as f:
-            f.write(line + "\n")
-    print(line)
+    print_json_line(result, args.json_out)
 
 
 if __name__ == "__main__":

@@ -3,10 +3,11 @@
 Owns validation of every user-facing knob and the facts read from the checkpoint: its
 `config.json`, its tokenizer (loaded and checked here, so a checkpoint without a usable one is
 refused before any weight loads) and the end-of-text id that comes from them. "auto" settings
-are resolved here, once (device, dtype, compile mode); the attention backend is resolved by the
+are resolved here, once (device, dtype, compile mode, fused kernels); the attention backend is resolved by the
 runner, which needs the backends' imports. It does not know how the model runs.
 """
 import copy
+import importlib.util
 import json
 import os
 from dataclasses import dataclass, field, fields
@@ -24,6 +25,7 @@ from nanovllm.models.registry import MODELS, architecture_of
 DEVICES = ("auto", "cuda", "cpu")
 ATTENTION_BACKENDS = ("auto", "flash_attn", "triton", "torch")
 COMPILE_MODES = ("auto", "on", "off")
+FUSED_KERNELS = ("auto", "triton", "torch")
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 # The smallest paged-KV block the backends accept: Triton's tl.dot needs tiles of at least this.
 MIN_BLOCK_SIZE = MIN_DOT_SIZE
@@ -78,6 +80,13 @@ class Config:
     # GiB of host memory per tensor-parallel rank for swapped-out K/V (pinned on CUDA); only with
     # preemption_mode="swap". Capped by what max_num_seqs sequences of max_model_len need.
     swap_space: float = 4.0
+    # The small layer functions (residual add + RMSNorm, q/k norm + rotary + KV store, SiLU-and-mul)
+    # and the sampler's race as Triton kernels (nanovllm/kernels/), or as the torch functions:
+    # "auto" = "triton" on CUDA when triton is installed, else "torch". "triton" without CUDA needs
+    # TRITON_INTERPRET=1 (tests). On Llama, Qwen2/3 and Qwen3-MoE the Triton path calls no
+    # torch.compile'd function, whatever compile_mode says; GPT-2's LayerNorm and GELU stay torch's.
+    # Resolved to "triton" or "torch" when the Config is made.
+    fused_kernels: str = "auto"
     # Read from the checkpoint, not settings:
     hf_config: PretrainedConfig = field(init=False, repr=False)
     tokenizer: PreTrainedTokenizerBase | None = field(init=False, repr=False, compare=False)  # None: skipped
@@ -100,6 +109,7 @@ class Config:
         self.dtype = self._resolve_dtype()
         if self.compile_mode == "auto":
             self.compile_mode = "on" if self.device == "cuda" else "off"
+        self.fused_kernels = self._resolve_fused_kernels()
         self._check_tensor_parallel()
         self.tokenizer = None if self.skip_tokenizer_init else load_tokenizer(self.model)
         self.eos = end_of_text_id(self.tokenizer, self.hf_config)
@@ -131,6 +141,7 @@ class Config:
         require(self.attention_backend in ATTENTION_BACKENDS, "attention_backend", self.attention_backend,
                 f"one of {ATTENTION_BACKENDS}")
         require(self.compile_mode in COMPILE_MODES, "compile_mode", self.compile_mode, f"one of {COMPILE_MODES}")
+        require(self.fused_kernels in FUSED_KERNELS, "fused_kernels", self.fused_kernels, f"one of {FUSED_KERNELS}")
         require(self.dtype == "auto" or self.dtype in DTYPES or self.dtype in DTYPES.values(), "dtype",
                 self.dtype, f"'auto', one of {list(DTYPES)} or the matching torch.dtype")
         g = self.cpu_kvcache_space_gib
@@ -191,6 +202,18 @@ class Config:
         if self.device == "cuda" and not torch.cuda.is_available():
             raise ValueError("device='cuda' but torch sees no CUDA device; use device='cpu' or 'auto'")
         return self.device
+
+    def _resolve_fused_kernels(self) -> str:
+        has_triton = importlib.util.find_spec("triton") is not None
+        if self.fused_kernels == "auto":
+            return "triton" if self.device == "cuda" and has_triton else "torch"
+        if self.fused_kernels == "triton":
+            if not has_triton:
+                raise ValueError("fused_kernels='triton' but triton is not installed (pip install triton)")
+            if self.device != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+                raise ValueError(f"fused_kernels='triton' needs a CUDA device (device is {self.device!r}), or "
+                                 "TRITON_INTERPRET=1 to run the kernels on CPU (slowly, for tests)")
+        return self.fused_kernels
 
     def _resolve_dtype(self) -> torch.dtype:
         if isinstance(self.dtype, torch.dtype):

@@ -110,8 +110,14 @@ class SamplingParams:
     @property
     def needs_only_temperature(self) -> bool:
         """True when sampling this request needs nothing beyond its temperature (the fast path)."""
-        return (self.top_k <= 0 and self.top_p == 1.0 and self.min_p == 0.0 and self.seed is None
-                and self.min_tokens == 0 and self.logprobs is None and not self.has_penalties)
+        return self.seed is None and self.needs_only_temperature_and_seed
+
+    @property
+    def needs_only_temperature_and_seed(self) -> bool:
+        """True when its temperature and seed are all it needs: the Triton sampler's fast path,
+        which draws a seeded row's noise in the kernel."""
+        return (self.top_k <= 0 and self.top_p == 1.0 and self.min_p == 0.0 and self.min_tokens == 0
+                and self.logprobs is None and not self.has_penalties)
 
     @property
     def has_penalties(self) -> bool:

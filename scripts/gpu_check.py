@@ -1,5 +1,6 @@
 """Every GPU check in one command, under 9 minutes: the test suite, greedy parity against HF
-transformers on CUDA, the decode kernel's bandwidth and the throughput benchmark against HF.
+transformers on CUDA, the decode kernel's bandwidth, the throughput benchmark against HF and the
+step profile (where each step's time goes).
 
 Usage, from anywhere: scripts/gpu_check.sh OUT_DIR [--stages suite,parity] [--timeout bench=300]
 (or, from the repository root: PYTHONPATH=. python scripts/gpu_check.py OUT_DIR ...)
@@ -58,9 +59,13 @@ STAGES = (
           "greedy parity against HF on CUDA: float32 identical, bfloat16 agreement"),
     Stage("decode_bandwidth", ["benchmarks/decode_bandwidth.py"], 30,
           "Triton decode attention bandwidth against a device copy"),
-    Stage("bench", ["bench.py", "--synthetic", "qwen3-0.6b", "--compare-hf"], 230,
+    Stage("bench", ["bench.py", "--synthetic", "qwen3-0.6b", "--compare-hf"], 225,
           "nano-vllm's throughput workload, nanovllm against HF generate"),
-    Stage("suite", ["-m", "pytest", "-q", "tests", "-p", "no:cacheprovider", "--durations=15"], 195,
+    # The same workload twice with every step timed (the checkpoint is the bench stage's): start-up,
+    # then two runs of ~10-15 s instrumented on an H100 (the first profile, 2026-11-22).
+    Stage("step_profile", ["benchmarks/step_profile.py", "--synthetic", "qwen3-0.6b"], 90,
+          "the workload step by step: model pass, LM head, sampler, host; KV bandwidth against copy"),
+    Stage("suite", ["-m", "pytest", "-q", "tests", "-p", "no:cacheprovider", "--durations=15"], 110,
           "the test suite (CUDA variants included)"),
 )
 
@@ -141,6 +146,13 @@ def describe_decode_bandwidth(facts: dict) -> str:
             f"({facts['copy_gbps']:.0f} GB/s)")
 
 
+def describe_step_profile(facts: dict) -> str:
+    steady = facts["runs"][-1]
+    return (f"start-up {facts['startup_s']:.1f} s; steady {steady['tok_s']:,.0f} tok/s, decode model "
+            f"{steady['model_s']:.2f} s, sampler {steady['sampler_s']:.2f} s, host {steady['host_s']:.2f} s, "
+            f"KV {steady['kv_tb_per_s']:.2f} of {facts['copy_tb_per_s']:.2f} TB/s copy")
+
+
 def describe_bench(facts: dict) -> str:
     text = f"nanovllm {facts['throughput_tok_s']:,.0f} tok/s ({facts['dtype']})"
     if "hf_throughput_tok_s" in facts:
@@ -150,7 +162,7 @@ def describe_bench(facts: dict) -> str:
 
 DESCRIBE: dict[str, Callable[[dict], str]] = {
     "suite": describe_suite, "parity": describe_parity, "decode_bandwidth": describe_decode_bandwidth,
-    "bench": describe_bench,
+    "bench": describe_bench, "step_profile": describe_step_profile,
 }
 
 

@@ -153,7 +153,17 @@ def test_start_up_log_names_backend_dtype_device_and_capacity(qwen3_tiny, caplog
     graphs = f"on ({len(graph_batch_sizes(max_num_seqs))} batch sizes)" if captured else "off"
     assert f"CUDA graphs {graphs}" in text
     assert f"20 blocks x {BLOCK} tokens = {20 * BLOCK} tokens" in text
+    # "auto" fused kernels: Triton's where the auto attention backend is Triton's (CUDA with triton).
+    assert f"fused kernels {'triton' if device == 'cuda' and backend == 'triton' else 'torch'}" in text
+    startup = llm.model_runner.startup
+    assert f"start-up {startup.total_s:.1f} s: load {startup.load_s:.1f} s, warm-up {startup.warmup_s:.1f} s" in text
     llm.exit()
+
+
+def test_fused_kernels_on_cpu_need_the_interpreter(qwen3_tiny, monkeypatch):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    with pytest.raises(ValueError, match="fused_kernels='triton' needs a CUDA device.*TRITON_INTERPRET=1"):
+        LLM(qwen3_tiny, device="cpu", fused_kernels="triton")
 
 
 def test_exit_is_idempotent(qwen3_tiny):
@@ -249,6 +259,7 @@ def test_mismatched_sampling_params_list_refused(llm):
     ({"attention_backend": "flash_attn"}, "flash_attn"),
     ({"tensor_parallel_size": 9}, "tensor_parallel_size"),
     ({"enforce_eager": "no"}, "enforce_eager"),
+    ({"fused_kernels": "fast"}, "fused_kernels"),
 ])
 def test_bad_config_refused(qwen3_tiny, kwargs, field):
     with pytest.raises(ValueError, match=field):

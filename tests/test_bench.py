@@ -60,6 +60,11 @@ def check_nanovllm(run: dict) -> None:
     assert run["time_s"] > 0 and run["throughput_tok_s"] > 0
     assert run["time_s"] == pytest.approx(run["total_output_tokens"] / run["throughput_tok_s"],
                                           abs=time_tolerance(run["time_s"], run["throughput_tok_s"]))
+    # Start-up: LLM()'s time, and the runner's parts of it, which cannot add up to more.
+    parts = run["startup_parts_s"]
+    assert set(parts) == {"load", "warmup", "kv_cache", "kernels", "capture"}
+    assert all(value >= 0 for value in parts.values()) and parts["load"] > 0
+    assert sum(parts.values()) <= run["startup_s"] + 0.005  # each part rounded to 1 ms
 
 
 @pytest.fixture(scope="module")

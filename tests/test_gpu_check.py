@@ -32,7 +32,8 @@ def gpu_parity():
 def test_stage_limits_fit_in_nine_minutes(gpu_check):
     assert gpu_check.TOTAL_LIMIT_S == 9 * 60
     assert sum(stage.timeout_s for stage in gpu_check.STAGES) + gpu_check.OVERHEAD_S < gpu_check.TOTAL_LIMIT_S
-    assert {stage.name for stage in gpu_check.STAGES} == {"suite", "parity", "decode_bandwidth", "bench"}
+    assert {stage.name for stage in gpu_check.STAGES} == {"suite", "parity", "decode_bandwidth", "bench",
+                                                          "step_profile"}
     (bench,) = [stage for stage in gpu_check.STAGES if stage.name == "bench"]
     assert bench.args == ["bench.py", "--synthetic", "qwen3-0.6b", "--compare-hf"]
 
@@ -81,6 +82,11 @@ def test_json_stages_described(gpu_check):
     assert gpu_check.describe("bench", bench, 0, 205, "") == (
         "nanovllm 12,346 tok/s (bfloat16); HF 1,000 tok/s; 12.35x")
     assert gpu_check.describe("bench", {"other": 1}, 0, 205, "").startswith("unexpected JSON (KeyError")
+    run = {"tok_s": 14062.2, "model_s": 7.4, "sampler_s": 0.91, "host_s": 0.56, "kv_tb_per_s": 1.87}
+    profile = {"startup_s": 20.3, "copy_tb_per_s": 3.0, "runs": [{**run, "tok_s": 10000.0}, run]}
+    assert gpu_check.describe("step_profile", profile, 0, 90, "") == (
+        "start-up 20.3 s; steady 14,062 tok/s, decode model 7.40 s, sampler 0.91 s, host 0.56 s, "
+        "KV 1.87 of 3.00 TB/s copy")
     assert gpu_check.describe("bench", None, 1, 205, "loading\nValueError: no\n") == (
         "no result; last line: ValueError: no")
 

@@ -17,6 +17,8 @@ class AttentionBackend(ABC):
     name: str
     # Whether decode can be captured in a CUDA graph: fixed shapes, no host sync, no allocation.
     supports_cuda_graphs: bool = False
+    # Whether its kernels compile at their first launch (Triton), so the start-up warm-up must launch them.
+    compiles_kernels: bool = False
 
     @abstractmethod
     def store_kv(self, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -41,3 +43,11 @@ class AttentionBackend(ABC):
         `max_blocks` blocks of `block_size` tokens each at most) are captured in CUDA graphs:
         a backend that keeps state across steps (scratch buffers) makes it here, so that capture
         never allocates. Nothing to do for a backend without such state."""
+
+    def decode_warmup_shapes(self, max_batch: int, num_kv_heads: int, max_blocks: int, block_size: int,
+                             device: torch.device) -> list[tuple[int, int]]:
+        """(batch, block-table width) pairs at which eager decode steps (up to `max_batch` sequences,
+        tables up to `max_blocks` wide) launch every kernel variant such steps can launch, for the
+        start-up warm-up (runner/kernel_warmup.py). None for a backend whose launches do not change
+        with those shapes."""
+        return []

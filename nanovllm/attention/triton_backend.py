@@ -14,6 +14,7 @@ from nanovllm.utils.context import AttentionMetadata
 class TritonBackend(AttentionBackend):
     name = "triton"
     supports_cuda_graphs = True
+    compiles_kernels = True
 
     def __init__(self) -> None:
         # Lazy: importing triton is slow, and it must not happen at `import nanovllm` time (tests
@@ -61,6 +62,15 @@ class TritonBackend(AttentionBackend):
                                          kernels.choose_num_splits(b, num_kv_heads, max_blocks, block_size, sms))
                    for b in range(1, max_batch + 1))
         self._scratch_for(need, device)
+
+    def decode_warmup_shapes(self, max_batch: int, num_kv_heads: int, max_blocks: int, block_size: int,
+                             device: torch.device) -> list[tuple[int, int]]:
+        """One (batch, width) per number of splits an eager decode step can choose: each is its own
+        compiled variant of the decode and reduce kernels."""
+        device = torch.empty(0, device=device).device  # "cuda" -> "cuda:0", as tensors report it
+        kernels = self._decode_kernels
+        return list(kernels.split_shapes(max_batch, num_kv_heads, max_blocks, block_size,
+                                         kernels.num_sms(device)).values())
 
     def _scratch_for(self, numel: int, device: torch.device) -> torch.Tensor | None:
         if numel == 0:

@@ -1,9 +1,21 @@
-"""Triton kernels for attention on the paged KV cache: store_kv, decode and prefill/extend.
+"""Triton kernels: attention on the paged KV cache (store_kv, decode, prefill/extend), the fused
+layer functions (rms_norm, qk_norm_rope, silu_mul) and the sampler's race (sampling).
 
 Each kernel lives in its own module next to a wrapper that checks shapes, strides and dtypes.
 This file holds only the checks and tile rules those wrappers share, and imports nothing from
 triton: `import nanovllm` must stay cheap and work where triton is absent, so callers import
 the kernel modules (`nanovllm.kernels.decode_attention`, ...) lazily, where they are used.
+
+Specialisation, and why nothing compiles after start-up: Triton compiles one variant of a kernel
+per distinct key of its launch: the dtypes (and 16-byte alignment) of its pointers, its constexpr
+values, and for each integer argument whether it equals 1 or divides by 16. An integer that
+changes from step to step (a batch size, a token count, a block table's width) would compile new
+variants in the middle of generate(), so such arguments are named in the kernel's
+`do_not_specialize`; and a constexpr that depends on the batch (decode's number of splits) takes
+a few values only, each launched at start-up (runner/kernel_warmup.py). Everything else a kernel
+is passed is fixed by the model: head counts, strides, the vocabulary. Row and token counts reach
+the kernels as the grid where they can, which Triton never specialises on.
+tests/test_compile_once.py checks the keys of every launch in a generate() against start-up's.
 """
 import torch
 
@@ -18,6 +30,11 @@ LOG2E = 1.4426950408889634  # softmax runs on exp2, so scores are pre-multiplied
 
 def next_power_of_2(n: int) -> int:
     return 1 if n <= 1 else 1 << (n - 1).bit_length()
+
+
+def previous_power_of_2(n: int) -> int:
+    """The largest power of two <= n (n >= 1)."""
+    return 1 << (n.bit_length() - 1)
 
 
 def padded_head_dim(head_dim: int) -> int:

@@ -61,6 +61,19 @@ def choose_num_splits(batch: int, num_kv_heads: int, max_blocks: int, block_size
     return 1 << (splits.bit_length() - 1)  # round down to a power of two
 
 
+def split_shapes(max_batch: int, num_kv_heads: int, max_blocks: int, block_size: int,
+                 num_sms: int) -> dict[int, tuple[int, int]]:
+    """Every number of splits choose_num_splits gives for batches 1..max_batch and block tables
+    1..max_blocks wide, each with one (batch, width) that gives it (the start-up warm-up compiles
+    each). The rule is a rounded min(by_occupancy(batch), by_length(width)), falling in batch and
+    rising in width, so every value it takes is taken with batch 1 or with the full width."""
+    shapes: dict[int, tuple[int, int]] = {}
+    candidates = [(1, w) for w in range(1, max_blocks + 1)] + [(b, max_blocks) for b in range(1, max_batch + 1)]
+    for batch, width in candidates:
+        shapes.setdefault(choose_num_splits(batch, num_kv_heads, width, block_size, num_sms), (batch, width))
+    return shapes
+
+
 @functools.lru_cache(maxsize=None)
 def num_sms(device: torch.device) -> int:
     """SMs of the device (cached: asked once per device, not per decode step)."""

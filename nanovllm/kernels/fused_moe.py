@@ -10,19 +10,23 @@ Design (as vLLM's fused_moe): num_tokens * top_k (token, expert) pairs, sorted b
 expert's run padded up to a multiple of BLOCK_M with a sentinel pair id, so every BLOCK_M sorted
 rows belong to one expert. A program computes one [BLOCK_M, BLOCK_N] output tile of one such
 block: its rows gathered from the input by pair, times that expert's weight. The first GEMM
-(gate_up [E, 2I, H]) reads input row pair // top_k; SiLU-and-mul runs in torch; the second GEMM
+(gate_up [E, 2I, H]) reads input row pair // top_k; SiLU-and-mul is kernels/silu_mul.py's one pass
+over the [pairs, 2I] result (gate | up halves, the layout it takes); the second GEMM
 (down [E, H, I]) reads row `pair` and scales it by the pair's routing weight; each token's top_k
 rows are then summed. The padded length is bounded from host-known sizes, so the grid needs no
 device-to-host sync (CUDA graphs capture it); blocks past the real padded length exit at once.
+The pair count changes every step and is excluded from integer specialisation; the tile shape
+takes two values (few rows per expert or many), both launched at start-up (the first forward
+pass's full-size prefill and runner/kernel_warmup.py's one-token steps): see kernels/__init__.py.
 """
 from typing import NamedTuple
 
 import torch
-import torch.nn.functional as F
 import triton
 import triton.language as tl
 
 from nanovllm.kernels import INDEX_DTYPES, SUPPORTED_DTYPES, check_tensor, dot_precision
+from nanovllm.kernels.silu_mul import silu_and_mul
 
 # tl.dot refuses a tile dimension below 16.
 MIN_TILE = 16
@@ -81,7 +85,8 @@ def align_by_expert(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> E
     return ExpertAlignment(sorted_pair_ids, block_experts, padded_end[-1:].to(torch.int32))
 
 
-@triton.jit
+# The pair count changes every step: no variant per value (kernels/__init__.py).
+@triton.jit(do_not_specialize=["num_pairs"])
 def _grouped_gemm_kernel(
     a_ptr, b_ptr, c_ptr, weights_ptr, sorted_pair_ids_ptr, block_experts_ptr, num_padded_ptr,
     num_pairs, pairs_per_a_row, N, K,
@@ -165,8 +170,7 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
     alignment = align_by_expert(topk_ids, num_experts, tiles.block_m)
     gate_up = torch.empty(num_pairs, two_inter, dtype=x.dtype, device=device)  # [pairs, 2 * inter]
     _grouped_gemm(x, w13, gate_up, None, alignment, top_k, tiles)
-    gate, up = gate_up.chunk(2, dim=-1)
-    act = F.silu(gate) * up  # [pairs, inter]
+    act = silu_and_mul(gate_up)  # [pairs, inter]
     down = torch.empty(num_pairs, hidden, dtype=x.dtype, device=device)  # [pairs, hidden], weighted
     _grouped_gemm(act, w2, down, topk_weights.flatten(), alignment, 1, tiles)
     return down.view(num_tokens, top_k, hidden).sum(dim=1)

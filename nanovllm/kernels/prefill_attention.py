@@ -56,7 +56,8 @@ def _find_sequence(cu_seqlens_q_ptr, q_block, batch, BLOCK_Q: tl.constexpr):
     return lo - 1
 
 
-@triton.jit
+# The batch size and the block table's width change every step: no variant per value (kernels/__init__.py).
+@triton.jit(do_not_specialize=["batch", "stride_table_batch"])
 def _prefill_kernel(
     q_ptr, k_ptr, v_ptr, out_ptr, cu_seqlens_q_ptr, cu_seqlens_k_ptr, block_tables_ptr,
     stride_q_token, stride_q_head,

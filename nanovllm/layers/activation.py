@@ -1,6 +1,13 @@
 """Activations: SwiGLU's silu(gate) * up on the merged gate_up projection, and GELU in the
-variants checkpoints name in config.json (compiled where the engine's compile mode says)."""
+variants checkpoints name in config.json.
+
+The torch functions are the CPU path and the oracle (compiled where the compile mode says); with
+Triton kernels chosen (`enable_triton`, by the model runner) SiluAndMul sends a 2-D input to
+kernels/silu_mul.py instead, which computes the same thing in one pass. GELU stays on torch
+(GPT-2 only; its MLP is one GEMM, GELU, one GEMM, with nothing beside the activation to fuse).
+"""
 import math
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -20,7 +27,17 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
 
 class SiluAndMul(nn.Module):
 
+    def __init__(self) -> None:
+        super().__init__()
+        self.triton_kernel: Callable[[torch.Tensor], torch.Tensor] | None = None
+
+    def enable_triton(self) -> None:
+        from nanovllm.kernels.silu_mul import silu_and_mul as kernel  # lazy: triton only when chosen
+        self.triton_kernel = kernel
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.triton_kernel is not None and x.dim() == 2:
+            return self.triton_kernel(x)
         return silu_and_mul(x)
 
 

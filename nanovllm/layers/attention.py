@@ -1,10 +1,20 @@
-"""The attention layer the model calls: stores this step's K/V in the paged cache, then runs
-the backend's prefill or decode. The model runner hands every layer its cache slice and the
-backend chosen at start-up; the model code is the same whatever the backend."""
+"""The attention layer the model calls: prepares q and k (per-head norm, rotary embedding), stores
+this step's K/V in the paged cache, then runs the backend's prefill or decode. The model runner
+hands every layer its cache slice and the backend chosen at start-up; the model code is the same
+whatever the backend.
+
+Preparing q and k here, not in the model, is what lets one Triton kernel (kernels/qk_norm_rope.py,
+chosen by `enable_triton`) do the norm, the rotation and the cache store in one pass; the torch
+path (the CPU path and the oracle) calls the model's own q_norm, k_norm and rotary modules.
+"""
+from typing import Callable
+
 import torch
 from torch import nn
 
 from nanovllm.attention.base import AttentionBackend
+from nanovllm.layers.layernorm import RMSNorm
+from nanovllm.layers.rotary_embedding import RotaryEmbedding
 from nanovllm.utils.context import get_context
 
 
@@ -19,12 +29,33 @@ class Attention(nn.Module):
         self.backend: AttentionBackend | None = None  # set by the model runner
         # [num_blocks, block_size, num_kv_heads, head_dim] each; empty until the cache exists
         self.k_cache = self.v_cache = torch.tensor([])
+        self.fused_qk_kernel: Callable | None = None  # set by enable_triton
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        # q: [num_tokens, num_heads, head_dim]; k, v: [num_tokens, num_kv_heads, head_dim]
+    def enable_triton(self) -> None:
+        from nanovllm.kernels.qk_norm_rope import qk_norm_rope_store  # lazy: triton only when chosen
+        self.fused_qk_kernel = qk_norm_rope_store
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor | None = None,
+                rotary: RotaryEmbedding | None = None, q_norm: RMSNorm | None = None,
+                k_norm: RMSNorm | None = None) -> torch.Tensor:
+        """q: [num_tokens, num_heads, head_dim]; k, v: [num_tokens, num_kv_heads, head_dim]. With
+        `rotary` (and `positions`), q and k are rotated first, after q_norm/k_norm when given
+        (both or neither); the Triton path does that in place, in q and k."""
         meta = get_context()
-        if self.k_cache.numel():  # warm-up runs before the cache exists
-            self.backend.store_kv(k, v, self.k_cache, self.v_cache, meta.slot_mapping)
+        cached = self.k_cache.numel() > 0  # warm-up runs before the cache exists
+        # The kernel rotates whole heads; a partial rotary (fewer rotated dims) keeps the torch path.
+        if rotary is not None and self.fused_qk_kernel is not None and rotary.cos_sin_cache.size(-1) == q.size(-1):
+            assert (q_norm is None) == (k_norm is None) and (q_norm is None or q_norm.eps == k_norm.eps)
+            norm = {} if q_norm is None else dict(q_weight=q_norm.weight, k_weight=k_norm.weight, eps=float(q_norm.eps))
+            cache = dict(k_cache=self.k_cache, v_cache=self.v_cache, slot_mapping=meta.slot_mapping) if cached else {}
+            self.fused_qk_kernel(q, k, v, positions, rotary.cos_sin_cache, **norm, **cache)
+        else:
+            if q_norm is not None:
+                q, k = q_norm(q), k_norm(k)
+            if rotary is not None:
+                q, k = rotary(positions, q, k)
+            if cached:
+                self.backend.store_kv(k, v, self.k_cache, self.v_cache, meta.slot_mapping)
         if meta.is_prefill:
             return self.backend.prefill(q, k, v, self.k_cache, self.v_cache, meta, self.scale)
         return self.backend.decode(q, self.k_cache, self.v_cache, meta, self.scale)

@@ -1,9 +1,14 @@
 """RMSNorm, optionally fused with the residual add that precedes it (as in nano-vllm), and
 LayerNorm with a bias (GPT-2).
 
-RMSNorm is computed in float32 and cast back, exactly as HF transformers' Qwen RMSNorm does;
-compiled into one kernel on CUDA. LayerNorm is torch's, as HF's nn.LayerNorm.
+RMSNorm is computed in float32 and cast back, exactly as HF transformers' Qwen RMSNorm does.
+The torch functions are the CPU path and the oracle (compiled where the compile mode says); with
+Triton kernels chosen (`enable_triton`, by the model runner) 2-D inputs go to kernels/rms_norm.py,
+which computes the same thing in one pass over each row. LayerNorm is torch's, as HF's
+nn.LayerNorm (GPT-2 only; it stays on torch with fused kernels on).
 """
+from typing import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -35,9 +40,17 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(hidden_size))
+        self.triton_kernel: Callable | None = None
+
+    def enable_triton(self) -> None:
+        from nanovllm.kernels.rms_norm import rms_norm as kernel  # lazy: triton only when chosen
+        self.triton_kernel = kernel
 
     def forward(self, x: torch.Tensor,
                 residual: torch.Tensor | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        if self.triton_kernel is not None and x.dim() == 2:
+            out = self.triton_kernel(x, self.weight, self.eps, residual)
+            return out.out if residual is None else (out.out, out.residual)
         if residual is None:
             return rms_norm(x, self.weight, self.eps)
         return add_rms_norm(x, residual, self.weight, self.eps)

@@ -8,8 +8,15 @@ then for sampled rows temperature, min_p, top_k, top_p. Greedy rows (temperature
 argmax and never see the random draw. A row with a seed draws its noise from its own
 generator, so its tokens do not depend on what else is in the batch. Logprobs are the model's
 raw log-softmax, before any of that processing.
+
+With Triton kernels chosen (`enable_triton`, by the model runner) the draw is
+kernels/sampling.py's race, its noise Philox keyed per row (SamplingTensors.philox: a seeded row's
+seed and the index of the token it draws, so its stream is its own; for the others a fresh key per
+step). A batch that needs nothing but temperatures is one kernel over the logits as the LM head
+wrote them; otherwise the filters run in torch first and the same kernel races the filtered
+logits, so a seeded row draws the same token on either path.
 """
-from typing import NamedTuple
+from typing import Callable, NamedTuple
 
 import torch
 from torch import nn
@@ -28,6 +35,15 @@ class SamplingTensors(NamedTuple):
     banned: tuple[torch.Tensor, torch.Tensor] | None  # (rows, token ids) that min_tokens forbids
     generators: list[tuple[int, torch.Generator]]  # (row, generator) for seeded rows
     num_logprobs: int  # the largest top-N asked for; -1 = no row wants logprobs
+    # [2, batch] int64: each row's Philox key (row 0) and counter (row 1), for the Triton race; None
+    # on the torch path, whose seeded rows use `generators`.
+    philox: torch.Tensor | None = None
+
+    @property
+    def needs_only_temperature(self) -> bool:
+        """No filter, penalty, ban or logprobs: the race over the raw logits is all there is."""
+        return (self.top_k is None and self.top_p is None and self.min_p is None and self.penalties is None
+                and self.banned is None and self.num_logprobs < 0)
 
 
 class TokenLogprobs(NamedTuple):
@@ -88,19 +104,62 @@ def exponential_race(logits: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
 
 class Sampler(nn.Module):
 
+    def __init__(self) -> None:
+        super().__init__()
+        self.race_kernel: Callable[..., torch.Tensor] | None = None  # set by enable_triton
+
+    def enable_triton(self) -> None:
+        from nanovllm.kernels.sampling import sample_tokens  # lazy: triton only when chosen
+        self.race_kernel = sample_tokens
+
+    @property
+    def uses_philox(self) -> bool:
+        """Whether SamplingTensors must carry Philox keys (prepare_sampling's `philox`)."""
+        return self.race_kernel is not None
+
     def forward(self, logits: torch.Tensor, t: SamplingTensors) -> SamplerOutput:
         # logits: [batch, vocab]
-        logits = logits.float()
-        raw_logits = logits
-        if t.penalties is not None:
-            logits = apply_penalties(logits, *t.penalties)
-        if t.banned is not None:
-            logits = logits.index_put((t.banned[0], t.banned[1]), torch.full((), float("-inf"), device=logits.device))
+        if self.race_kernel is not None:
+            return self._forward_triton(logits, t)
+        raw_logits, logits = self._penalised(logits, t)
         tokens = logits.argmax(dim=-1)
         if not t.all_greedy:
             tokens = torch.where(t.temperatures > 0, self._sample(logits, t), tokens)
         token_ids = tokens.tolist()  # the step's one host sync
         return SamplerOutput(token_ids, self._logprobs(raw_logits, tokens, t.num_logprobs))
+
+    def _forward_triton(self, logits: torch.Tensor, t: SamplingTensors) -> SamplerOutput:
+        seeds, counters = t.philox
+        if t.needs_only_temperature:  # the common case: one pass over the logits in their own dtype
+            return SamplerOutput(self.race_kernel(logits, t.temperatures, seeds, counters).tolist(),
+                                 [None] * logits.size(0))
+        # Filters in torch as above (no torch.compile: nothing may compile after start-up), then
+        # the kernel races the filtered logits: already scaled for sampled rows (temperature 1
+        # divides exactly), raw for greedy ones (temperature 0: argmax).
+        raw_logits, logits = self._penalised(logits, t)
+        temperatures = t.temperatures
+        if not t.all_greedy:
+            sampled = t.temperatures > 0
+            scaled = logits / torch.where(sampled, t.temperatures, 1.0).unsqueeze(1)
+            if t.min_p is not None:
+                scaled = apply_min_p(scaled, t.min_p)
+            if t.top_k is not None or t.top_p is not None:
+                scaled = apply_top_k_top_p(scaled, t.top_k, t.top_p)
+            logits = torch.where(sampled.unsqueeze(1), scaled, logits)
+            temperatures = sampled.float()
+        tokens = self.race_kernel(logits, temperatures, seeds, counters)
+        return SamplerOutput(tokens.tolist(), self._logprobs(raw_logits, tokens, t.num_logprobs))
+
+    @staticmethod
+    def _penalised(logits: torch.Tensor, t: SamplingTensors) -> tuple[torch.Tensor, torch.Tensor]:
+        """The logits in float32 (logprobs are taken from these), and the same after the penalties
+        and min_tokens bans (what the argmax and the draw see)."""
+        raw_logits = logits = logits.float()
+        if t.penalties is not None:
+            logits = apply_penalties(logits, *t.penalties)
+        if t.banned is not None:
+            logits = logits.index_put((t.banned[0], t.banned[1]), torch.full((), float("-inf"), device=logits.device))
+        return raw_logits, logits
 
     @staticmethod
     def _sample(logits: torch.Tensor, t: SamplingTensors) -> torch.Tensor:

@@ -49,10 +49,9 @@ class LlamaAttention(nn.Module):
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
-        if self.qk_norm:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.rotary_emb(positions, q, k)
-        o = self.attn(q, k, v)  # [num_tokens, heads, head_dim]
+        # The attention layer applies q_norm/k_norm and rotary (one fused kernel where it can).
+        q_norm, k_norm = (self.q_norm, self.k_norm) if self.qk_norm else (None, None)
+        o = self.attn(q, k, v, positions, self.rotary_emb, q_norm, k_norm)  # [num_tokens, heads, head_dim]
         return self.o_proj(o.flatten(1, -1))
 
 

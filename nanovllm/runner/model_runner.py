@@ -10,7 +10,8 @@ replaying a graph (graph.py), and rank 0 samples the rows that complete a sequen
 sequence except to give a seeded one its random generator.
 """
 import logging
-from typing import NamedTuple
+import time
+from typing import Callable, NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -20,11 +21,14 @@ from nanovllm.config import Config
 from nanovllm.engine.block_manager import NO_COPIES, BlockCopies
 from nanovllm.engine.scheduler import SWAP
 from nanovllm.engine.sequence import Sequence
+from nanovllm.layers.activation import SiluAndMul
 from nanovllm.layers.attention import Attention
+from nanovllm.layers.layernorm import RMSNorm
 from nanovllm.layers.sampler import Sampler, SamplerOutput
 from nanovllm.models.registry import MODELS
 from nanovllm.runner.decode_inputs import DecodeInputs
 from nanovllm.runner.graph import DecodeGraphs, graph_batch_sizes
+from nanovllm.runner.kernel_warmup import warm_up_kernels
 from nanovllm.runner.sampling_inputs import prepare_sampling
 from nanovllm.runner.step_inputs import StepInputs, StepMessage, prefill_inputs
 from nanovllm.sampling_params import SamplingParams
@@ -40,6 +44,39 @@ GIB = 1 << 30
 # On CPU the warm-up only checks the forward pass runs; a full max_num_batched_tokens prefill
 # (done on CUDA to measure peak memory) would take minutes on a few cores.
 CPU_WARMUP_TOKENS = 64
+
+
+# The modules with a Triton path (kernels/), switched to it when Config.fused_kernels is "triton".
+TRITON_LAYERS = (RMSNorm, SiluAndMul, Attention, Sampler)
+
+
+class StartupTimes(NamedTuple):
+    """Seconds each part of a model runner's start-up took (logged at INFO, reported by bench.py)."""
+    load_s: float  # building the model and loading its weights
+    warmup_s: float  # the first forward pass, which measures peak activation memory
+    kv_cache_s: float  # sizing and allocating the KV cache
+    kernels_s: float  # launching every kernel variant a step may launch (kernel_warmup.py)
+    capture_s: float  # capturing the decode CUDA graphs
+
+    @property
+    def total_s(self) -> float:
+        return sum(self)
+
+
+def lap_timer(device: torch.device) -> Callable[[], float]:
+    """A function returning the seconds since its previous call (or its making), once the
+    device's queued work is done: the parts of a start-up, timed one after another."""
+    last = time.perf_counter()
+
+    def lap() -> float:
+        nonlocal last
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        now = time.perf_counter()
+        elapsed, last = now - last, now
+        return elapsed
+
+    return lap
 
 
 def gpu_kv_budget(total: int, free: int, peak: int, current: int, utilization: float) -> int:
@@ -71,6 +108,7 @@ class ModelRunner:
         # Built inside tensor_parallel_rank(...) for a rank of a tensor-parallel group, else rank 0 of 1.
         self.rank, self.world_size = tp_rank(), tp_size()
         self.compile = config.compile_mode == "on"  # the hot layer functions run compiled in every step
+        lap = lap_timer(self.device)
         default_dtype = torch.get_default_dtype()
         torch.set_default_dtype(config.dtype)
         try:
@@ -90,28 +128,44 @@ class ModelRunner:
         self.num_kv_heads = self.attention_layers[0].num_kv_heads
         self.head_dim = self.attention_layers[0].head_dim
         self.sampler = Sampler()
+        if config.fused_kernels == "triton":
+            for module in [*self.model.modules(), self.sampler]:
+                if isinstance(module, TRITON_LAYERS):
+                    module.enable_triton()
         self.max_blocks_per_seq = cdiv(config.max_model_len, self.block_size)
+        load_s = lap()
         self.warmup_model()
+        warmup_s = lap()
         self.num_kvcache_blocks = self.allocate_kv_cache()
         self.num_swap_blocks = self.allocate_swap_space()
         with torch.inference_mode():  # like every step's other inputs, so compiled code sees one kind
             self.decode_inputs = DecodeInputs(config.max_num_seqs, self.max_blocks_per_seq, self.block_size,
                                               self.device)
+        kv_cache_s = lap()
         self.graphs = DecodeGraphs()
         use_graphs = self.device.type == "cuda" and not config.enforce_eager
-        if use_graphs and self.backend.supports_cuda_graphs:
-            self.capture_cudagraphs()
-        elif use_graphs and self.rank == 0:
+        captures = use_graphs and self.backend.supports_cuda_graphs
+        if use_graphs and not captures and self.rank == 0:
             logger.warning("CUDA graphs off: the %s attention backend cannot be captured", self.backend.name)
+        if self.compile or config.fused_kernels == "triton" or self.backend.compiles_kernels:
+            warm_up_kernels(self, eager_decode=not captures)  # so that nothing compiles after start-up
+        kernels_s = lap()
+        if captures:
+            self.capture_cudagraphs()
+        self.startup = StartupTimes(load_s, warmup_s, kv_cache_s, kernels_s, lap())
         if self.rank == 0:
-            logger.info("device %s, dtype %s, attention %s, compile %s, CUDA graphs %s, KV cache %d blocks x %d tokens "
-                        "= %d tokens, tensor parallel %d", config.device, config.dtype, self.backend.name,
-                        config.compile_mode, f"on ({len(self.graphs)} batch sizes)" if self.graphs else "off",
+            logger.info("device %s, dtype %s, attention %s, compile %s, fused kernels %s, CUDA graphs %s, KV cache %d "
+                        "blocks x %d tokens = %d tokens, tensor parallel %d", config.device, config.dtype,
+                        self.backend.name, config.compile_mode, config.fused_kernels,
+                        f"on ({len(self.graphs)} batch sizes)" if self.graphs else "off",
                         self.num_kvcache_blocks, self.block_size, self.num_kvcache_blocks * self.block_size,
                         self.world_size)
             if config.preemption_mode == SWAP:
                 logger.info("swap space %d host blocks (swap_space=%s GiB per rank, %s)", self.num_swap_blocks,
                             config.swap_space, "pinned" if self.swap_cache.is_pinned() else "not pinned")
+            t = self.startup
+            logger.info("start-up %.1f s: load %.1f s, warm-up %.1f s, KV cache %.1f s, kernel warm-up %.1f s, "
+                        "graph capture %.1f s", t.total_s, *t)
 
     def exit(self) -> None:
         self.graphs.clear()
@@ -259,7 +313,8 @@ class ModelRunner:
         sampled = seqs if len(step.sample_indices) == n else [seqs[i] for i in step.sample_indices]
         logits = step.logits
         with compiling(self.compile):
-            out = self.sampler(logits, prepare_sampling(sampled, logits.size(-1), self.config.eos, self.device))
+            out = self.sampler(logits, prepare_sampling(sampled, logits.size(-1), self.config.eos, self.device,
+                                                        philox=self.sampler.uses_philox))
         if len(sampled) == n:
             return out
         token_ids, logprobs = [-1] * n, [None] * n

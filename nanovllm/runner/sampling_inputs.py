@@ -3,7 +3,8 @@
 The host side of sampling (as mini-sglang's `prepare`): each row's parameters gathered into
 small tensors, only those some row needs (the common temperature-only case is one copy), the
 prompt and output token counts for penalties, the tokens min_tokens forbids, and each seeded
-row's own generator (made on the sampling device at its first use). The device side is
+row's own generator (made on the sampling device at its first use), or with `philox` (the
+Triton sampler) each row's Philox key and counter instead. The device side is
 `layers/sampler.py`, which knows nothing of sequences.
 """
 import torch
@@ -23,16 +24,44 @@ def _token_matrix(rows: list[list[int]], vocab_size: int, device: torch.device) 
     return counts[:, :vocab_size].to(device, non_blocking=True)
 
 
-def prepare_sampling(seqs: list[Sequence], vocab_size: int, eos: int, device: torch.device) -> SamplingTensors:
+INT64_SPAN = 1 << 64  # seeds run over int64 and uint64 (SamplingParams); a key is their 64 bits
+
+
+def philox_keys(seqs: list[Sequence]) -> list[list[int]]:
+    """[keys, counters] for the Triton sampler's Philox noise, one entry per row. A seeded row that
+    samples: its seed (as int64 bits) and the index of the token it draws, so its noise depends on
+    nothing else (not the batch, nor a preemption that recomputes it). Every other row: one key
+    drawn per step from torch's default generator (torch.manual_seed makes runs repeat), and its
+    row as the counter."""
+    step_key = None
+    keys, counters = [], []
+    for row, seq in enumerate(seqs):
+        if seq.seed is not None and not seq.sampling_params.greedy:
+            key, counter = seq.seed, seq.num_completion_tokens
+            key = key - INT64_SPAN if key >= INT64_SPAN // 2 else key
+        else:
+            if step_key is None:
+                step_key = int(torch.empty((), dtype=torch.int64).random_())
+            key, counter = step_key, row
+        keys.append(key)
+        counters.append(counter)
+    return [keys, counters]
+
+
+def prepare_sampling(seqs: list[Sequence], vocab_size: int, eos: int, device: torch.device,
+                     philox: bool = False) -> SamplingTensors:
     params = [seq.sampling_params for seq in seqs]
 
     def column(values: list, dtype: torch.dtype) -> torch.Tensor:  # from pinned memory, without blocking
         return torch.tensor(values, dtype=dtype, pin_memory=device.type == "cuda").to(device, non_blocking=True)
 
     temperatures = [p.temperature for p in params]
-    if all(p.needs_only_temperature for p in params):  # the common case: one small copy
+    keys = column(philox_keys(seqs), torch.int64) if philox else None  # [2, batch]
+    # The common case, one small copy (two with Philox keys), and the Triton sampler's single pass.
+    if all(p.needs_only_temperature_and_seed if philox else p.needs_only_temperature for p in params):
         return SamplingTensors(column(temperatures, torch.float32), all_greedy=not any(temperatures), top_k=None,
-                               top_p=None, min_p=None, penalties=None, banned=None, generators=[], num_logprobs=-1)
+                               top_p=None, min_p=None, penalties=None, banned=None, generators=[], num_logprobs=-1,
+                               philox=keys)
     sampled = [p for p in params if not p.greedy]
     top_k = [p.top_k if p.top_k > 0 else vocab_size for p in params]
     penalties = None
@@ -48,7 +77,7 @@ def prepare_sampling(seqs: list[Sequence], vocab_size: int, eos: int, device: to
         banned_rows += [row] * len(banned)
         banned_ids += banned
     generators = []
-    for row, seq in enumerate(seqs):
+    for row, seq in enumerate(seqs if not philox else []):  # Philox keys replace generators
         if seq.sampling_params.seed is not None and not seq.sampling_params.greedy:
             if seq.generator is None:
                 seq.generator = torch.Generator(device).manual_seed(seq.seed)
@@ -63,4 +92,5 @@ def prepare_sampling(seqs: list[Sequence], vocab_size: int, eos: int, device: to
         banned=(column(banned_rows, torch.int64), column(banned_ids, torch.int64)) if banned_rows else None,
         generators=generators,
         num_logprobs=max((p.logprobs for p in params if p.logprobs is not None), default=-1),
+        philox=keys,
     )

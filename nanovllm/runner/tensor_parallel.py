@@ -20,7 +20,7 @@ from nanovllm.utils.parallel import tensor_parallel_rank
 
 class TensorParallelRunner:
     """Rank 0 of a tensor-parallel group, used by the engine as it uses a ModelRunner (run, exit,
-    num_kvcache_blocks, num_swap_blocks, attention_backend)."""
+    num_kvcache_blocks, num_swap_blocks, attention_backend, startup)."""
 
     def __init__(self, config: Config):
         self.workers = WorkerGroup(config)  # spawns ranks 1..N-1 and joins the process group with them
@@ -35,6 +35,7 @@ class TensorParallelRunner:
         self.num_kvcache_blocks = self.runner.num_kvcache_blocks
         self.num_swap_blocks = self.runner.num_swap_blocks  # the same on every rank: same shard sizes
         self.attention_backend = self.runner.attention_backend
+        self.startup = self.runner.startup  # rank 0's start-up times, the ones the others wait on
 
     @property
     def worker_pids(self) -> list[int]:
