@@ -26,6 +26,11 @@ under --scheduling-policy prefill_first they wait the whole prefill, under mixed
 comes in the same step. With every request admitted at once there are no such gaps; a
 --max-num-seqs below --num-seqs admits requests as others finish, as a server does.
 
+--speculative ngram|draft_model turns on speculative decoding (--num-speculative-tokens,
+--prompt-lookup-min/max, --draft-model) and reports tokens proposed and accepted, the acceptance
+rate and the mean tokens per target forward pass per decoding sequence. --workload repetitive
+makes each prompt a random chunk repeated (what prompt lookup feeds on); --temperature 0 is greedy.
+
 With --compare-hf the same prompts and output lengths then go through HuggingFace transformers'
 `generate` in the same process, on the same device and dtype, and the table and the JSON line
 gain HF's throughput and the ratio (see run_hf_baseline for how HF is batched and counted).
@@ -49,6 +54,7 @@ from transformers import AutoModelForCausalLM, GenerationConfig
 
 from nanovllm import LLM, SamplingParams
 from nanovllm.engine.scheduler import SCHEDULING_POLICIES
+from nanovllm.speculative_config import SPECULATIVE_METHODS
 from nanovllm.testing.synthetic import (GPT2_CONFIG, LLAMA_3_2_1B_CONFIG, QWEN3_30B_A3B_CONFIG, build_checkpoint,
                                         build_qwen3_0_6b, build_shaped)
 
@@ -64,6 +70,7 @@ WARMUP_MAX_TOKENS = 16  # enough to run prefill and decode once before timing
 HF_BATCH_SIZE_CUDA, HF_BATCH_SIZE_CPU = 64, 16
 # torch's scaled_dot_product_attention: transformers' fastest attention that needs no extra package.
 HF_ATTN_IMPLEMENTATION = "sdpa"
+REPEAT_CHUNK_LEN = (8, 16)  # --workload repetitive: each prompt repeats a random chunk of this many tokens
 HF_PROBE_NEW_TOKENS = 32  # decode steps timed per KV-cache setup when --hf-cache auto chooses on CUDA
 # nano-vllm's bench.py loads this checkpoint; with no --model or --synthetic so do we, when it exists.
 NANO_VLLM_CHECKPOINT = "~/huggingface/Qwen3-0.6B/"
@@ -123,15 +130,19 @@ def synthetic_checkpoint(model: SyntheticModel, workdir: str) -> str:
     return path
 
 
-def make_workload(num_seqs: int, min_len: int, max_len: int, vocab_size: int,
-                  seed: int) -> tuple[list[list[int]], list[SamplingParams]]:
-    """nano-vllm's workload: random prompt ids and output lengths, each length uniform in min_len..max_len."""
+def make_workload(num_seqs: int, min_len: int, max_len: int, vocab_size: int, seed: int,
+                  repetitive: bool = False, temperature: float = TEMPERATURE
+                  ) -> tuple[list[list[int]], list[SamplingParams]]:
+    """nano-vllm's workload: random prompt ids and output lengths, each length uniform in
+    min_len..max_len; `repetitive` makes each prompt a random chunk repeated."""
     random.seed(seed)
     # Draw ids from nano-vllm's range for any vocabulary, so the random stream (and with it every
     # length) is the same whatever the model; a small vocabulary folds them with a modulo.
     prompts = [[random.randint(0, MAX_PROMPT_TOKEN_ID) % vocab_size for _ in range(random.randint(min_len, max_len))]
                for _ in range(num_seqs)]
-    sampling_params = [SamplingParams(temperature=TEMPERATURE, ignore_eos=True,
+    if repetitive:
+        prompts = [(p[:random.randint(*REPEAT_CHUNK_LEN)] * len(p))[:len(p)] for p in prompts]
+    sampling_params = [SamplingParams(temperature=temperature, ignore_eos=True,
                                       max_tokens=random.randint(min_len, max_len)) for _ in range(num_seqs)]
     return prompts, sampling_params
 
@@ -217,6 +228,14 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--max-num-seqs", type=int, help="sequences running at once (default: the engine's)")
     parser.add_argument("--max-num-batched-tokens", type=int, help="tokens per step (default: the engine's)")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--temperature", type=float, default=TEMPERATURE, help="0 = greedy")
+    parser.add_argument("--workload", choices=["random", "repetitive"], default="random",
+                        help="random token prompts (nano-vllm's), or each prompt a random chunk repeated")
+    parser.add_argument("--speculative", choices=list(SPECULATIVE_METHODS), help="speculative decoding method")
+    parser.add_argument("--num-speculative-tokens", type=int, default=3)
+    parser.add_argument("--prompt-lookup-min", type=int, default=1)
+    parser.add_argument("--prompt-lookup-max", type=int, default=4)
+    parser.add_argument("--draft-model", help="the draft checkpoint for --speculative draft_model")
     parser.add_argument("--json-out", help="also write the result JSON to this file")
     parser.add_argument("--compare-hf", action="store_true",
                         help="after nanovllm's timed run, run the same workload through HF transformers' generate")
@@ -417,6 +436,13 @@ def main() -> None:
                                                   ("max_num_seqs", args.max_num_seqs),
                                                   ("max_num_batched_tokens", args.max_num_batched_tokens))
                   if value is not None}
+    if args.speculative == "ngram":
+        scheduling["speculative_config"] = {"method": "ngram", "num_speculative_tokens": args.num_speculative_tokens,
+                                            "prompt_lookup_min": args.prompt_lookup_min,
+                                            "prompt_lookup_max": args.prompt_lookup_max}
+    elif args.speculative == "draft_model":
+        scheduling["speculative_config"] = {"method": "draft_model", "model": args.draft_model,
+                                            "num_speculative_tokens": args.num_speculative_tokens}
     startup_begin = time.perf_counter()
     llm = LLM(path, device=args.device, dtype=args.dtype, enforce_eager=args.enforce_eager,
               fused_kernels=args.fused_kernels, max_model_len=args.max_model_len, **scheduling)
@@ -434,7 +460,8 @@ def main() -> None:
     for note in notes:
         print(f"NOTE: {note}")
 
-    prompts, sampling_params = make_workload(num_seqs, min_len, max_len, llm.config.hf_config.vocab_size, args.seed)
+    prompts, sampling_params = make_workload(num_seqs, min_len, max_len, llm.config.hf_config.vocab_size, args.seed,
+                                             args.workload == "repetitive", args.temperature)
 
     # 2. Warm up, then time one generate call over the whole workload.
     llm.generate(["Benchmark: "], SamplingParams(max_tokens=WARMUP_MAX_TOKENS), use_tqdm=False)
@@ -466,7 +493,16 @@ def main() -> None:
         "output_len_range": [min_len, max_len],
         "cpu_scaled_workload": scaled_down,
         "seed": args.seed,
-        "temperature": TEMPERATURE,
+        "temperature": args.temperature,
+        "workload": args.workload,
+        "speculative": args.speculative,
+        "num_speculative_tokens": args.num_speculative_tokens if args.speculative else 0,
+        "spec_proposed_tokens": counted["spec_proposed_tokens"],
+        "spec_accepted_tokens": counted["spec_accepted_tokens"],
+        "spec_acceptance_rate": (round(counted["spec_accepted_tokens"] / counted["spec_proposed_tokens"], 4)
+                                 if counted["spec_proposed_tokens"] else None),
+        "spec_tokens_per_forward": (round(counted["spec_decode_tokens"] / counted["spec_decode_rows"], 4)
+                                    if counted["spec_decode_rows"] else None),
         "total_input_tokens": total_input_tokens,
         "total_output_tokens": total_output_tokens,
         "time_s": round(elapsed, 3),
@@ -516,6 +552,11 @@ def main() -> None:
                                    f"({result['itl_during_prefill_count']} gaps)"),
         *(("note", note) for note in notes),
     ]
+    if args.speculative:
+        rows.append(("speculative", f"{args.speculative}, k={args.num_speculative_tokens}: "
+                                    f"{result['spec_proposed_tokens']} proposed, {result['spec_accepted_tokens']} "
+                                    f"accepted (rate {result['spec_acceptance_rate']}), "
+                                    f"{result['spec_tokens_per_forward']} tokens per target forward"))
     if on_cpu:
         rows.append(("host load (1 min)", f"{load_1m:.2f} on {os.cpu_count()} cores"))
         rows.append(("process CPU time (s)", f"{cpu_s:.2f} on {torch.get_num_threads()} threads"))

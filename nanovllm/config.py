@@ -17,6 +17,7 @@ from transformers import AutoConfig, PretrainedConfig, PreTrainedTokenizerBase
 
 from nanovllm.engine.scheduler import DEFAULT_SCHEDULING_POLICY, PREEMPTION_MODES, RECOMPUTE, SCHEDULING_POLICIES
 from nanovllm.kernels import MIN_DOT_SIZE
+from nanovllm.speculative_config import DRAFT_MODEL, SpeculativeConfig
 from nanovllm.utils.tokenizer import end_of_text_id, load_tokenizer
 from nanovllm.utils.validation import is_int, is_number, require
 
@@ -87,10 +88,18 @@ class Config:
     # torch.compile'd function, whatever compile_mode says; GPT-2's LayerNorm and GELU stay torch's.
     # Resolved to "triton" or "torch" when the Config is made.
     fused_kernels: str = "auto"
+    # Speculative decoding (README, "Speculative decoding"): None (off), {"method": "ngram",
+    # "num_speculative_tokens": k, "prompt_lookup_min": a, "prompt_lookup_max": b} or
+    # {"method": "draft_model", "model": PATH, "num_speculative_tokens": k}. Output is exactly
+    # the same as without it (greedy token for token; sampled, the same distribution).
+    speculative_config: dict | None = None
     # Read from the checkpoint, not settings:
     hf_config: PretrainedConfig = field(init=False, repr=False)
     tokenizer: PreTrainedTokenizerBase | None = field(init=False, repr=False, compare=False)  # None: skipped
     eos: int = field(init=False)  # the end-of-text token id (tokenizer's, else config.json's; -1 if none)
+    speculative: SpeculativeConfig | None = field(init=False, default=None)  # speculative_config, checked
+    # The draft model's own Config (draft_model method): the same engine settings, no tokenizer.
+    draft_config: "Config | None" = field(init=False, default=None, repr=False, compare=False)
 
     @classmethod
     def from_kwargs(cls, model: str, kwargs: dict) -> "Config":
@@ -113,6 +122,8 @@ class Config:
         self._check_tensor_parallel()
         self.tokenizer = None if self.skip_tokenizer_init else load_tokenizer(self.model)
         self.eos = end_of_text_id(self.tokenizer, self.hf_config)
+        if self.speculative is not None and self.speculative.method == DRAFT_MODEL:
+            self.draft_config = self._make_draft_config()
 
     def for_workers(self) -> "Config":
         """This config as tensor-parallel workers get it: the same settings and facts without the
@@ -152,9 +163,32 @@ class Config:
                 f"one of {PREEMPTION_MODES}")
         require(is_number(self.swap_space) and self.swap_space >= 0, "swap_space", self.swap_space,
                 "a finite number of GiB >= 0")
+        if self.speculative_config is not None:
+            self.speculative = SpeculativeConfig.from_dict(self.speculative_config)
+            require(self.tensor_parallel_size == 1, "tensor_parallel_size", self.tensor_parallel_size,
+                    "1 with speculative_config (speculative decoding runs on one rank only)")
         t = self.tensor_parallel_heartbeat_timeout_s
         require(is_number(t) and t >= MIN_HEARTBEAT_TIMEOUT_S, "tensor_parallel_heartbeat_timeout_s", t,
                 f"a finite number of seconds >= {MIN_HEARTBEAT_TIMEOUT_S}")
+
+    def _make_draft_config(self) -> "Config":
+        """The draft model's Config: this one's engine settings, its own checkpoint, no tokenizer
+        (it shares the target's), its KV cache sized with the target's (runner/speculative.py)."""
+        settings = {f.name: getattr(self, f.name) for f in fields(self) if f.init}
+        settings.update(model=self.speculative.model, speculative_config=None, skip_tokenizer_init=True)
+        try:
+            draft = Config(**settings)
+        except ValueError as error:
+            raise ValueError(f"speculative_config['model']={self.speculative.model!r} is not a usable draft "
+                             f"model: {error}") from error
+        target_vocab, draft_vocab = self.hf_config.vocab_size, draft.hf_config.vocab_size
+        if draft_vocab != target_vocab:
+            raise ValueError(f"speculative_config['model']={self.speculative.model!r} has vocab_size={draft_vocab}; "
+                             f"a draft model must share the target's vocabulary (vocab_size={target_vocab})")
+        if draft.max_model_len < self.max_model_len:
+            raise ValueError(f"speculative_config['model']={self.speculative.model!r} holds {draft.max_model_len} "
+                             f"positions, fewer than max_model_len={self.max_model_len}; lower max_model_len")
+        return draft
 
     def _check_tensor_parallel(self) -> None:
         """Each rank holds 1/tensor_parallel_size of these, so each must divide; checked here,

@@ -13,6 +13,7 @@ refused with a RuntimeError (a server drives it from one engine loop). Its only 
 (weakref.finalize) holds the model runner, not the engine, so a dropped engine is freed by the
 garbage collector; exit() (or leaving `with LLM(...) as llm:`) frees it at once.
 """
+import logging
 import threading
 import weakref
 from contextlib import contextmanager
@@ -36,6 +37,8 @@ from nanovllm.utils.math_utils import cdiv
 from nanovllm.utils.validation import is_int
 
 Prompt = str | list[int]
+
+logger = logging.getLogger("nanovllm")
 
 EXITED_MESSAGE = "this engine has exited (exit() was called); create a new LLM to generate again"
 
@@ -104,8 +107,11 @@ class LLMEngine:
         self.block_manager = BlockManager(self.model_runner.num_kvcache_blocks, config.kvcache_block_size,
                                           config.enable_prefix_caching, self.model_runner.num_swap_blocks)
         self.stop_checker = StopChecker(config.eos, config.max_model_len)
+        # Speculative decoding: the runner proposes and verifies; the scheduler reserves the slots.
+        self.speculative = config.speculative is not None
         self.scheduler = Scheduler(config.max_num_seqs, config.max_num_batched_tokens, self.block_manager,
-                                   self.stop_checker, config.scheduling_policy, config.preemption_mode)
+                                   self.stop_checker, config.scheduling_policy, config.preemption_mode,
+                                   config.speculative.num_speculative_tokens if self.speculative else 0)
         self._init_routing()
 
     def _init_routing(self) -> None:
@@ -133,7 +139,17 @@ class LLMEngine:
             return
         with self._entered():
             self._exited = True
+            if self.speculative:
+                self._log_speculation()
             self._finalizer()
+
+    def _log_speculation(self) -> None:
+        stats = self.scheduler.stats
+        rate, per_forward = stats.spec_acceptance_rate, stats.spec_tokens_per_forward
+        logger.info("speculative decoding (%s): %d tokens proposed, %d accepted (acceptance rate %s), "
+                    "%s tokens per target forward pass per decoding sequence", self.config.speculative.method,
+                    stats.spec_proposed_tokens, stats.spec_accepted_tokens,
+                    "n/a" if rate is None else f"{rate:.3f}", "n/a" if per_forward is None else f"{per_forward:.3f}")
 
     def __enter__(self) -> "LLMEngine":
         return self
@@ -352,7 +368,10 @@ class LLMEngine:
             return StepOutput([], [], 0, True, list(self._news))
         num_tokens = batch.num_tokens  # before postprocess clears the scheduled counts
         out = self.model_runner.run(batch.seqs, batch.is_prefill, batch.swap_out, batch.swap_in)
-        advanced = self.scheduler.postprocess(batch, out.token_ids)
+        if self.speculative:  # each sequence's accepted proposals and one more token
+            advanced = self.scheduler.postprocess_speculative(batch, out.token_ids, out.num_proposed)
+        else:
+            advanced = self.scheduler.postprocess(batch, out.token_ids)
         self._count_inter_token_latency(advanced, batch.num_prefill_seqs > 0)
         # The runner returns logprobs exactly for the rows that sampled, which are the advanced ones.
         for seq, lp in zip(batch.seqs, out.logprobs):

@@ -243,6 +243,25 @@ class BlockManager:
         while len(seq.block_table) < seq.num_blocks:
             seq.block_table.append(self._take_free_block())
 
+    def reserve_lookahead(self, seq: Sequence, num_tokens: int) -> int:
+        """Blocks for up to num_tokens more K/V slots past the sequence's tokens (speculative
+        decoding's proposed tokens), from free blocks only: never at another sequence's expense.
+        Returns the slots reserved; `trim` gives back what the step did not keep."""
+        slots = (len(seq.block_table) + self.num_free_blocks) * self.block_size - len(seq)
+        num_tokens = max(min(num_tokens, slots), 0)
+        while len(seq.block_table) * self.block_size < len(seq) + num_tokens:
+            seq.block_table.append(self._take_free_block())
+        return num_tokens
+
+    def trim(self, seq: Sequence) -> None:
+        """Free the blocks past the ones the sequence's tokens need (lookahead blocks whose
+        proposed tokens were rejected: never published, so nothing leaves the prefix cache)."""
+        while len(seq.block_table) > seq.num_blocks:
+            block = self.blocks[seq.block_table.pop()]
+            assert block.ref_count == 1 and block.hash is None
+            block.ref_count = 0
+            self.free_block_queue[block.block_id] = None
+
     def cache_blocks(self, seq: Sequence, start: int, end: int) -> None:
         """Publish the sequence's full blocks start..end-1, whose K/V are now computed."""
         if not self.enable_prefix_caching:

@@ -28,6 +28,14 @@ max_num_batched_tokens), so every one of them gets at least one token in each mi
 After the step, `postprocess` advances each sequence and finishes the ones the StopChecker says
 are done, freeing their blocks. Plain Python: no tensors; the block copies of swaps travel in
 the ScheduledBatch for the runner to make.
+
+Speculative decoding (num_lookahead_tokens > 0): after part 1, each decode that may speculate
+gets lookahead slots for the tokens the runner may propose after its newest one (token budget
+and free blocks only: a lookahead never preempts). `postprocess_speculative` appends each
+sequence's kept tokens one at a time through the stop checker (so no stop and no max_tokens is
+overshot), counts only the accepted proposals as computed, and gives back the lookahead blocks
+past the sequence's tokens: the rejected proposals leave nothing behind in the block table or
+the prefix cache.
 """
 import heapq
 from bisect import insort
@@ -86,10 +94,35 @@ class SchedulerStats:
     # Swapped sequences whose shared prefix blocks left the prefix cache while they were away,
     # so they were recomputed instead of swapped in.
     swapped_prefix_lost: int = 0
+    # Speculative decoding: tokens proposed and accepted, and the decode rows (a sequence's newest
+    # token through one target forward pass) with the tokens they produced.
+    spec_proposed_tokens: int = 0
+    spec_accepted_tokens: int = 0
+    spec_decode_rows: int = 0
+    spec_decode_tokens: int = 0
 
     @property
     def num_preemptions(self) -> int:
         return self.preemptions_recompute + self.preemptions_swap
+
+    @property
+    def spec_acceptance_rate(self) -> float | None:
+        """Accepted share of the proposed tokens; None before any was proposed."""
+        return self.spec_accepted_tokens / self.spec_proposed_tokens if self.spec_proposed_tokens else None
+
+    @property
+    def spec_tokens_per_forward(self) -> float | None:
+        """Tokens a decoding sequence got per target forward pass (1 without speculation)."""
+        return self.spec_decode_tokens / self.spec_decode_rows if self.spec_decode_rows else None
+
+
+def may_speculate(seq: Sequence) -> bool:
+    """Whether proposals for this sequence can be verified exactly: the rejection sampler applies
+    temperature, min_p, top_k and top_p, not what depends on the tokens before each proposed one
+    (penalties, min_tokens bans), nor logprobs."""
+    params = seq.sampling_params
+    return params.logprobs is None and not params.has_penalties and \
+        len(seq.token_ids) - seq.num_prompt_tokens >= params.min_tokens
 
 
 class SequenceQueue:
@@ -152,8 +185,8 @@ class Scheduler:
 
     def __init__(self, max_num_seqs: int, max_num_batched_tokens: int, block_manager: BlockManager,
                  stop_checker: StopChecker, policy: str = DEFAULT_SCHEDULING_POLICY,
-                 preemption_mode: str = RECOMPUTE):
-        assert policy in SCHEDULING_POLICIES and preemption_mode in PREEMPTION_MODES
+                 preemption_mode: str = RECOMPUTE, num_lookahead_tokens: int = 0):
+        assert policy in SCHEDULING_POLICIES and preemption_mode in PREEMPTION_MODES and num_lookahead_tokens >= 0
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         # So that every running sequence can have a token in one step.
@@ -162,6 +195,7 @@ class Scheduler:
         self.stop_checker = stop_checker
         self.policy = policy
         self.preemption_mode = preemption_mode
+        self.num_lookahead_tokens = num_lookahead_tokens  # speculative decoding's k; 0: off
         self.waiting = SequenceQueue()
         self.swapped = SequenceQueue()
         self.running: list[Sequence] = []  # sorted by sort_key
@@ -245,6 +279,23 @@ class Scheduler:
                 decoded.append(seq)
         plan.budget -= len(decoded) - num_before
         assert plan.budget >= 0, "more running sequences than the token budget"
+        if self.num_lookahead_tokens:
+            self._reserve_lookahead(plan, decoded[num_before:])
+
+    def _reserve_lookahead(self, plan: _StepPlan, decoded: list[Sequence]) -> None:
+        """Lookahead slots for the decodes that may speculate, best first, within the budget and
+        the free blocks, and short of max_tokens and max_model_len: every proposal kept still
+        leaves room for the one more token the step adds."""
+        bm, max_model_len = self.block_manager, self.stop_checker.max_model_len
+        for seq in decoded:
+            if plan.budget == 0:
+                return
+            if not may_speculate(seq):
+                continue
+            room = min(seq.max_tokens - seq.num_completion_tokens, max_model_len - len(seq)) - 1
+            n = bm.reserve_lookahead(seq, min(self.num_lookahead_tokens, plan.budget, room))
+            seq.num_lookahead_slots = n
+            plan.budget -= n
 
     @staticmethod
     def _schedule_prefill_chunks(plan: _StepPlan, candidates: list[Sequence]) -> None:
@@ -331,15 +382,62 @@ class Scheduler:
                 self.block_manager.cache_blocks(seq, first_block, seq.num_computed_tokens // bs)
             if seq.num_computed_tokens < len(seq.token_ids):
                 continue
-            if seq.pending_siblings:  # the prompt's blocks are published now: let the other samples in
-                for sibling in seq.pending_siblings:
-                    self.add(sibling)
-                seq.pending_siblings = []
+            if seq.pending_siblings:
+                self._release_siblings(seq)
             seq.append_token(token_id)
             advanced.append(seq)
             finish = check(seq)
             if finish is not None:
                 self.finish(seq, finish.finish_reason, finish.stop_reason)
+        self.drop_finished()
+        return advanced
+
+    def _release_siblings(self, seq: Sequence) -> None:
+        """The prompt's blocks are published now: let the other samples in."""
+        for sibling in seq.pending_siblings:
+            self.add(sibling)
+        seq.pending_siblings = []
+
+    def postprocess_speculative(self, batch: ScheduledBatch, token_ids: list[list[int]],
+                                num_proposed: list[int]) -> list[Sequence]:
+        """postprocess for a speculative step: each sequence gets its list of kept tokens (its
+        accepted proposals, then one more; [] for a prefill chunk that samples nothing), appended
+        one at a time, each checked by the stop checker; a sequence that stops keeps none after.
+        The accepted proposals' K/V are computed (they were the step's input), the rejected
+        ones' are not: the computed count covers the first, and the blocks past the sequence's
+        tokens go back to the pool."""
+        bs, bm, stats = self.block_manager.block_size, self.block_manager, self.stats
+        check = self.stop_checker.check
+        advanced = []
+        for seq, tokens, proposed in zip(batch.seqs, token_ids, num_proposed):
+            decoding = seq.num_computed_tokens == len(seq.token_ids) - 1
+            first_block = seq.num_computed_tokens // bs
+            seq.num_computed_tokens += seq.num_scheduled_tokens
+            seq.num_scheduled_tokens = seq.num_lookahead_slots = 0
+            if seq.num_computed_tokens < len(seq.token_ids):
+                if seq.num_computed_tokens // bs > first_block:
+                    bm.cache_blocks(seq, first_block, seq.num_computed_tokens // bs)
+                continue
+            if seq.pending_siblings:
+                self._release_siblings(seq)
+            stats.spec_proposed_tokens += proposed
+            stats.spec_accepted_tokens += len(tokens) - 1
+            if decoding:
+                stats.spec_decode_rows += 1
+                stats.spec_decode_tokens += len(tokens)
+            advanced.append(seq)
+            for token_id in tokens:
+                seq.append_token(token_id)
+                finish = check(seq)
+                if finish is not None:
+                    self.finish(seq, finish.finish_reason, finish.stop_reason)
+                    break
+            if seq.is_finished:
+                continue
+            seq.num_computed_tokens = len(seq.token_ids) - 1  # the newest token, as always, is not computed yet
+            if seq.num_computed_tokens // bs > first_block:  # a block filled up: publish it
+                bm.cache_blocks(seq, first_block, seq.num_computed_tokens // bs)
+            bm.trim(seq)
         self.drop_finished()
         return advanced
 

@@ -45,6 +45,9 @@ class Sequence:
         self.num_computed_tokens = 0
         # Tokens the scheduler gave this sequence for the current step.
         self.num_scheduled_tokens = 0
+        # Speculative decoding: tokens that may be proposed after its newest one in the current
+        # step (slots, budget and blocks reserved for them); 0 when it decodes one token.
+        self.num_lookahead_slots = 0
         # Prompt tokens served from the prefix cache at first scheduling (reported to the user).
         self.num_cached_tokens = 0
         self.scheduled_once = False

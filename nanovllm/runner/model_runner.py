@@ -92,6 +92,19 @@ def blocks_in_budget(budget: int, block_bytes: int, max_num_seqs: int, blocks_pe
     return min(max(budget, 0) // block_bytes, max_num_seqs * blocks_per_seq)
 
 
+def kv_block_bytes(num_layers: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
+    """Bytes of one paged KV block: K and V of block_size tokens in every layer."""
+    return 2 * num_layers * block_size * num_kv_heads * head_dim * dtype.itemsize
+
+
+class MemoryReserve(NamedTuple):
+    """Room another model sharing this runner's memory budget takes (a speculative draft model):
+    its weights, made after this runner measures the device, and the bytes it keeps per KV block
+    (it gets as many blocks as this runner)."""
+    fixed_bytes: int = 0
+    per_block_bytes: int = 0
+
+
 class StepLogits(NamedTuple):
     """What a step's forward pass leaves for sampling."""
     logits: torch.Tensor | None  # [num sampled, vocab] on rank 0; None on other ranks and when none samples
@@ -100,8 +113,9 @@ class StepLogits(NamedTuple):
 
 class ModelRunner:
 
-    def __init__(self, config: Config):
+    def __init__(self, config: Config, reserve: MemoryReserve = MemoryReserve()):
         self.config = config
+        self.reserve = reserve
         hf_config = config.hf_config
         self.device = torch.device(config.device)
         self.block_size = config.kvcache_block_size
@@ -194,7 +208,7 @@ class ModelRunner:
             torch.cuda.empty_cache()
 
     def _kv_block_bytes(self) -> int:
-        return 2 * self.num_layers * self.block_size * self.num_kv_heads * self.head_dim * self.config.dtype.itemsize
+        return kv_block_bytes(self.num_layers, self.block_size, self.num_kv_heads, self.head_dim, self.config.dtype)
 
     def _num_blocks_from_memory(self) -> int:
         config = self.config
@@ -203,11 +217,13 @@ class ModelRunner:
             stats = torch.cuda.memory_stats()
             budget = gpu_kv_budget(total, free, stats["allocated_bytes.all.peak"],
                                    stats["allocated_bytes.all.current"], config.gpu_memory_utilization)
+            budget -= self.reserve.fixed_bytes
             where = f"gpu_memory_utilization={config.gpu_memory_utilization} of {total / GIB:.1f} GiB"
         else:
             budget = int(config.cpu_kvcache_space_gib * GIB)
             where = f"cpu_kvcache_space_gib={config.cpu_kvcache_space_gib}"
-        num_blocks = blocks_in_budget(budget, self._kv_block_bytes(), config.max_num_seqs, self.max_blocks_per_seq)
+        num_blocks = blocks_in_budget(budget, self._kv_block_bytes() + self.reserve.per_block_bytes,
+                                      config.max_num_seqs, self.max_blocks_per_seq)
         if self.world_size > 1:  # block ids mean the same on every rank, so all take the smallest cache
             smallest = torch.tensor([num_blocks], dtype=torch.int64, device=self.device)
             dist.all_reduce(smallest, op=dist.ReduceOp.MIN)
@@ -228,15 +244,15 @@ class ModelRunner:
             layer.k_cache, layer.v_cache = self.kv_cache[0, i], self.kv_cache[1, i]
         return num_blocks
 
-    def allocate_swap_space(self) -> int:
+    def allocate_swap_space(self, num_blocks: int | None = None) -> int:
         """Host blocks for swapped-out K/V, laid out as the KV cache: swap_space GiB on this rank
         (none unless preemption_mode="swap"), capped by what max_num_seqs full-length sequences
-        use. Pinned on CUDA, so the copies run at full bandwidth; left unwritten until used."""
+        use, or exactly num_blocks (a draft model mirrors its target's). Pinned on CUDA, so the
+        copies run at full bandwidth; left unwritten until used."""
         config = self.config
-        num_blocks = 0
-        if config.preemption_mode == SWAP:
-            num_blocks = blocks_in_budget(int(config.swap_space * GIB), self._kv_block_bytes(), config.max_num_seqs,
-                                          self.max_blocks_per_seq)
+        if num_blocks is None:
+            num_blocks = 0 if config.preemption_mode != SWAP else blocks_in_budget(
+                int(config.swap_space * GIB), self._kv_block_bytes(), config.max_num_seqs, self.max_blocks_per_seq)
         shape = list(self.kv_cache.shape)
         shape[2] = num_blocks
         self.swap_cache = torch.empty(shape, dtype=self.kv_cache.dtype, pin_memory=self.device.type == "cuda" and

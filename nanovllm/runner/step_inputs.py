@@ -30,25 +30,34 @@ class StepMessage(NamedTuple):
     block_tables: list[list[int]]  # per sequence; empty for the warm-up, which has no cache
     swap_out: BlockCopies = NO_COPIES  # device -> host block copies, made first
     swap_in: BlockCopies = NO_COPIES  # host -> device block copies, made next (then the forward pass)
+    # Speculative decoding: per sequence, the proposed tokens after its newest one that this step
+    # verifies (they are among its new tokens and counted in its end and length); empty: none.
+    num_proposed: list[int] | tuple[()] = ()
 
     @classmethod
     def of(cls, seqs: list[Sequence], is_prefill: bool, swap_out: BlockCopies = NO_COPIES,
-           swap_in: BlockCopies = NO_COPIES) -> "StepMessage":
+           swap_in: BlockCopies = NO_COPIES, proposals: list[list[int]] | None = None) -> "StepMessage":
         """The message of a scheduled batch: each sequence's num_scheduled_tokens new tokens from
         num_computed_tokens on (a prefill chunk, or a decode step's one newest token). A prefill
-        step may hold decode rows too (a mixed batch): one new token over the cached rest."""
+        step may hold decode rows too (a mixed batch): one new token over the cached rest. With
+        `proposals` (a varlen step), each sequence's proposed tokens follow its new ones."""
         lengths = [len(seq) for seq in seqs]
         tables = [seq.block_table for seq in seqs]
         if not is_prefill:  # one new token each, the newest: its context is the whole sequence
             return cls(False, [seq.last_token for seq in seqs], [n - 1 for n in lengths], lengths, lengths, tables,
                        swap_out, swap_in)
         token_ids, starts, ends = [], [], []
-        for seq in seqs:
+        for i, seq in enumerate(seqs):
             start, end = seq.num_computed_tokens, seq.num_computed_tokens + seq.num_scheduled_tokens
             token_ids.extend(seq.token_ids[start:end])
+            if proposals:
+                token_ids.extend(proposals[i])
+                end += len(proposals[i])
+                lengths[i] += len(proposals[i])
             starts.append(start)
             ends.append(end)
-        return cls(True, token_ids, starts, ends, lengths, tables, swap_out, swap_in)
+        num_proposed = [len(p) for p in proposals] if proposals else ()
+        return cls(True, token_ids, starts, ends, lengths, tables, swap_out, swap_in, num_proposed)
 
     @property
     def num_seqs(self) -> int:
@@ -89,7 +98,8 @@ def decode_slot(block_table: list[int], block_size: int, num_tokens: int) -> int
 
 def prefill_inputs(step: StepMessage, block_size: int, device: torch.device) -> StepInputs:
     """A prefill step's inputs: every sequence's new tokens back to back. A sequence samples when
-    this chunk completes its prompt, from the row of its last new token."""
+    this chunk completes its prompt, from the row of its last new token; one with proposed
+    tokens from the rows of its newest token and of each proposed one (speculative decoding)."""
     positions, slot_mapping = [], []
     cu_q, cu_k = [0], [0]  # prefix sums of new (q) and total (k) tokens per sequence
     for start, end, table in zip(step.starts, step.ends, step.block_tables):
@@ -112,7 +122,11 @@ def prefill_inputs(step: StepMessage, block_size: int, device: torch.device) -> 
         seqlens_k=list(step.ends),
     )
     sample_indices = [i for i, (end, length) in enumerate(zip(step.ends, step.lengths)) if end == length]
-    sample_rows = to_device([cu_q[i + 1] - 1 for i in sample_indices], torch.int64, device)
+    if step.num_proposed:
+        rows = [r for i in sample_indices for r in range(cu_q[i + 1] - 1 - step.num_proposed[i], cu_q[i + 1])]
+    else:
+        rows = [cu_q[i + 1] - 1 for i in sample_indices]
+    sample_rows = to_device(rows, torch.int64, device)
     return StepInputs(to_device(step.token_ids, torch.int64, device), to_device(positions, torch.int64, device),
                       meta, sample_indices, sample_rows)
 

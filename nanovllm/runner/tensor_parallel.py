@@ -13,6 +13,7 @@ from nanovllm.engine.block_manager import NO_COPIES, BlockCopies
 from nanovllm.engine.sequence import Sequence
 from nanovllm.layers.sampler import SamplerOutput
 from nanovllm.runner.model_runner import ModelRunner
+from nanovllm.runner.speculative import SpeculativeRunner
 from nanovllm.runner.step_inputs import StepMessage
 from nanovllm.runner.worker_group import WorkerGroup
 from nanovllm.utils.parallel import tensor_parallel_rank
@@ -55,6 +56,9 @@ class TensorParallelRunner:
         self.runner.exit()
 
 
-def create_model_runner(config: Config) -> ModelRunner | TensorParallelRunner:
-    """One process for tensor_parallel_size=1; otherwise rank 0 here and a worker per other rank."""
+def create_model_runner(config: Config) -> ModelRunner | TensorParallelRunner | SpeculativeRunner:
+    """One process for tensor_parallel_size=1; otherwise rank 0 here and a worker per other rank.
+    With speculative_config (one rank only, as Config checks), the SpeculativeRunner."""
+    if config.speculative is not None:
+        return SpeculativeRunner(config)
     return ModelRunner(config) if config.tensor_parallel_size == 1 else TensorParallelRunner(config)

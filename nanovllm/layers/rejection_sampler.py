@@ -1,0 +1,87 @@
+"""Speculative decoding's verification: which proposed tokens the target keeps, and the token after.
+
+A sequence with d proposed tokens has d + 1 rows of target logits: row j (j < d) is the target's
+next-token distribution p_j before proposed token j, and row d the one after the last. The
+standard rule (Leviathan et al., Chen et al.; vLLM's rejection sampler) keeps the output exactly
+distributed as the target's: proposed token x_j, drawn from the draft's q_j, is accepted with
+probability min(1, p_j(x_j) / q_j(x_j)); at the first rejection the token is drawn from the
+residual max(p_j - q_j, 0) (renormalised) and the rest is dropped; when all d are accepted, a
+bonus token is drawn from p_d. A prompt-lookup proposal is a deterministic draft: q_j is 1 on x_j.
+Greedy rows (temperature 0) reduce to: accept while x_j is the argmax, then take the argmax.
+
+p is the sampler's own distribution (temperature, min_p, top_k, top_p, applied as
+layers/sampler.py does); rows with penalties, min_tokens bans or logprobs are never speculated
+on (the runner samples those with the Sampler). This module never sees a sequence: it gets
+tensors and returns, per row, whether its proposed token is accepted and the token to emit if
+the sequence's run stops at that row.
+"""
+from typing import NamedTuple
+
+import torch
+from torch import nn
+
+from nanovllm.layers.sampler import SamplingTensors, apply_min_p, apply_top_k_top_p, scale_by_temperature
+
+
+class Verdicts(NamedTuple):
+    accepted: list[bool]  # per row: its proposed token is accepted (False on each sequence's last row)
+    tokens: list[int]  # per row: the token emitted if the run of accepted tokens ends at this row
+
+
+def sampling_probs(logits: torch.Tensor, t: SamplingTensors) -> torch.Tensor:
+    """[rows, vocab] float32 probabilities each sampled row draws from (greedy rows: meaningless)."""
+    logits = scale_by_temperature(logits.float(), t.temperatures)
+    if t.min_p is not None:
+        logits = apply_min_p(logits, t.min_p)
+    if t.top_k is not None or t.top_p is not None:
+        logits = apply_top_k_top_p(logits, t.top_k, t.top_p)
+    return torch.softmax(logits, dim=-1)
+
+
+def draw(weights: torch.Tensor, t: SamplingTensors) -> torch.Tensor:
+    """One token per row, with probability proportional to `weights` [rows, vocab] (unnormalised,
+    >= 0): argmax of w / E with E ~ Exp(1); seeded rows draw E from their own generator."""
+    noise = torch.empty_like(weights).exponential_()
+    for row, generator in t.generators:
+        noise[row].exponential_(generator=generator)
+    return (weights / noise.clamp_min(torch.finfo(noise.dtype).tiny)).argmax(dim=-1)
+
+
+def uniforms(rows: int, t: SamplingTensors, device: torch.device) -> torch.Tensor:
+    """[rows] float32 in [0, 1); seeded rows from their own generator."""
+    u = torch.rand(rows, device=device)
+    for row, generator in t.generators:
+        u[row] = torch.rand((), generator=generator, device=device)
+    return u
+
+
+class RejectionSampler(nn.Module):
+
+    def forward(self, logits: torch.Tensor, proposed: torch.Tensor, draft_probs: torch.Tensor | None,
+                t: SamplingTensors) -> Verdicts:
+        """logits: [rows, vocab] target logits; proposed: [rows] int64, the proposed token each row
+        judges, -1 on each sequence's last row; draft_probs: [rows, vocab] the draft's q per row
+        (rows without a proposal: anything), or None for deterministic drafts; t: one entry per row."""
+        logits = logits.float()
+        has_proposal = proposed >= 0
+        index = proposed.clamp_min(0).unsqueeze(1)  # [rows, 1]
+        best = logits.argmax(dim=-1)
+        accepted, tokens = best == proposed, best
+        if not t.all_greedy:
+            p = sampling_probs(logits, t)
+            p_x = p.gather(1, index).squeeze(1)
+            if draft_probs is None:  # q is 1 on the proposed token: accept with p(x), else draw from p without x
+                q_x = torch.ones_like(p_x)
+                residual = p.scatter(1, index, 0.0)
+            else:
+                q_x = draft_probs.gather(1, index).squeeze(1)
+                residual = (p - draft_probs).clamp_min(0.0)
+            residual = torch.where(has_proposal.unsqueeze(1), residual, p)  # a last row draws its bonus from p
+            # p == q leaves no residual; such a row's proposal is always accepted, so this is never drawn.
+            residual = torch.where(residual.sum(dim=-1, keepdim=True) > 0, residual, p)
+            sampled = t.temperatures > 0
+            accepted = torch.where(sampled, uniforms(p.size(0), t, p.device) * q_x < p_x, accepted)
+            tokens = torch.where(sampled, draw(residual, t), tokens)
+        accepted = accepted & has_proposal
+        both = torch.stack([accepted.long(), tokens]).tolist()  # the step's one host sync
+        return Verdicts([bool(a) for a in both[0]], both[1])
