@@ -18,6 +18,7 @@ from nanovllm.layers.attention import Attention
 from nanovllm.layers.sampler import Sampler, SamplerOutput, prepare_sampling
 from nanovllm.models.qwen3 import MODELS
 from nanovllm.sampling_params import SamplingParams
+from nanovllm.utils import cpu
 from nanovllm.utils.context import AttentionMetadata, forward_context
 from nanovllm.utils.loader import load_model
 from nanovllm.utils.parallel import tp_rank, tp_size
@@ -55,6 +56,8 @@ class ModelRunner:
         self.rank, self.world_size = tp_rank(), tp_size()
         self.num_kv_heads = hf_config.num_key_value_heads // self.world_size  # this rank's (Config checks it divides)
         self.head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // hf_config.num_attention_heads
+        if self.device.type == "cpu":
+            logger.info("CPU: %d torch threads per rank", cpu.set_num_threads(self.world_size))
         default_dtype = torch.get_default_dtype()
         torch.set_default_dtype(config.dtype)
         try:
@@ -63,6 +66,11 @@ class ModelRunner:
         finally:
             torch.set_default_dtype(default_dtype)
         load_model(self.model, config.model)
+        if self.device.type == "cpu" and not cpu.native_half_matmul(config.dtype):
+            cpu.hold_matmul_weights_in_float32(self.model)
+            dtype = str(config.dtype).removeprefix("torch.")
+            logger.info("CPU: no native %s matmul here, so linear layers hold float32 weights and compute in "
+                        "float32 (activations stay %s)", dtype, dtype)
         self.backend = create_backend(config.attention_backend, config.device, self.block_size)
         self.attention_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
         for layer in self.attention_layers:

@@ -1,0 +1,94 @@
+"""Settings for running on CPU, applied once when a model runner starts there: how many threads
+torch uses, and whether half-precision layers do their matmuls in float32.
+
+It does not choose the attention backend or the KV block size (attention/ and config.py do)
+and it changes nothing on CUDA.
+"""
+import logging
+import os
+
+import torch
+from torch import nn
+
+logger = logging.getLogger("nanovllm")
+
+# An explicit thread count for the engine's torch ops; wins over everything below.
+THREADS_ENV = "NANOVLLM_CPU_THREADS"
+CGROUP_CPU_MAX = "/sys/fs/cgroup/cpu.max"  # cgroup v2 CPU quota: "max PERIOD" or "QUOTA PERIOD"
+# torch reports whether oneDNN has a native kernel for these (AVX-512 BF16/FP16 or AMX); without
+# one, a half-precision matmul is emulated, about 10x slower than float32 on an AVX2 Zen 4 guest.
+NATIVE_HALF_MATMUL_CHECKS = {torch.bfloat16: "_is_mkldnn_bf16_supported", torch.float16: "_is_mkldnn_fp16_supported"}
+
+
+def available_cpus() -> int:
+    """CPUs this process may use: its affinity mask (taskset, numactl, a container's cpuset),
+    capped by a cgroup v2 CPU quota (docker --cpus) when one is set."""
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    try:
+        with open(CGROUP_CPU_MAX) as f:
+            quota, period = f.read().split()
+        if quota != "max":
+            cpus = min(cpus, max(1, int(quota) // int(period)))
+    except (OSError, ValueError):  # no cgroup v2 here, or a file in another format: no quota to apply
+        pass
+    return cpus
+
+
+def resolve_num_threads(world_size: int = 1) -> int | None:
+    """Threads for each of `world_size` ranks on this host: NANOVLLM_CPU_THREADS if set; None
+    (leave torch as it is) if OMP_NUM_THREADS is set, which torch already follows; else the
+    available CPUs shared among the ranks."""
+    value = os.environ.get(THREADS_ENV)
+    if value is not None:
+        if not value.strip().isdigit() or int(value) < 1:
+            raise ValueError(f"{THREADS_ENV}={value!r} is not allowed; it must be an integer >= 1")
+        return int(value)
+    if "OMP_NUM_THREADS" in os.environ:
+        return None
+    return max(1, available_cpus() // world_size)
+
+
+def set_num_threads(world_size: int = 1) -> int:
+    """Apply resolve_num_threads() to torch; returns the thread count in use."""
+    threads = resolve_num_threads(world_size)
+    if threads is not None and threads != torch.get_num_threads():
+        torch.set_num_threads(threads)
+    return torch.get_num_threads()
+
+
+def native_half_matmul(dtype: torch.dtype) -> bool:
+    """Whether this CPU multiplies `dtype` matrices natively (float32 always does)."""
+    check = NATIVE_HALF_MATMUL_CHECKS.get(dtype)
+    if check is None:
+        return True
+    try:
+        return bool(getattr(torch.ops.mkldnn, check)())
+    except (AttributeError, RuntimeError):  # a torch without the check: assume emulated, the safe side
+        return False
+
+
+def hold_matmul_weights_in_float32(model: nn.Module) -> int:
+    """Convert the parameters of every layer that computes in its weight's dtype
+    (`computes_in_weight_dtype`, see layers/linear.py linear()) to float32; returns how many.
+
+    The values are unchanged (every half-precision value is exact in float32); activations stay
+    in the model's dtype and each matmul's result is rounded back to it, as a native kernel's
+    float32 accumulation would be. A weight shared with another module (a tied LM head and
+    embedding) gets a float32 copy of its own, so the embedding keeps returning the model's dtype.
+    """
+    uses = {}
+    for _, param in model.named_parameters(remove_duplicate=False):
+        uses[id(param)] = uses.get(id(param), 0) + 1
+    converted = 0
+    for module in model.modules():
+        if not getattr(module, "computes_in_weight_dtype", False):
+            continue
+        for name, param in list(module.named_parameters(recurse=False)):
+            if param.dtype == torch.float32:
+                continue
+            if uses[id(param)] > 1:
+                setattr(module, name, nn.Parameter(param.detach().float(), requires_grad=False))
+            else:
+                param.data = param.data.float()
+            converted += 1
+    return converted
