@@ -17,6 +17,10 @@ ATTENTION_BACKENDS = ("auto", "flash_attn", "triton", "torch")
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 # The smallest paged-KV block the backends accept: Triton's tl.dot needs tiles of >= 16.
 MIN_BLOCK_SIZE = 16
+# kvcache_block_size when none is given, per device. CUDA: nano-vllm's 256, a page size flash-attn
+# takes. CPU: the torch backend's decode gathers whole blocks, so smaller ones waste less, and
+# 16..64 measured alike (256 ~10% slower, docs/BENCHMARKS.md); 32 keeps prefix caching fine-grained.
+DEFAULT_BLOCK_SIZE = {"cuda": 256, "cpu": 32}
 # Tensor parallelism spans at most one 8-GPU node.
 MAX_TENSOR_PARALLEL_SIZE = 8
 # Model sizes split across tensor-parallel ranks (heads, KV heads, vocabulary, MLP width).
@@ -41,7 +45,7 @@ class Config:
     gpu_memory_utilization: float = 0.9
     tensor_parallel_size: int = 1  # ranks (processes; GPUs on CUDA) the model is sharded over
     enforce_eager: bool = False
-    kvcache_block_size: int = 256  # 256 suits flash-attn; the torch/triton backends take any power of two >= 16
+    kvcache_block_size: int | None = None  # None: per device (DEFAULT_BLOCK_SIZE); else a power of two >= 16
     num_kvcache_blocks: int = -1  # -1: size the KV cache from memory; > 0: exactly this many blocks
     device: str = "auto"  # "auto" = cuda when available, else cpu
     dtype: str | torch.dtype = "auto"  # "auto" = checkpoint dtype on CUDA, float32 on CPU
@@ -68,6 +72,8 @@ class Config:
         self.hf_config = self._load_hf_config()
         self.max_model_len = min(self.max_model_len, self.hf_config.max_position_embeddings)
         self.device = self._resolve_device()
+        if self.kvcache_block_size is None:
+            self.kvcache_block_size = DEFAULT_BLOCK_SIZE[self.device]
         self.dtype = self._resolve_dtype()
         self._check_tensor_parallel()
 
@@ -81,8 +87,8 @@ class Config:
         _require(_is_int(tp) and 1 <= tp <= MAX_TENSOR_PARALLEL_SIZE, "tensor_parallel_size", tp,
                  f"an integer in 1..{MAX_TENSOR_PARALLEL_SIZE}")
         bs = self.kvcache_block_size
-        _require(_is_int(bs) and bs >= MIN_BLOCK_SIZE and bs & (bs - 1) == 0, "kvcache_block_size", bs,
-                 f"a power of two >= {MIN_BLOCK_SIZE}")
+        _require(bs is None or (_is_int(bs) and bs >= MIN_BLOCK_SIZE and bs & (bs - 1) == 0), "kvcache_block_size",
+                 bs, f"None (the device's default) or a power of two >= {MIN_BLOCK_SIZE}")
         n = self.num_kvcache_blocks
         _require(_is_int(n) and (n == -1 or n >= 1), "num_kvcache_blocks", n, "-1 (size from memory) or >= 1")
         for name in ("enforce_eager", "enable_prefix_caching"):

@@ -9,7 +9,8 @@ import pytest
 
 from helpers import hf_greedy, random_prompts
 from nanovllm import LLM, SamplingParams
-from nanovllm.config import Config
+from nanovllm.attention import FLASH_ATTN_PAGE_MULTIPLE
+from nanovllm.config import DEFAULT_BLOCK_SIZE, Config
 from nanovllm.layers.rotary_embedding import rope_theta_of
 
 BLOCK = 16
@@ -81,7 +82,10 @@ def test_defaults_match_nano_vllm(qwen3_tiny):
     config = Config(qwen3_tiny)
     assert (config.max_num_batched_tokens, config.max_num_seqs, config.gpu_memory_utilization,
             config.tensor_parallel_size, config.enforce_eager, config.kvcache_block_size,
-            config.num_kvcache_blocks) == (16384, 512, 0.9, 1, False, 256, -1)
+            config.num_kvcache_blocks) == (16384, 512, 0.9, 1, False, DEFAULT_BLOCK_SIZE["cpu"], -1)
+    # On CUDA the default block is nano-vllm's 256, which flash-attn can page; an explicit size wins.
+    assert DEFAULT_BLOCK_SIZE["cuda"] == 256 and 256 % FLASH_ATTN_PAGE_MULTIPLE == 0
+    assert Config(qwen3_tiny, kvcache_block_size=256).kvcache_block_size == 256
     assert config.enable_prefix_caching is True
     assert config.attention_backend == "auto"
     assert str(config.dtype) == "torch.float32" and config.device == "cpu"  # the CPU defaults
