@@ -57,7 +57,8 @@ class ModelRunner:
         self.num_kv_heads = hf_config.num_key_value_heads // self.world_size  # this rank's (Config checks it divides)
         self.head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // hf_config.num_attention_heads
         if self.device.type == "cpu":
-            logger.info("CPU: %d torch threads per rank", cpu.set_num_threads(self.world_size))
+            logger.info("CPU: %d torch threads per rank, malloc tuned: %s", cpu.set_num_threads(self.world_size),
+                        cpu.keep_freed_memory())
         default_dtype = torch.get_default_dtype()
         torch.set_default_dtype(config.dtype)
         try:

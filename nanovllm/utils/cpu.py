@@ -1,11 +1,14 @@
 """Settings for running on CPU, applied once when a model runner starts there: how many threads
-torch uses, and whether half-precision layers do their matmuls in float32.
+torch uses, whether freed memory is kept for reuse, and whether half-precision layers do their
+matmuls in float32.
 
 It does not choose the attention backend or the KV block size (attention/ and config.py do)
 and it changes nothing on CUDA.
 """
+import ctypes
 import logging
 import os
+import platform
 
 import torch
 from torch import nn
@@ -15,6 +18,12 @@ logger = logging.getLogger("nanovllm")
 # An explicit thread count for the engine's torch ops; wins over everything below.
 THREADS_ENV = "NANOVLLM_CPU_THREADS"
 CGROUP_CPU_MAX = "/sys/fs/cgroup/cpu.max"  # cgroup v2 CPU quota: "max PERIOD" or "QUOTA PERIOD"
+# Set to 0 to leave glibc malloc's settings alone (see keep_freed_memory).
+MALLOC_ENV = "NANOVLLM_CPU_MALLOC_TUNING"
+# glibc mallopt() parameters and the values set: activations up to 256 MiB come from the heap, and
+# the heap is trimmed only past 1 GiB free, so a step's buffers reuse the previous step's pages.
+M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3
+MMAP_THRESHOLD_BYTES, TRIM_THRESHOLD_BYTES = 256 << 20, 1 << 30
 # torch reports whether oneDNN has a native kernel for these (AVX-512 BF16/FP16 or AMX); without
 # one, a half-precision matmul is emulated, about 10x slower than float32 on an AVX2 Zen 4 guest.
 NATIVE_HALF_MATMUL_CHECKS = {torch.bfloat16: "_is_mkldnn_bf16_supported", torch.float16: "_is_mkldnn_fp16_supported"}
@@ -54,6 +63,26 @@ def set_num_threads(world_size: int = 1) -> int:
     if threads is not None and threads != torch.get_num_threads():
         torch.set_num_threads(threads)
     return torch.get_num_threads()
+
+
+def keep_freed_memory() -> bool:
+    """Stop glibc malloc from returning activation-sized buffers to the OS after every op.
+
+    By default glibc maps each allocation above its (adaptive) threshold afresh and trims the heap
+    when its top is free, so a tensor of a few hundred KiB or more is often fresh memory that
+    page-faults in: measured on 2 cores, RMSNorm over 2,048 tokens took 1.7 ms that way and 0.15 ms
+    with this (as with tcmalloc preloaded, which vLLM's CPU docs advise). The cost is that the
+    process keeps its peak heap. Returns whether the settings were applied: only on Linux with
+    glibc, and not when NANOVLLM_CPU_MALLOC_TUNING=0.
+    """
+    if os.environ.get(MALLOC_ENV, "1") == "0" or platform.system() != "Linux" or platform.libc_ver()[0] != "glibc":
+        return False
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+    except OSError:
+        return False
+    return bool(libc.mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD_BYTES)) and bool(
+        libc.mallopt(M_TRIM_THRESHOLD, TRIM_THRESHOLD_BYTES))
 
 
 def native_half_matmul(dtype: torch.dtype) -> bool:
