@@ -32,7 +32,7 @@ import time
 from datetime import datetime, timezone
 from pathlib import Path
 
-START = time.perf_counter()  # a worker's start-up is counted from here, imports included
+START = time.perf_counter()  # a worker's imports are timed from here
 REPO = Path(__file__).resolve().parents[1]
 # The checkpoint of issue 15.
 CHECKPOINT = dict(vocab_size=1024, hidden_size=128, num_hidden_layers=4, num_attention_heads=4,
@@ -58,36 +58,43 @@ def load_averages() -> list[float]:
 # --- the workers: one engine, one dtype, every batch size; run in a subprocess -----------------
 
 def run_nanovllm(job: dict) -> dict:
-    sys.path.insert(0, str(REPO))
-    from nanovllm import LLM, SamplingParams
+    sys.path.insert(0, job["nanovllm_root"])
     import torch
+
+    from nanovllm import LLM, SamplingParams
+    imports = time.perf_counter() - START
     llm = LLM(job["checkpoint"], dtype=job["dtype"], max_model_len=MAX_MODEL_LEN)
-    startup = time.perf_counter() - START
-    greedy = lambda n: SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)  # noqa: E731
-    generate = lambda prompts, n: [o["token_ids"] for o in llm.generate(prompts, greedy(n), use_tqdm=False)]  # noqa: E731
+    startup = time.perf_counter() - START - imports
+
+    def generate(prompts: list[list[int]], n: int) -> list[list[int]]:
+        params = SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
+        return [o["token_ids"] for o in llm.generate(prompts, params, use_tqdm=False)]
+
     info = {"version": "nanovllm", "threads": torch.get_num_threads(),
             "block_size": llm.config.kvcache_block_size, "attention": llm.model_runner.backend.name}
-    return timed_runs(job, startup, generate, info)
+    return timed_runs(job, imports, startup, generate, info)
 
 
 def run_vllm(job: dict) -> dict:
     import vllm
     from vllm import LLM, SamplingParams
+    imports = time.perf_counter() - START
     # The KV cache gets nanovllm's CPU budget; without a size vLLM reserves a fraction of all memory
     # and refuses to start on a host where other processes hold some.
     llm = LLM(model=job["checkpoint"], dtype=job["dtype"], max_model_len=MAX_MODEL_LEN, seed=SEED,
               kv_cache_memory_bytes=KV_CACHE_GIB << 30)
-    startup = time.perf_counter() - START
+    startup = time.perf_counter() - START - imports
 
     def generate(prompts: list[list[int]], n: int) -> list[list[int]]:
         params = SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
         outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
         return [list(o.outputs[0].token_ids) for o in outputs]
 
-    return timed_runs(job, startup, generate, {"version": f"vllm {vllm.__version__}"})
+    return timed_runs(job, imports, startup, generate, {"version": f"vllm {vllm.__version__}"})
 
 
-def timed_runs(job: dict, startup: float, generate, info: dict) -> dict:
+def timed_runs(job: dict, imports: float, startup: float, generate, info: dict) -> dict:
+    """Warm up, then time one generate() per batch size; start-up is the engine's constructor."""
     generate(make_prompts(WARMUP_PROMPTS, seed=SEED + 1), WARMUP_TOKENS)
     runs = []
     for num_prompts in job["num_prompts"]:
@@ -100,7 +107,7 @@ def timed_runs(job: dict, startup: float, generate, info: dict) -> dict:
             raise RuntimeError(f"{info['version']} did not make {NEW_TOKENS} tokens for every prompt")
         runs.append({"num_prompts": num_prompts, "time_s": elapsed, "tok_s": num_prompts * NEW_TOKENS / elapsed,
                      "load_before": load, "load_after": load_averages(), "tokens": outputs})
-    return {"startup_s": startup, "info": info, "runs": runs}
+    return {"imports_s": imports, "startup_s": startup, "info": info, "runs": runs}
 
 
 WORKERS = {"nanovllm": run_nanovllm, "vllm": run_vllm}
@@ -115,6 +122,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"], choices=["float32", "bfloat16"])
     parser.add_argument("--repeats", type=int, default=3, help="alternating subprocess pairs per dtype")
     parser.add_argument("--workdir", default=str(REPO / "checkpoints"), help="where the checkpoint is built once")
+    parser.add_argument("--nanovllm-root", default=str(REPO),
+                        help="the checkout whose nanovllm runs (default: this one); another gives a before/after")
     parser.add_argument("--nanovllm-env", action="append", default=[], metavar="KEY=VALUE",
                         help="extra environment for nanovllm's subprocesses (e.g. LD_PRELOAD=...); repeatable")
     parser.add_argument("--vllm-env", action="append", default=[], metavar="KEY=VALUE",
@@ -145,12 +154,11 @@ def build_checkpoint(workdir: str) -> str:
 
 
 def run_worker(engine: str, python: str, job: dict, env: list[str], timeout: float, tmp: str) -> dict:
+    """One engine's subprocess for `job`; its result, read back from a file (engines log to stdout)."""
     job_file = os.path.join(tmp, f"job-{engine}.json")
     with open(job_file, "w") as f:
         json.dump(job, f)
     environment = dict(os.environ, **dict(item.split("=", 1) for item in env))
-    if engine == "nanovllm":  # the worker imports nanovllm from this checkout
-        environment["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), environment.get("PYTHONPATH")]))
     out_file = job_file + ".out"
     result = subprocess.run([python, __file__, "--worker", engine, "--job", job_file, "--out", out_file],
                             env=environment, capture_output=True, text=True, timeout=timeout)
@@ -189,13 +197,14 @@ def main() -> None:
         for dtype in args.dtypes:
             for repeat in range(args.repeats):
                 for engine, python, env in engines:
-                    job = {"checkpoint": checkpoint, "dtype": dtype, "num_prompts": args.num_prompts}
+                    job = {"checkpoint": checkpoint, "dtype": dtype, "num_prompts": args.num_prompts,
+                           "nanovllm_root": os.path.abspath(args.nanovllm_root)}
                     out = run_worker(engine, python, job, env, args.timeout, tmp)
                     results.setdefault((engine, dtype), []).append(out)
                     speeds = ", ".join(f"{r['num_prompts']} prompts {r['tok_s']:.0f} tok/s (load {r['load_before'][0]})"
                                        for r in out["runs"])
-                    print(f"{dtype} repeat {repeat + 1}/{args.repeats} {engine}: start-up {out['startup_s']:.1f} s, "
-                          f"{speeds}", file=sys.stderr)
+                    print(f"{dtype} repeat {repeat + 1}/{args.repeats} {engine}: imports {out['imports_s']:.1f} s, "
+                          f"start-up {out['startup_s']:.1f} s, {speeds}", file=sys.stderr)
 
     # Greedy agreement: each engine with itself across repeats, and nanovllm with vLLM.
     rows, settings = [], []
@@ -208,6 +217,7 @@ def main() -> None:
                 runs = [o["runs"][i] for o in outs]
                 setting[engine] = {"tok_s": summarize([r["tok_s"] for r in runs]),
                                    "startup_s": summarize([o["startup_s"] for o in outs]),
+                                   "imports_s": summarize([o["imports_s"] for o in outs]),
                                    "load_before": [r["load_before"] for r in runs],
                                    "self_agreement": min(agreement(runs[0]["tokens"], r["tokens"]) for r in runs),
                                    "info": outs[0]["info"]}
@@ -217,14 +227,15 @@ def main() -> None:
                 setting["ratio"] = round(setting["nanovllm"]["tok_s"]["median"] / setting["vllm"]["tok_s"]["median"], 2)
             settings.append(setting)
 
+    # Start-up is the engine's constructor (imports not counted: they are in the JSON as imports_s).
     header = ["dtype", "prompts", "nanovllm tok/s median (min, spread)", "start-up (s)"]
     if args.vllm_python:
         header += ["vLLM tok/s median (min, spread)", "start-up (s)", "ratio", "greedy agreement"]
     for s in settings:
         row = [s["dtype"], str(s["num_prompts"])]
         for engine, _, _ in engines:
-            t = s[engine]["tok_s"]
-            row += [f"{t['median']:,.0f} ({t['min']:,.0f}, ±{t['spread_pct']:.0f}%)", f"{s[engine]['startup_s']['median']:.1f}"]
+            t, startup = s[engine]["tok_s"], s[engine]["startup_s"]["median"]
+            row += [f"{t['median']:,.0f} ({t['min']:,.0f}, ±{t['spread_pct']:.0f}%)", f"{startup:.1f}"]
         if "ratio" in s:
             row += [f"{s['ratio']:.2f}x", f"{100 * s['agreement']:.0f}%"]
         rows.append(row)
@@ -241,12 +252,19 @@ def main() -> None:
         "benchmark": "vs_vllm_cpu", "date": datetime.now(timezone.utc).strftime("%Y-%m-%d"),
         "host": platform.node(), "cpu": cpu_model(), "cpus": len(os.sched_getaffinity(0)),
         "checkpoint": CHECKPOINT, "prompt_len": [MIN_PROMPT, MAX_PROMPT], "new_tokens": NEW_TOKENS,
-        "repeats": args.repeats, "nanovllm_env": args.nanovllm_env, "vllm_env": args.vllm_env,
+        "repeats": args.repeats, "nanovllm_root": os.path.abspath(args.nanovllm_root),
+        "nanovllm_commit": commit_of(args.nanovllm_root), "nanovllm_env": args.nanovllm_env, "vllm_env": args.vllm_env,
         "float32_greedy_agrees": not failures, "settings": settings,
     }
     print(json.dumps(summary))
     if failures:
         sys.exit(1)
+
+
+def commit_of(root: str) -> str:
+    """`git describe` of a checkout (with -dirty for uncommitted changes), or 'unknown'."""
+    result = subprocess.run(["git", "-C", root, "describe", "--always", "--dirty"], capture_output=True, text=True)
+    return result.stdout.strip() or "unknown"
 
 
 def cpu_model() -> str:

@@ -7,6 +7,8 @@ one token, on and around block boundaries and across many blocks, GQA groups of 
 one row and of many. Float32 must agree to rounding, bf16 within its tolerance; the whole engine
 must still give HF's greedy tokens, and logprobs within 1e-5 of the old backend's.
 """
+import platform
+
 import pytest
 import torch
 from torch import nn
@@ -131,7 +133,7 @@ def test_decode_plan_tiles_cover_the_batch_longest_first_within_budget(tile_byte
         rows = order[tile.start:tile.end]
         blocks = -(-tile.num_tokens // block_size)
         assert tile.num_tokens == lengths[rows[0]]
-        assert rows == order[tile.start:tile.end] and tile.block_ids.tolist() == tables[rows, :blocks].flatten().tolist()
+        assert tile.block_ids.tolist() == tables[rows, :blocks].flatten().tolist()
         assert len(rows) == 1 or len(rows) * blocks * block_size * bytes_per_token <= tile_bytes
         if tile.mask is None:
             assert all(lengths[r] == tile.num_tokens for r in rows)
@@ -144,7 +146,7 @@ def test_decode_plan_tiles_cover_the_batch_longest_first_within_budget(tile_byte
 
 def prefill_meta(lens: list[tuple[int, int]], tables: torch.Tensor | None) -> AttentionMetadata:
     seqlens_q, seqlens_k = [n for _, n in lens], [p + n for p, n in lens]
-    cu = lambda xs: torch.tensor([0] + xs).cumsum(0).to(torch.int32)  # noqa: E731
+    cu = lambda xs: torch.tensor([0] + xs).cumsum(0).to(torch.int32)
     return AttentionMetadata(is_prefill=True, slot_mapping=torch.empty(0, dtype=torch.int64),
                              cu_seqlens_q=cu(seqlens_q), cu_seqlens_k=cu(seqlens_k), max_seqlen_q=max(seqlens_q),
                              max_seqlen_k=max(seqlens_k), block_tables=tables, seqlens_q=seqlens_q, seqlens_k=seqlens_k)
@@ -282,3 +284,25 @@ def test_set_num_threads_applies_the_override(monkeypatch):
         assert cpu.set_num_threads() == 1 == torch.get_num_threads()
     finally:
         torch.set_num_threads(before)
+
+
+def test_malloc_tuning_applies_on_glibc_and_can_be_refused(monkeypatch):
+    monkeypatch.setenv(cpu.MALLOC_ENV, "0")
+    assert cpu.keep_freed_memory() is False
+    monkeypatch.delenv(cpu.MALLOC_ENV)
+    assert cpu.keep_freed_memory() is (platform.system() == "Linux" and platform.libc_ver()[0] == "glibc")
+
+
+def test_bf16_engine_on_cpu_keeps_activations_bf16(qwen3_tiny):
+    llm = LLM(qwen3_tiny, dtype="bfloat16", kvcache_block_size=16, num_kvcache_blocks=16)
+    model = llm.model_runner.model
+    emulated = not cpu.native_half_matmul(torch.bfloat16)
+    assert model.model.layers[0].self_attn.qkv_proj.weight.dtype == (torch.float32 if emulated else torch.bfloat16)
+    assert model.model.embed_tokens.weight.dtype == torch.bfloat16
+    assert llm.model_runner.kv_cache.dtype == torch.bfloat16
+    hidden = []
+    handle = model.model.layers[0].register_forward_hook(lambda module, args, out: hidden.append(out[0].dtype))
+    outputs = llm.generate(random_prompts(200, [5, 40], seed=52), greedy(), use_tqdm=False)
+    handle.remove()
+    assert [len(o["token_ids"]) for o in outputs] == [MAX_TOKENS] * 2 and set(hidden) == {torch.bfloat16}
+    llm.exit()

@@ -134,8 +134,8 @@ class TorchBackend(AttentionBackend):
 
     def decode(self, q, k_cache, v_cache, meta: AttentionMetadata, scale):
         plan = self.decode_plan(q, k_cache, meta)
-        batch, num_heads, head_dim = q.shape
-        num_blocks, block_size, num_kv_heads = k_cache.shape[:3]
+        num_heads, head_dim = q.shape[1:]
+        num_blocks, num_kv_heads = k_cache.size(0), k_cache.size(2)
         group = num_heads // num_kv_heads
         k_flat, v_flat = k_cache.view(num_blocks, -1), v_cache.view(num_blocks, -1)  # [num_blocks, block numel]
         need = max((t.block_ids.numel() for t in plan.tiles), default=0) * k_flat.size(1)
