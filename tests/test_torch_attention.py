@@ -248,6 +248,18 @@ def test_engine_greedy_equals_hf_and_logprobs_equal_the_old_backend(qwen3_tiny, 
             assert all(abs(a["top_logprobs"][t] - b["top_logprobs"][t]) <= 1e-5 for t in a["top_logprobs"])
 
 
+def test_engine_on_cpu_defaults_equals_hf_greedy(qwen3_tiny):
+    """Nothing but the model given: block size 32, mixed steps (a long prompt's chunks beside the
+    others' decode rows), the tiled decode; greedy tokens are HF's on every prompt."""
+    llm = LLM(qwen3_tiny, max_num_batched_tokens=96)
+    assert llm.config.kvcache_block_size == 32 and llm.config.scheduling_policy == "mixed"
+    prompts = random_prompts(200, [1, 31, 32, 33, 150, 7], seed=53)
+    outputs = llm.generate(prompts, greedy(), use_tqdm=False)
+    assert llm.stats().mixed_steps >= 1
+    llm.exit()
+    assert [o["token_ids"] for o in outputs] == hf_greedy(qwen3_tiny, prompts, MAX_TOKENS)
+
+
 # --- CPU settings ----------------------------------------------------------------------------------
 
 def test_half_precision_linear_in_float32_keeps_values_dtypes_and_tied_embeddings():
