@@ -18,6 +18,7 @@ from transformers import AutoConfig, PretrainedConfig, PreTrainedTokenizerBase
 from nanovllm.engine.scheduler import DEFAULT_SCHEDULING_POLICY, PREEMPTION_MODES, RECOMPUTE, SCHEDULING_POLICIES
 from nanovllm.kernels import MIN_DOT_SIZE
 from nanovllm.speculative_config import DRAFT_MODEL, SpeculativeConfig
+from nanovllm.utils.cpu import available_cpus
 from nanovllm.utils.tokenizer import end_of_text_id, load_tokenizer
 from nanovllm.utils.validation import is_int, is_number, require
 
@@ -30,6 +31,10 @@ FUSED_KERNELS = ("auto", "triton", "torch")
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 # The smallest paged-KV block the backends accept: Triton's tl.dot needs tiles of at least this.
 MIN_BLOCK_SIZE = MIN_DOT_SIZE
+# kvcache_block_size when none is given, per device. CUDA: nano-vllm's 256, a page size flash-attn
+# takes. CPU: the torch backend's decode gathers whole blocks, so smaller ones waste less; 16..64
+# measured alike and 256 slower (docs/BENCHMARKS.md); 32 keeps prefix caching fine-grained.
+DEFAULT_BLOCK_SIZE = {"cuda": 256, "cpu": 32}
 # Tensor parallelism spans at most one 8-GPU node.
 MAX_TENSOR_PARALLEL_SIZE = 8
 # A worker beats several times per timeout from a thread that competes with its compute for the
@@ -46,7 +51,9 @@ class Config:
     gpu_memory_utilization: float = 0.9  # share of GPU memory the engine may fill (weights, activations, KV cache)
     tensor_parallel_size: int = 1  # ranks (processes; GPUs on CUDA) the model is sharded over
     enforce_eager: bool = False  # True: never capture CUDA graphs (CPU runs are always eager)
-    kvcache_block_size: int = 256  # 256 suits flash-attn; the torch/triton backends take any power of two >= 16
+    # Tokens per KV-cache block, a power of two >= 16; None = the device's (DEFAULT_BLOCK_SIZE:
+    # 256 on CUDA, which flash-attn can page; 32 on CPU). Always an int once the Config is made.
+    kvcache_block_size: int | None = None
     num_kvcache_blocks: int = -1  # -1: size the KV cache from memory; > 0: exactly this many blocks
     device: str = "auto"  # "auto" = cuda when available, else cpu
     # "auto" = the checkpoint's dtype on CUDA, float32 on CPU; or "float32", "float16", "bfloat16"
@@ -93,6 +100,14 @@ class Config:
     # {"method": "draft_model", "model": PATH, "num_speculative_tokens": k}. Output is exactly
     # the same as without it (greedy token for token; sampled, the same distribution).
     speculative_config: dict | None = None
+    # CPU only. torch threads per tensor-parallel rank; None = $OMP_NUM_THREADS when set, else the
+    # CPUs this process may run on (affinity mask, capped by a cgroup v2 CPU quota) shared among
+    # the ranks. Resolved to an int on CPU when the Config is made.
+    cpu_threads: int | None = None
+    # CPU only. True: keep freed activation memory for reuse instead of glibc returning it to the
+    # OS after each op and faulting it in again (utils/cpu.py keep_freed_memory); the process keeps
+    # its peak heap. No effect with another allocator preloaded (tcmalloc) or off glibc.
+    cpu_malloc_tuning: bool = True
     # Read from the checkpoint, not settings:
     hf_config: PretrainedConfig = field(init=False, repr=False)
     tokenizer: PreTrainedTokenizerBase | None = field(init=False, repr=False, compare=False)  # None: skipped
@@ -115,6 +130,10 @@ class Config:
         self.hf_config = self._load_hf_config()
         self.max_model_len = min(self.max_model_len, self.hf_config.max_position_embeddings)
         self.device = self._resolve_device()
+        if self.kvcache_block_size is None:
+            self.kvcache_block_size = DEFAULT_BLOCK_SIZE[self.device]
+        if self.device == "cpu" and self.cpu_threads is None:
+            self.cpu_threads = self._default_cpu_threads()
         self.dtype = self._resolve_dtype()
         if self.compile_mode == "auto":
             self.compile_mode = "on" if self.device == "cuda" else "off"
@@ -142,11 +161,14 @@ class Config:
         require(is_int(tp) and 1 <= tp <= MAX_TENSOR_PARALLEL_SIZE, "tensor_parallel_size", tp,
                 f"an integer in 1..{MAX_TENSOR_PARALLEL_SIZE}")
         bs = self.kvcache_block_size
-        require(is_int(bs) and bs >= MIN_BLOCK_SIZE and bs & (bs - 1) == 0, "kvcache_block_size", bs,
-                f"a power of two >= {MIN_BLOCK_SIZE}")
+        require(bs is None or (is_int(bs) and bs >= MIN_BLOCK_SIZE and bs & (bs - 1) == 0), "kvcache_block_size",
+                bs, f"None (the device's default) or a power of two >= {MIN_BLOCK_SIZE}")
+        threads = self.cpu_threads
+        require(threads is None or (is_int(threads) and threads >= 1), "cpu_threads", threads,
+                "None (from OMP_NUM_THREADS or the affinity mask) or an integer >= 1")
         n = self.num_kvcache_blocks
         require(is_int(n) and (n == -1 or n >= 1), "num_kvcache_blocks", n, "-1 (size from memory) or >= 1")
-        for name in ("enforce_eager", "enable_prefix_caching", "skip_tokenizer_init"):
+        for name in ("enforce_eager", "enable_prefix_caching", "skip_tokenizer_init", "cpu_malloc_tuning"):
             require(isinstance(getattr(self, name), bool), name, getattr(self, name), "True or False")
         require(self.device in DEVICES, "device", self.device, f"one of {DEVICES}")
         require(self.attention_backend in ATTENTION_BACKENDS, "attention_backend", self.attention_backend,
@@ -248,6 +270,14 @@ class Config:
                 raise ValueError(f"fused_kernels='triton' needs a CUDA device (device is {self.device!r}), or "
                                  "TRITON_INTERPRET=1 to run the kernels on CPU (slowly, for tests)")
         return self.fused_kernels
+    def _default_cpu_threads(self) -> int:
+        """cpu_threads=None: OMP_NUM_THREADS when set (which torch follows anyway), else the
+        available CPUs shared among the ranks (no oversubscription: every rank computes at once)."""
+        omp = os.environ.get("OMP_NUM_THREADS")
+        if omp is not None:
+            require(omp.strip().isdigit() and int(omp) >= 1, "OMP_NUM_THREADS", omp, "an integer >= 1 when set")
+            return int(omp)
+        return max(1, available_cpus() // self.tensor_parallel_size)
 
     def _resolve_dtype(self) -> torch.dtype:
         if isinstance(self.dtype, torch.dtype):

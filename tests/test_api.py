@@ -11,7 +11,8 @@ import torch
 
 from helpers import AUTO_BACKEND_SMALL_BLOCKS, AUTO_DEVICE, EVERY_DEVICE, greedy, hf_greedy, random_prompts
 from nanovllm import LLM, SamplingParams
-from nanovllm.config import Config
+from nanovllm.attention import FLASH_ATTN_PAGE_MULTIPLE
+from nanovllm.config import DEFAULT_BLOCK_SIZE, Config
 from nanovllm.layers.rotary_embedding import rope_config_of
 from nanovllm.runner.graph import graph_batch_sizes
 
@@ -80,7 +81,11 @@ def test_defaults_match_nano_vllm(qwen3_tiny):
     config = Config(qwen3_tiny)
     assert (config.max_num_batched_tokens, config.max_num_seqs, config.gpu_memory_utilization,
             config.tensor_parallel_size, config.enforce_eager, config.kvcache_block_size,
-            config.num_kvcache_blocks) == (16384, 512, 0.9, 1, False, 256, -1)
+            config.num_kvcache_blocks) == (16384, 512, 0.9, 1, False, DEFAULT_BLOCK_SIZE[AUTO_DEVICE], -1)
+    # The default block is the device's: nano-vllm's 256 on CUDA, which flash-attn can page; 32 on
+    # CPU. An explicit size wins.
+    assert DEFAULT_BLOCK_SIZE == {"cuda": 256, "cpu": 32} and 256 % FLASH_ATTN_PAGE_MULTIPLE == 0
+    assert Config(qwen3_tiny, kvcache_block_size=256).kvcache_block_size == 256
     assert config.enable_prefix_caching is True
     assert config.attention_backend == "auto"
     # device="auto" resolves on the machine the test runs on; dtype="auto" is float32 on CPU and
@@ -260,6 +265,10 @@ def test_mismatched_sampling_params_list_refused(llm):
     ({"tensor_parallel_size": 9}, "tensor_parallel_size"),
     ({"enforce_eager": "no"}, "enforce_eager"),
     ({"fused_kernels": "fast"}, "fused_kernels"),
+    ({"cpu_threads": 0}, "cpu_threads=0"),
+    ({"cpu_threads": "2"}, "cpu_threads='2'"),
+    ({"cpu_threads": True}, "cpu_threads=True"),
+    ({"cpu_malloc_tuning": "no"}, "cpu_malloc_tuning"),
 ])
 def test_bad_config_refused(qwen3_tiny, kwargs, field):
     with pytest.raises(ValueError, match=field):

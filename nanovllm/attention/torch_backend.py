@@ -1,11 +1,20 @@
 """Plain-torch attention: the CPU path and the oracle the other backends are tested against.
 
-It gathers K/V through the block table and runs scaled_dot_product_attention with an explicit
-bottom-right causal mask. Prefill loops over sequences on the host, except that the rows of
-one new token over a cached prefix (the decode rows of a mixed batch) go together through the
-decode path; decode is one batched call (which reads the longest context length on the host:
-this backend is not for CUDA graphs).
+Decode rows (a decode step's batch, and the one-new-token rows of a mixed step) read the paged
+cache a cache-sized tile at a time, never as one copy of every context padded to the longest:
+the rows are sorted by context length and cut into tiles of neighbouring rows whose K/V,
+gathered whole blocks at a time (a memcpy per block), fit in DECODE_TILE_BYTES.
+scaled_dot_product_attention then runs on each tile while it is still in the CPU's cache, padded
+only to the tile's own longest context. Each KV head's group of query heads is folded into the
+query length (q [rows, kv_heads, group, head_dim]), which the CPU kernel runs faster than
+enable_gqa (several times in bfloat16). How a step's rows are tiled depends only on its
+metadata, so it is worked out once per step (a StepPlan) and reused by every layer.
+
+Prefill loops over the other sequences on the host; one with a cached prefix reads its keys from
+the cache through its own blocks. Both read lengths on the host: this backend is not for CUDA graphs.
 """
+from typing import NamedTuple
+
 import torch
 import torch.nn.functional as F
 
@@ -13,12 +22,18 @@ from nanovllm.attention.base import AttentionBackend
 from nanovllm.utils.context import AttentionMetadata
 from nanovllm.utils.math_utils import cdiv
 
+# Bytes of gathered K+V per decode tile. Tiles small enough to stay in cache while SDPA reads
+# them run several times faster per sequence than one batch-wide copy; below ~512 KiB the calls
+# per tile cost more than they save (measured 128 KiB..16 MiB on a 2-core Zen 3, docs/BENCHMARKS.md).
+DECODE_TILE_BYTES = 1 << 20
+
 
 def gather_kv(cache: torch.Tensor, block_table: torch.Tensor, length: int) -> torch.Tensor:
     """The first `length` tokens of one sequence from the paged cache: [length, num_kv_heads, head_dim]."""
-    block_size = cache.size(1)
-    blocks = block_table[:cdiv(length, block_size)].long()
-    return cache[blocks].flatten(0, 1)[:length]
+    num_blocks, block_size = cache.shape[:2]
+    blocks = block_table[:cdiv(length, block_size)]
+    # index_select over whole blocks: one contiguous copy per block, the fastest gather on CPU.
+    return cache.view(num_blocks, -1).index_select(0, blocks).view(-1, *cache.shape[2:])[:length]
 
 
 def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
@@ -35,29 +50,78 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: f
     return out.squeeze(0).transpose(0, 1)
 
 
-def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
-                 context_lens: torch.Tensor, scale: float) -> torch.Tensor:
-    """One query per row over its first context_lens cached keys: q [batch, Hq, D] -> [batch, Hq, D];
-    a row with context length 0 outputs zeros."""
-    batch, block_size = q.size(0), k_cache.size(1)
-    longest = int(context_lens.max()) if batch else 0
-    if longest == 0:
-        return torch.zeros_like(q)
-    # Gather exactly the first `longest` tokens of each row through its block table (not
-    # whole blocks): slots [batch, longest]; padding (-1) entries are clamped, then masked.
-    positions = torch.arange(longest, device=q.device)
-    blocks = block_tables.long().gather(1, (positions // block_size).expand(batch, -1))
-    slots = (blocks * block_size + positions % block_size).clamp_min(0)
-    k = k_cache.flatten(0, 1)[slots].transpose(1, 2)  # [batch, num_kv_heads, longest, head_dim]
-    v = v_cache.flatten(0, 1)[slots].transpose(1, 2)
-    mask = (positions.unsqueeze(0) < context_lens.unsqueeze(1)).view(batch, 1, 1, -1)
-    out = F.scaled_dot_product_attention(q.unsqueeze(2), k, v, attn_mask=mask, scale=scale, enable_gqa=True)
-    out = out.squeeze(2)  # [batch, num_heads, head_dim]
-    return torch.where((context_lens > 0).view(batch, 1, 1), out, 0.0)
+class DecodeTile(NamedTuple):
+    start: int  # rows start:end of the length-sorted decode rows
+    end: int
+    block_ids: torch.Tensor  # [rows * blocks] int64: each row's first `blocks` cache blocks, row-major
+    num_tokens: int  # the tile's longest context; shorter rows are masked
+    mask: torch.Tensor | None  # [rows, 1, 1, num_tokens] additive (0 or -inf); None when no row is shorter
+
+
+class DecodePlan(NamedTuple):
+    order: torch.Tensor  # [active] int64: decode rows with a context, longest first
+    tiles: list[DecodeTile]
+    all_active: bool  # no row has context length 0 (those output zeros)
+
+
+def plan_decode(context_lens: torch.Tensor, block_tables: torch.Tensor, block_size: int, bytes_per_token: int,
+                dtype: torch.dtype, tile_bytes: int = DECODE_TILE_BYTES) -> DecodePlan:
+    """Sort the decode rows by context length and cut them into tiles of at most tile_bytes of
+    gathered K/V (a row longer than that is a tile of its own)."""
+    lengths = context_lens.tolist()
+    order = sorted((i for i, n in enumerate(lengths) if n > 0), key=lambda i: -lengths[i])
+    device = block_tables.device
+    order_t = torch.tensor(order, dtype=torch.int64, device=device)
+    # Entries past a row's own blocks are -1 or stale; the ones a tile reads lie past the row's
+    # context, so any valid block will do before they are masked.
+    tables = block_tables.index_select(0, order_t).long().clamp_min_(0)  # [active, max_blocks]
+    sorted_lens = [lengths[i] for i in order]
+    lens_t = context_lens.index_select(0, order_t).view(-1, 1)  # [active, 1]
+    tiles, start = [], 0
+    while start < len(order):
+        longest = sorted_lens[start]
+        blocks = cdiv(longest, block_size)
+        rows = max(1, min(len(order) - start, tile_bytes // (blocks * block_size * bytes_per_token)))
+        end = start + rows
+        mask = None
+        if sorted_lens[end - 1] < longest:
+            positions = torch.arange(longest, device=device).unsqueeze(0)  # [1, longest]
+            hidden = positions >= lens_t[start:end]  # [rows, longest]
+            mask = torch.zeros(rows, 1, 1, longest, dtype=dtype, device=device)
+            mask.masked_fill_(hidden.view(rows, 1, 1, longest), float("-inf"))
+        tiles.append(DecodeTile(start, end, tables[start:end, :blocks].flatten(), longest, mask))
+        start = end
+    return DecodePlan(order_t, tiles, len(order) == len(lengths))
+
+
+class PrefillSeq(NamedTuple):
+    """A sequence of a prefill step with more than one new token (or no cache to read)."""
+    index: int  # among the step's sequences
+    start_q: int  # its new tokens are rows start_q:start_q + len_q
+    len_q: int
+    start_k: int  # its keys, in the step's contiguous k/v when there is no cache
+    len_k: int
+
+
+class StepPlan(NamedTuple):
+    """What every layer of one step does, worked out by the first layer."""
+    prefills: list[PrefillSeq]
+    decode_rows: torch.Tensor | None  # [n] int64 rows of q that decode (one new token over the cache); None: all
+    decode: DecodePlan | None  # None: the step has no decode rows
 
 
 class TorchBackend(AttentionBackend):
     name = "torch"
+
+    def __init__(self, decode_tile_bytes: int = DECODE_TILE_BYTES) -> None:
+        self.decode_tile_bytes = decode_tile_bytes
+        # The plan of the step in flight and the metadata it was made from: the runner makes one
+        # AttentionMetadata per step and hands it to every layer, so layers 2..n reuse layer 1's plan.
+        self._plan_meta: AttentionMetadata | None = None
+        self._plan: StepPlan | None = None
+        # Decode gathers each tile into these, reused across tiles, layers and steps: a hot buffer
+        # instead of a fresh megabyte per tile (which glibc malloc maps and faults in anew).
+        self._k_tile = self._v_tile = torch.empty(0)
 
     def store_kv(self, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                  slot_mapping: torch.Tensor) -> None:
@@ -68,27 +132,82 @@ class TorchBackend(AttentionBackend):
 
     def prefill(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                 v_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        plan = self.step_plan(q, k_cache, meta)
         out = torch.empty_like(q)
-        paged = meta.block_tables is not None
-        # Sequences with one new token over the cache (index, row, keys), batched below.
-        single: list[tuple[int, int, int]] = []
-        start_q = start_k = 0
-        for i, (lq, lk) in enumerate(zip(meta.seqlens_q, meta.seqlens_k)):
-            if paged and lq == 1:
-                single.append((i, start_q, lk))
+        for seq in plan.prefills:
+            if meta.block_tables is None:
+                ki, vi = k[seq.start_k:seq.start_k + seq.len_k], v[seq.start_k:seq.start_k + seq.len_k]
             else:
-                if not paged:
-                    ki, vi = k[start_k:start_k + lk], v[start_k:start_k + lk]
-                else:
-                    ki = gather_kv(k_cache, meta.block_tables[i], lk)
-                    vi = gather_kv(v_cache, meta.block_tables[i], lk)
-                out[start_q:start_q + lq] = causal_attention(q[start_q:start_q + lq], ki, vi, scale)
-            start_q, start_k = start_q + lq, start_k + lk
-        if single:
-            index, rows, lens = (torch.tensor(x, device=q.device) for x in zip(*single))
-            out[rows] = paged_decode(q[rows], k_cache, v_cache, meta.block_tables[index], lens, scale)
+                ki = gather_kv(k_cache, meta.block_tables[seq.index], seq.len_k)
+                vi = gather_kv(v_cache, meta.block_tables[seq.index], seq.len_k)
+            rows = slice(seq.start_q, seq.start_q + seq.len_q)
+            out[rows] = causal_attention(q[rows], ki, vi, scale)
+        if plan.decode is not None:
+            out[plan.decode_rows] = self.paged_decode(q.index_select(0, plan.decode_rows), k_cache, v_cache,
+                                                      plan.decode, scale)
         return out
 
     def decode(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
                scale: float) -> torch.Tensor:
-        return paged_decode(q, k_cache, v_cache, meta.block_tables, meta.context_lens, scale)
+        return self.paged_decode(q, k_cache, v_cache, self.step_plan(q, k_cache, meta).decode, scale)
+
+    def step_plan(self, q: torch.Tensor, k_cache: torch.Tensor, meta: AttentionMetadata) -> StepPlan:
+        """This step's plan, made by its first layer. A prefill step's one-new-token rows over a
+        cache (a mixed step's decodes) decode with the decode step's tiles."""
+        if meta is self._plan_meta:
+            return self._plan
+
+        def plan(context_lens: torch.Tensor, block_tables: torch.Tensor) -> DecodePlan:
+            bytes_per_token = 2 * k_cache[0, 0].numel() * k_cache.element_size()  # K and V
+            return plan_decode(context_lens, block_tables, k_cache.size(1), bytes_per_token, q.dtype,
+                               self.decode_tile_bytes)
+
+        if not meta.is_prefill:
+            self._plan = StepPlan([], None, plan(meta.context_lens, meta.block_tables))
+        else:
+            paged = meta.block_tables is not None
+            prefills, decode_index, decode_rows, decode_lens = [], [], [], []
+            start_q = start_k = 0
+            for i, (lq, lk) in enumerate(zip(meta.seqlens_q, meta.seqlens_k)):
+                if paged and lq == 1:
+                    decode_index.append(i)
+                    decode_rows.append(start_q)
+                    decode_lens.append(lk)
+                else:
+                    prefills.append(PrefillSeq(i, start_q, lq, start_k, lk))
+                start_q, start_k = start_q + lq, start_k + lk
+            decode = rows = None
+            if decode_rows:
+                index = torch.tensor(decode_index, dtype=torch.int64, device=q.device)
+                rows = torch.tensor(decode_rows, dtype=torch.int64, device=q.device)
+                lens = torch.tensor(decode_lens, dtype=torch.int32, device=q.device)
+                decode = plan(lens, meta.block_tables.index_select(0, index))
+            self._plan = StepPlan(prefills, rows, decode)
+        self._plan_meta = meta
+        return self._plan
+
+    def paged_decode(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, plan: DecodePlan,
+                     scale: float) -> torch.Tensor:
+        """One query per row over its cached context, tile by tile: q [rows, Hq, D] -> [rows, Hq, D];
+        a row with context length 0 outputs zeros."""
+        num_heads, head_dim = q.shape[1:]
+        num_blocks, num_kv_heads = k_cache.size(0), k_cache.size(2)
+        group = num_heads // num_kv_heads
+        k_flat, v_flat = k_cache.view(num_blocks, -1), v_cache.view(num_blocks, -1)  # [num_blocks, block numel]
+        need = max((t.block_ids.numel() for t in plan.tiles), default=0) * k_flat.size(1)
+        if self._k_tile.numel() < need or self._k_tile.dtype != k_cache.dtype or self._k_tile.device != k_cache.device:
+            self._k_tile, self._v_tile = (torch.empty(need, dtype=k_cache.dtype, device=k_cache.device)
+                                          for _ in range(2))
+        q_sorted = q.index_select(0, plan.order).view(-1, num_kv_heads, group, head_dim)
+        out_sorted = torch.empty_like(q_sorted)  # [active, num_kv_heads, group, head_dim]
+        for tile in plan.tiles:
+            rows, n = tile.end - tile.start, tile.block_ids.numel()
+            k = torch.index_select(k_flat, 0, tile.block_ids, out=self._k_tile[:n * k_flat.size(1)].view(n, -1))
+            v = torch.index_select(v_flat, 0, tile.block_ids, out=self._v_tile[:n * v_flat.size(1)].view(n, -1))
+            # [rows, num_kv_heads, num_tokens, head_dim]: strided views of the gathered blocks
+            k, v = (x.view(rows, -1, num_kv_heads, head_dim)[:, :tile.num_tokens].transpose(1, 2) for x in (k, v))
+            # The group of query heads of a KV head is that head's "query length".
+            out_sorted[tile.start:tile.end] = F.scaled_dot_product_attention(
+                q_sorted[tile.start:tile.end], k, v, attn_mask=tile.mask, scale=scale)
+        out = torch.empty_like(q) if plan.all_active else torch.zeros_like(q)
+        return out.index_copy_(0, plan.order, out_sorted.view(-1, num_heads, head_dim))

@@ -24,6 +24,15 @@ def _shard(loaded: torch.Tensor, dim: int, rank: int, size: int, world: int, nam
     return loaded.narrow(dim, rank * size, size)
 
 
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """F.linear computed in the weight's dtype and returned in x's. The two differ only where
+    half-precision layers keep float32 weights (utils/cpu.py: a CPU that emulates bf16/fp16
+    matmul, ~10x slower there than float32); everywhere else this is F.linear."""
+    if weight.dtype == x.dtype:
+        return F.linear(x, weight, bias)
+    return F.linear(x.to(weight.dtype), weight, bias).to(x.dtype)
+
+
 def _divide(numerator: int, denominator: int, what: str) -> int:
     if numerator % denominator:
         raise ValueError(f"{what}={numerator} is not divisible by tensor_parallel_size={denominator}")
@@ -39,6 +48,7 @@ def _expect_shards(layer: nn.Module, shard_ids: tuple) -> None:
 
 
 class LinearBase(nn.Module):
+    computes_in_weight_dtype = True  # its weights may be held in float32 (see linear())
 
     def __init__(self, input_size: int, output_size: int, bias: bool, tp_dim: int | None):
         super().__init__()
@@ -58,7 +68,7 @@ class LinearBase(nn.Module):
         copy_checked(param.data, loaded, name)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return linear(x, self.weight, self.bias)
 
 
 class ReplicatedLinear(LinearBase):
@@ -119,7 +129,7 @@ class RowParallelLinear(LinearBase):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # Only rank 0 adds the bias, so the all-reduce counts it once.
-        y = F.linear(x, self.weight, self.bias if self.tp_rank == 0 else None)
+        y = linear(x, self.weight, self.bias if self.tp_rank == 0 else None)
         if self.tp_size > 1:
             dist.all_reduce(y)
         return y

@@ -32,6 +32,7 @@ from nanovllm.runner.kernel_warmup import warm_up_kernels
 from nanovllm.runner.sampling_inputs import prepare_sampling
 from nanovllm.runner.step_inputs import StepInputs, StepMessage, prefill_inputs
 from nanovllm.sampling_params import SamplingParams
+from nanovllm.utils import cpu
 from nanovllm.utils.compile import compiling
 from nanovllm.utils.context import forward_context
 from nanovllm.utils.loader import load_model
@@ -122,6 +123,9 @@ class ModelRunner:
         # Built inside tensor_parallel_rank(...) for a rank of a tensor-parallel group, else rank 0 of 1.
         self.rank, self.world_size = tp_rank(), tp_size()
         self.compile = config.compile_mode == "on"  # the hot layer functions run compiled in every step
+        if self.device.type == "cpu":
+            torch.set_num_threads(config.cpu_threads)  # process-wide, as OMP_NUM_THREADS would be
+            malloc_tuned = config.cpu_malloc_tuning and cpu.keep_freed_memory()
         lap = lap_timer(self.device)
         default_dtype = torch.get_default_dtype()
         torch.set_default_dtype(config.dtype)
@@ -131,6 +135,9 @@ class ModelRunner:
         finally:
             torch.set_default_dtype(default_dtype)
         load_model(self.model, config.model)
+        half_in_float32 = self.device.type == "cpu" and not cpu.native_half_matmul(config.dtype)
+        if half_in_float32:
+            cpu.hold_matmul_weights_in_float32(self.model)
         self.backend = create_backend(config.attention_backend, config.device, self.block_size)
         self.attention_backend = self.backend.name
         self.attention_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
@@ -174,6 +181,10 @@ class ModelRunner:
                         f"on ({len(self.graphs)} batch sizes)" if self.graphs else "off",
                         self.num_kvcache_blocks, self.block_size, self.num_kvcache_blocks * self.block_size,
                         self.world_size)
+            if self.device.type == "cpu":
+                logger.info("CPU: %d torch threads per rank, malloc tuned %s, linear layers in %s", config.cpu_threads,
+                            malloc_tuned, "float32 (no native half-precision matmul here)" if half_in_float32
+                            else str(config.dtype).removeprefix("torch."))
             if config.preemption_mode == SWAP:
                 logger.info("swap space %d host blocks (swap_space=%s GiB per rank, %s)", self.num_swap_blocks,
                             config.swap_space, "pinned" if self.swap_cache.is_pinned() else "not pinned")

@@ -43,13 +43,6 @@ HEARTBEATS_PER_TIMEOUT = 5
 RUN, EXIT, STARTED, FAILED, HEARTBEAT = "run", "exit", "started", "failed", "heartbeat"
 
 
-def threads_per_rank(world_size: int) -> int:
-    """CPU threads for each rank: the cores this process may use, shared out evenly (no
-    oversubscription, since every rank computes at the same time)."""
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    return max(1, cores // world_size)
-
-
 def process_group_backend(config: Config) -> str:
     return "nccl" if config.device == "cuda" else "gloo"
 
@@ -80,8 +73,7 @@ def _beat(conn: Connection, interval_s: float) -> None:
         sleep(interval_s)
 
 
-def worker_main(config: Config, rank: int, store_port: int, conn: Connection, heartbeat: Connection,
-                num_threads: int) -> None:
+def worker_main(config: Config, rank: int, store_port: int, conn: Connection, heartbeat: Connection) -> None:
     """Worker `rank`: join the group, build this rank's runner, then run every step rank 0 sends."""
     # Ctrl-C reaches every process in the terminal's group; rank 0 alone decides what it means.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -92,7 +84,7 @@ def worker_main(config: Config, rank: int, store_port: int, conn: Connection, he
         if config.device == "cuda":
             torch.cuda.set_device(rank)
         else:
-            torch.set_num_threads(num_threads)
+            torch.set_num_threads(config.cpu_threads)  # per rank, resolved by Config
         send(conn, STARTED)
         store = dist.TCPStore(LOOPBACK, store_port, config.tensor_parallel_size, is_master=False,
                               timeout=PROCESS_GROUP_TIMEOUT)

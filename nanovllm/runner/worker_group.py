@@ -25,7 +25,7 @@ import torch.distributed as dist
 from nanovllm.config import Config
 from nanovllm.runner.step_inputs import StepMessage
 from nanovllm.runner.worker import (EXIT, FAILED, LOOPBACK, PROCESS_GROUP_TIMEOUT, RUN, STARTED, heartbeat_interval_s,
-                                    join_process_group, process_group_backend, send, threads_per_rank, worker_main)
+                                    join_process_group, process_group_backend, send, worker_main)
 
 logger = logging.getLogger("nanovllm")
 
@@ -91,14 +91,14 @@ class WorkerGroup:
             raise
 
     def _start(self, config: Config) -> None:
-        num_threads = threads_per_rank(self.world_size)
+        num_threads = config.cpu_threads  # per rank, resolved by Config on CPU (unused on CUDA)
         ctx = mp.get_context("spawn")  # a forked child would inherit CUDA and thread-pool state it cannot use
         worker_config = config.for_workers()
         for rank in range(1, self.world_size):
             conn, child_conn = ctx.Pipe()
             heartbeat, child_heartbeat = ctx.Pipe(duplex=False)
             process = ctx.Process(target=worker_main, args=(worker_config, rank, self.store.port, child_conn,
-                                                            child_heartbeat, num_threads),
+                                                            child_heartbeat),
                                   name=f"nanovllm-tp-rank{rank}", daemon=True)
             process.start()
             child_conn.close()  # the worker holds the only other end, so its death reads as EOF here
