@@ -4,12 +4,15 @@ It gathers K/V through the block table and runs scaled_dot_product_attention wit
 bottom-right causal mask. Prefill loops over sequences on the host, except that the rows of
 one new token over a cached prefix (the decode rows of a mixed batch) go together through the
 decode path; decode is one batched call (which reads the longest context length on the host:
-this backend is not for CUDA graphs).
+this backend is not for CUDA graphs). With an fp8 cache it is the reference of the quantised
+arithmetic (attention/kv_quant.py): store_kv quantises, and every read of the cache goes through
+`read_cache`, which dequantises the rows read (K and V) to the query's dtype.
 """
 import torch
 import torch.nn.functional as F
 
 from nanovllm.attention.base import AttentionBackend
+from nanovllm.attention.kv_quant import KVScales, quantize, read_cache
 from nanovllm.utils.context import AttentionMetadata
 from nanovllm.utils.math_utils import cdiv
 
@@ -36,9 +39,9 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: f
 
 
 def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
-                 context_lens: torch.Tensor, scale: float) -> torch.Tensor:
+                 context_lens: torch.Tensor, scale: float, kv_scales: KVScales | None = None) -> torch.Tensor:
     """One query per row over its first context_lens cached keys: q [batch, Hq, D] -> [batch, Hq, D];
-    a row with context length 0 outputs zeros."""
+    a row with context length 0 outputs zeros. kv_scales: the fp8 cache's, None for an unquantised one."""
     batch, block_size = q.size(0), k_cache.size(1)
     longest = int(context_lens.max()) if batch else 0
     if longest == 0:
@@ -48,8 +51,9 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
     positions = torch.arange(longest, device=q.device)
     blocks = block_tables.long().gather(1, (positions // block_size).expand(batch, -1))
     slots = (blocks * block_size + positions % block_size).clamp_min(0)
-    k = k_cache.flatten(0, 1)[slots].transpose(1, 2)  # [batch, num_kv_heads, longest, head_dim]
-    v = v_cache.flatten(0, 1)[slots].transpose(1, 2)
+    k_scale, v_scale = kv_scales or (None, None)
+    k = read_cache(k_cache.flatten(0, 1)[slots], k_scale, q.dtype).transpose(1, 2)  # [batch, Hkv, longest, D]
+    v = read_cache(v_cache.flatten(0, 1)[slots], v_scale, q.dtype).transpose(1, 2)
     mask = (positions.unsqueeze(0) < context_lens.unsqueeze(1)).view(batch, 1, 1, -1)
     out = F.scaled_dot_product_attention(q.unsqueeze(2), k, v, attn_mask=mask, scale=scale, enable_gqa=True)
     out = out.squeeze(2)  # [batch, num_heads, head_dim]
@@ -58,17 +62,25 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
 
 class TorchBackend(AttentionBackend):
     name = "torch"
+    supports_fp8_kv_cache = True
 
     def store_kv(self, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                 slot_mapping: torch.Tensor) -> None:
+                 slot_mapping: torch.Tensor, kv_scales: KVScales | None = None) -> None:
         keep = slot_mapping >= 0
         slots = slot_mapping[keep].long()
-        k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, slots, k[keep])
-        v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, slots, v[keep])
+        k, v = k[keep], v[keep]
+        if kv_scales is not None:
+            k, v = quantize(k, kv_scales.k, k_cache.dtype), quantize(v, kv_scales.v, v_cache.dtype)
+            # index_copy_ has no fp8 kernel on CPU: copy the bytes (fp8 is one byte per element).
+            k_cache, v_cache, k, v = (x.view(torch.uint8) for x in (k_cache, v_cache, k, v))
+        k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, slots, k)
+        v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, slots, v)
 
     def prefill(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
-                v_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+                v_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
+                kv_scales: KVScales | None = None) -> torch.Tensor:
         out = torch.empty_like(q)
+        k_scale, v_scale = kv_scales or (None, None)
         paged = meta.block_tables is not None
         # Sequences with one new token over the cache (index, row, keys), batched below.
         single: list[tuple[int, int, int]] = []
@@ -80,15 +92,15 @@ class TorchBackend(AttentionBackend):
                 if not paged:
                     ki, vi = k[start_k:start_k + lk], v[start_k:start_k + lk]
                 else:
-                    ki = gather_kv(k_cache, meta.block_tables[i], lk)
-                    vi = gather_kv(v_cache, meta.block_tables[i], lk)
+                    ki = read_cache(gather_kv(k_cache, meta.block_tables[i], lk), k_scale, q.dtype)
+                    vi = read_cache(gather_kv(v_cache, meta.block_tables[i], lk), v_scale, q.dtype)
                 out[start_q:start_q + lq] = causal_attention(q[start_q:start_q + lq], ki, vi, scale)
             start_q, start_k = start_q + lq, start_k + lk
         if single:
             index, rows, lens = (torch.tensor(x, device=q.device) for x in zip(*single))
-            out[rows] = paged_decode(q[rows], k_cache, v_cache, meta.block_tables[index], lens, scale)
+            out[rows] = paged_decode(q[rows], k_cache, v_cache, meta.block_tables[index], lens, scale, kv_scales)
         return out
 
     def decode(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
-               scale: float) -> torch.Tensor:
-        return paged_decode(q, k_cache, v_cache, meta.block_tables, meta.context_lens, scale)
+               scale: float, kv_scales: KVScales | None = None) -> torch.Tensor:
+        return paged_decode(q, k_cache, v_cache, meta.block_tables, meta.context_lens, scale, kv_scales)
