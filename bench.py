@@ -53,6 +53,7 @@ import transformers
 from transformers import AutoModelForCausalLM, GenerationConfig
 
 from nanovllm import LLM, SamplingParams
+from nanovllm.config import KV_CACHE_DTYPES
 from nanovllm.engine.scheduler import SCHEDULING_POLICIES
 from nanovllm.speculative_config import SPECULATIVE_METHODS
 from nanovllm.testing.synthetic import (GPT2_CONFIG, LLAMA_3_2_1B_CONFIG, QWEN3_30B_A3B_CONFIG, build_checkpoint,
@@ -222,6 +223,9 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
     parser.add_argument("--fused-kernels", default="auto", choices=["auto", "triton", "torch"],
                         help="Config.fused_kernels: the small layer functions and the sampler as Triton kernels or torch")
+    parser.add_argument("--kv-cache-dtype", default="auto",
+                        help=f"one of {', '.join(KV_CACHE_DTYPES)}, or a comma list to run each in turn and compare "
+                             "(e.g. auto,fp8_e4m3); the JSON line then holds every run")
     parser.add_argument("--max-model-len", type=int, default=4096)
     parser.add_argument("--scheduling-policy", choices=list(SCHEDULING_POLICIES),
                         help="the engine's scheduling_policy (default: the engine's default)")
@@ -409,8 +413,9 @@ def format_ms(value: float | None) -> str:
     return "n/a (none)" if value is None else f"{value:.2f}"
 
 
-def main() -> None:
-    args = parse_args()
+def bench_one(args: argparse.Namespace, kv_cache_dtype: str, compare_hf: bool) -> dict:
+    """One engine over the workload with this KV-cache dtype (and HF after it when compare_hf);
+    prints the table and returns the result that the JSON line reports."""
     # 1. The workload: the device's default sizes unless given, checked before the (slow) model load.
     # "auto" resolves as Config resolves it; the device reported is the engine's own.
     on_cpu = args.device == "cpu" or (args.device == "auto" and not torch.cuda.is_available())
@@ -445,7 +450,8 @@ def main() -> None:
                                             "num_speculative_tokens": args.num_speculative_tokens}
     startup_begin = time.perf_counter()
     llm = LLM(path, device=args.device, dtype=args.dtype, enforce_eager=args.enforce_eager,
-              fused_kernels=args.fused_kernels, max_model_len=args.max_model_len, **scheduling)
+              fused_kernels=args.fused_kernels, max_model_len=args.max_model_len, kv_cache_dtype=kv_cache_dtype,
+              **scheduling)
     startup_s = time.perf_counter() - startup_begin
     device = llm.config.device
     if 2 * max_len > llm.config.max_model_len and args.max_len is None:
@@ -486,6 +492,8 @@ def main() -> None:
         "device_name": device_name(device),
         "model": model_name,
         "dtype": str(llm.config.dtype).removeprefix("torch."),
+        "kv_cache_dtype": kv_cache_dtype,
+        "kv_cache_tokens": llm.model_runner.num_kvcache_blocks * llm.config.kvcache_block_size,
         "attention_backend": llm.attention_backend,
         "enforce_eager": args.enforce_eager,
         "num_seqs": num_seqs,
@@ -543,6 +551,8 @@ def main() -> None:
         ("output tokens", total_output_tokens),
         ("nanovllm time (s)", f"{elapsed:.2f}"),
         ("nanovllm output tok/s", f"{result['throughput_tok_s']:.2f}"),
+        ("KV cache", f"{kv_cache_dtype} ({str(llm.config.kv_cache_torch_dtype).removeprefix('torch.')}), "
+                     f"{result['kv_cache_tokens']} tokens"),
         ("scheduling", f"{result['scheduling_policy']}, max_num_seqs {result['max_num_seqs']}, "
                        f"max_num_batched_tokens {result['max_num_batched_tokens']}"),
         ("steps", f"{result['prefill_steps']} with prefill ({result['mixed_steps']} of them mixed), "
@@ -568,7 +578,7 @@ def main() -> None:
     gc.collect()
     if device == "cuda":
         torch.cuda.empty_cache()
-    if args.compare_hf:
+    if compare_hf:
         hf = run_hf_baseline(path, prompts, [sp.max_tokens for sp in sampling_params], device, dtype,
                              hf_batch_size, args.hf_cache, args.seed)
         hf_throughput = total_output_tokens / hf.time_s
@@ -601,6 +611,28 @@ def main() -> None:
     width = max(len(k) for k, _ in rows)
     for key, value in rows:
         print(f"{key:<{width}}  {value}")
+    return result
+
+
+def main() -> None:
+    """One run per --kv-cache-dtype (HF, if asked, after the first only); with several, a
+    comparison of their throughputs, and a JSON line holding every run."""
+    args = parse_args()
+    kv_cache_dtypes = args.kv_cache_dtype.split(",")
+    for value in kv_cache_dtypes:
+        if value not in KV_CACHE_DTYPES:
+            raise ValueError(f"--kv-cache-dtype={args.kv_cache_dtype!r} is not allowed: {value!r} is not one of "
+                             f"{KV_CACHE_DTYPES} (a comma list runs each)")
+    runs = [bench_one(args, kv, args.compare_hf and i == 0) for i, kv in enumerate(kv_cache_dtypes)]
+    result = runs[0]
+    if len(runs) > 1:
+        base = runs[0]["throughput_tok_s"]
+        for run in runs[1:]:
+            run["throughput_vs_first"] = round(run["throughput_tok_s"] / base, 3)
+            print(f"kv_cache_dtype {run['kv_cache_dtype']} / {runs[0]['kv_cache_dtype']}: "
+                  f"{run['throughput_vs_first']:.3f}x output tok/s, "
+                  f"{run['kv_cache_tokens'] / runs[0]['kv_cache_tokens']:.2f}x KV-cache tokens")
+        result = {"kv_cache_dtypes": kv_cache_dtypes, "runs": runs}
     print_json_line(result, args.json_out)
 
 

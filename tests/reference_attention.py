@@ -3,7 +3,8 @@ new one is tested against (tests/test_torch_attention.py). Kept verbatim apart f
 
 It gathers K/V through the block table and runs scaled_dot_product_attention with an explicit
 bottom-right causal mask. Prefill loops over sequences on the host; decode is one batched call
-over every context padded to the longest.
+over every context padded to the longest. It knows no fp8 cache (kv_scales must be None; the
+fp8 tests compare with it on a dequantised copy of the cache).
 """
 import torch
 import torch.nn.functional as F
@@ -36,13 +37,15 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: f
 class ReferenceTorchBackend(AttentionBackend):
     name = "torch-reference"
 
-    def store_kv(self, k, v, k_cache, v_cache, slot_mapping):
+    def store_kv(self, k, v, k_cache, v_cache, slot_mapping, kv_scales=None):
+        assert kv_scales is None
         keep = slot_mapping >= 0
         slots = slot_mapping[keep].long()
         k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, slots, k[keep])
         v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, slots, v[keep])
 
-    def prefill(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale):
+    def prefill(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale, kv_scales=None):
+        assert kv_scales is None
         out = torch.empty_like(q)
         start_q = start_k = 0
         for i, (lq, lk) in enumerate(zip(meta.seqlens_q, meta.seqlens_k)):
@@ -55,7 +58,8 @@ class ReferenceTorchBackend(AttentionBackend):
             start_q, start_k = start_q + lq, start_k + lk
         return out
 
-    def decode(self, q, k_cache, v_cache, meta: AttentionMetadata, scale):
+    def decode(self, q, k_cache, v_cache, meta: AttentionMetadata, scale, kv_scales=None):
+        assert kv_scales is None
         batch, block_size = q.size(0), k_cache.size(1)
         longest = int(meta.context_lens.max()) if batch else 0
         if longest == 0:

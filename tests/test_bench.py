@@ -191,3 +191,17 @@ def test_bench_model_choice(bench, tmp_path, monkeypatch):
     for on_cpu in (True, False):
         choice = bench.choose_model(None, None, on_cpu=on_cpu)
         assert choice.path == str(default) + os.sep and choice.synthetic is None and "exists" in choice.reason
+
+
+def test_bench_runs_each_kv_cache_dtype_of_a_comma_list(workdir):
+    """--kv-cache-dtype auto,fp8_e4m3: one engine per cache dtype over the same workload, and a
+    JSON line holding both runs with the throughput of the second relative to the first."""
+    result, _ = run_bench(workdir, "kv_dtypes", ["--kv-cache-dtype", "auto,fp8_e4m3"])
+    assert result["kv_cache_dtypes"] == ["auto", "fp8_e4m3"]
+    first, second = result["runs"]
+    for run in (first, second):
+        check_nanovllm(run)
+    assert (first["kv_cache_dtype"], second["kv_cache_dtype"]) == ("auto", "fp8_e4m3")
+    assert first["total_output_tokens"] == second["total_output_tokens"]
+    assert second["throughput_vs_first"] == pytest.approx(second["throughput_tok_s"] / first["throughput_tok_s"],
+                                                          abs=0.002)

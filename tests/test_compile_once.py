@@ -51,11 +51,8 @@ def kernel_cache_sizes(kernels: dict) -> dict[str, int]:
             for name, kernel in kernels.items()}
 
 
-@pytest.fixture(scope="module", params=[("cpu", True), *[pytest.param(("cuda", eager), marks=GPU_ONLY)
-                                                         for eager in (False, True)]],
-                ids=lambda p: f"{p[0]}-{'eager' if p[1] else 'graphs'}")
-def run(request, qwen3_tiny):
-    device, eager = request.param
+def run_workload(qwen3_tiny: str, device: str, eager: bool, kv_cache_dtype: str = "auto") -> dict:
+    """Start an engine on the Triton path while recording launches, then run what start-up never saw."""
     kernels = triton_kernels()
     # Lengths at block ends (47, 31, 32, 15): the second call's rows all need a new block at once.
     prompts = random_prompts(200, [47, 9, 31, 32, 15], seed=60)
@@ -64,7 +61,8 @@ def run(request, qwen3_tiny):
     # but not the second, whose lower-priority rows are swapped out.
     config = dict(device=device, enforce_eager=eager, attention_backend="triton", fused_kernels="triton",
                   compile_mode="on", kvcache_block_size=BLOCK, num_kvcache_blocks=8, max_num_seqs=8,
-                  max_num_batched_tokens=32, max_model_len=128, preemption_mode="swap", swap_space=0.01)
+                  max_num_batched_tokens=32, max_model_len=128, preemption_mode="swap", swap_space=0.01,
+                  kv_cache_dtype=kv_cache_dtype)
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(decode_attention, "MIN_TOKENS_PER_SPLIT", TOKENS_PER_SPLIT)
         dynamo_before = dynamo_counts()
@@ -86,7 +84,15 @@ def run(request, qwen3_tiny):
                 kernels=kernels, stats=stats)
 
 
-def test_no_kernel_variant_is_new_after_start_up(run):
+@pytest.fixture(scope="module", params=[("cpu", True), *[pytest.param(("cuda", eager), marks=GPU_ONLY)
+                                                         for eager in (False, True)]],
+                ids=lambda p: f"{p[0]}-{'eager' if p[1] else 'graphs'}")
+def run(request, qwen3_tiny):
+    device, eager = request.param
+    return run_workload(qwen3_tiny, device, eager)
+
+
+def assert_no_new_variant(run: dict) -> None:
     launches, at_start = run["launches"], run["at_start"]
     start_keys, later = set(launches[:at_start]), launches[at_start:]
     new = sorted({launch.kernel for launch in later if launch not in start_keys})
@@ -99,6 +105,23 @@ def test_no_kernel_variant_is_new_after_start_up(run):
         assert "decode_attention._reduce_kernel" in launched, "decode never split: the split variants went unchecked"
     caches_at_start, caches_after = run["caches"]
     assert caches_after == caches_at_start  # compiled mode: Triton's own caches (all zero under the interpreter)
+
+
+def test_no_kernel_variant_is_new_after_start_up(run):
+    assert_no_new_variant(run)
+
+
+@pytest.mark.parametrize("device,eager", [("cpu", True), pytest.param("cuda", False, marks=GPU_ONLY)])
+def test_fp8_kv_cache_compiles_nothing_after_start_up(qwen3_tiny, device, eager):
+    """The same run with an fp8 cache: the kernels' quantised variants (store, fused rotary + store,
+    paged prefill, which an fp8 cache takes for every prompt, and decode) are all launched at
+    start-up, after calibration set the scales. Its tokens differ from HF's by fp8's rounding
+    (tests/test_kv_cache_fp8.py measures that), so only the launches are checked here."""
+    result = run_workload(qwen3_tiny, device, eager, kv_cache_dtype="fp8_e4m3")
+    assert_no_new_variant(result)
+    assert result["dynamo_after"] == result["dynamo_before"]
+    stats = result["stats"]
+    assert stats.mixed_steps > 0 and stats.preemptions_swap > 0 and stats.swap_ins > 0
 
 
 def test_nothing_goes_through_torch_compile(run):

@@ -5,7 +5,9 @@ Decode and prefill run on random paged caches whose blocks are shuffled and whos
 sequence owns holds large finite garbage, so reading one changes the output: lengths of zero and
 one token, on and around block boundaries and across many blocks, GQA groups of 1 to 4, tiles of
 one row and of many. Float32 must agree to rounding, bf16 within its tolerance; the whole engine
-must still give HF's greedy tokens, and logprobs within 1e-5 of the old backend's.
+must still give HF's greedy tokens, and logprobs within 1e-5 of the old backend's. An fp8 cache
+is dequantised a tile at a time and must give what the old backend gives on the whole cache
+dequantised.
 """
 import platform
 
@@ -16,6 +18,7 @@ from torch import nn
 from helpers import hf_greedy, random_prompts
 from nanovllm import LLM, SamplingParams
 from nanovllm.attention import torch_backend
+from nanovllm.attention.kv_quant import FP8_DTYPES, KVScales, dequantize, quantize
 from nanovllm.attention.torch_backend import DECODE_TILE_BYTES, TorchBackend, plan_decode
 from nanovllm.config import Config
 from nanovllm.layers.embed_head import ParallelLMHead, VocabParallelEmbedding
@@ -192,6 +195,35 @@ def test_mixed_step_decode_rows_match_reference(block_size, num_heads, num_kv_he
     assert backend._plan is plan
     assert_matches_reference(out, ReferenceTorchBackend().prefill(q, None, None, v_cache, k_cache, meta, SCALE),
                              torch.float32)
+
+
+@pytest.mark.parametrize("fp8", list(FP8_DTYPES.values()))
+@pytest.mark.parametrize("tile_bytes", TILE_BYTES)
+def test_fp8_cache_is_dequantized_per_tile_as_the_whole_cache(fp8, tile_bytes):
+    """Decode and a mixed step over an fp8 cache (per-head scales; the garbage slots clamp to fp8's
+    range) equal the old backend over the whole cache dequantised; the gathered tiles stay fp8."""
+    gen = torch.Generator().manual_seed(7)
+    block_size, num_heads, num_kv_heads = 16, 6, 2
+    kv_scales = KVScales(torch.tensor([0.01, 0.03]), torch.tensor([0.02, 0.005]))
+    lengths = decode_lengths(block_size)
+    k_float, v_float, tables = paged_cache(lengths, block_size, num_kv_heads, torch.float32, gen)
+    k_cache, v_cache = quantize(k_float, kv_scales.k, fp8), quantize(v_float, kv_scales.v, fp8)
+    k_read, v_read = dequantize(k_cache, kv_scales.k, torch.float32), dequantize(v_cache, kv_scales.v, torch.float32)
+    q = torch.randn(len(lengths), num_heads, HEAD_DIM, generator=gen)
+    meta = decode_meta(lengths, tables)
+    backend = TorchBackend(tile_bytes)
+    out = backend.decode(q, k_cache, v_cache, meta, SCALE, kv_scales)
+    assert_matches_reference(out, ReferenceTorchBackend().decode(q, k_read, v_read, meta, SCALE), torch.float32)
+    assert backend._k_tile.dtype == fp8  # tiles are gathered as stored, then dequantised
+    lens = [(0, 20), (3 * block_size + 1, 1), (block_size, 9), (0, 1), (12 * block_size, 1)]  # (cached, new)
+    k_float, v_float, tables = paged_cache([p + n for p, n in lens], block_size, num_kv_heads, torch.float32, gen)
+    k_cache, v_cache = quantize(k_float, kv_scales.k, fp8), quantize(v_float, kv_scales.v, fp8)
+    k_read, v_read = dequantize(k_cache, kv_scales.k, torch.float32), dequantize(v_cache, kv_scales.v, torch.float32)
+    meta = prefill_meta(lens, tables)
+    q = torch.randn(sum(meta.seqlens_q), num_heads, HEAD_DIM, generator=gen)
+    out = backend.prefill(q, None, None, k_cache, v_cache, meta, SCALE, kv_scales)
+    expected = ReferenceTorchBackend().prefill(q, None, None, k_read, v_read, meta, SCALE)
+    assert_matches_reference(out, expected, torch.float32)
 
 
 @pytest.mark.parametrize("num_heads,num_kv_heads", HEAD_LAYOUTS)

@@ -1,12 +1,15 @@
 """Attention backends behind one interface, and the choice among them, made once at start-up.
 
 "auto" picks flash_attn on CUDA when it imports, else our Triton kernels on CUDA, else torch.
-Asking for a backend that cannot run here is an error that says why. Backends are imported
+An fp8 KV cache rules flash_attn out (flash-attn 2 reads 16-bit caches only): "auto" then picks
+Triton, and asking for flash_attn is an error. Asking for a backend that cannot run here is an error that says why. Backends are imported
 lazily, so `import nanovllm` never imports flash-attn or triton.
 """
 import importlib.util
 import logging
 import os
+
+import torch
 
 from nanovllm.attention.base import AttentionBackend
 
@@ -14,18 +17,27 @@ logger = logging.getLogger("nanovllm")
 
 # flash-attn's paged KV cache takes pages whose size is a multiple of this.
 FLASH_ATTN_PAGE_MULTIPLE = 256
+# Triton converts to and from both fp8 formats in hardware from this compute capability (Ada, Hopper).
+MIN_FP8_CAPABILITY = (8, 9)
 
 
 def _installed(module: str) -> bool:
     return importlib.util.find_spec(module) is not None
 
 
-def resolve_backend_name(requested: str, device: str, block_size: int) -> str:
+def resolve_backend_name(requested: str, device: str, block_size: int, kv_cache_dtype: str = "auto") -> str:
     """The backend to use, or a ValueError saying why the requested one cannot run here."""
+    fp8_cache = kv_cache_dtype != "auto"
+    if fp8_cache and device == "cuda" and requested in ("auto", "triton") and _installed("triton"):
+        capability = torch.cuda.get_device_capability()
+        if capability < MIN_FP8_CAPABILITY:
+            raise ValueError(f"kv_cache_dtype={kv_cache_dtype!r} needs a GPU of compute capability >= "
+                             f"{MIN_FP8_CAPABILITY[0]}.{MIN_FP8_CAPABILITY[1]} for the Triton kernels' fp8 "
+                             f"conversions; this one is {capability[0]}.{capability[1]} (use kv_cache_dtype='auto')")
     if requested == "auto":
         if device != "cuda":
             return "torch"
-        if _installed("flash_attn") and block_size % FLASH_ATTN_PAGE_MULTIPLE == 0:
+        if _installed("flash_attn") and block_size % FLASH_ATTN_PAGE_MULTIPLE == 0 and not fp8_cache:
             return "flash_attn"
         return "triton" if _installed("triton") else "torch"
     if requested == "flash_attn":
@@ -37,6 +49,10 @@ def resolve_backend_name(requested: str, device: str, block_size: int) -> str:
         if block_size % FLASH_ATTN_PAGE_MULTIPLE:
             raise ValueError(f"attention_backend='flash_attn' needs kvcache_block_size to be a multiple of "
                              f"{FLASH_ATTN_PAGE_MULTIPLE}; it is {block_size}")
+        if fp8_cache:
+            raise ValueError(f"attention_backend='flash_attn' cannot read an fp8 KV cache "
+                             f"(kv_cache_dtype={kv_cache_dtype!r}); use attention_backend='triton' or 'auto', "
+                             "or kv_cache_dtype='auto'")
     if requested == "triton":
         if not _installed("triton"):
             raise ValueError("attention_backend='triton' but triton is not installed (pip install triton)")
@@ -46,8 +62,8 @@ def resolve_backend_name(requested: str, device: str, block_size: int) -> str:
     return requested
 
 
-def create_backend(requested: str, device: str, block_size: int) -> AttentionBackend:
-    name = resolve_backend_name(requested, device, block_size)
+def create_backend(requested: str, device: str, block_size: int, kv_cache_dtype: str = "auto") -> AttentionBackend:
+    name = resolve_backend_name(requested, device, block_size, kv_cache_dtype)
     logger.info("attention backend: %s (requested %r, device %s)", name, requested, device)
     if name == "flash_attn":
         from nanovllm.attention.flash_attn_backend import FlashAttnBackend

@@ -12,6 +12,11 @@ metadata, so it is worked out once per step (a StepPlan) and reused by every lay
 
 Prefill loops over the other sequences on the host; one with a cached prefix reads its keys from
 the cache through its own blocks. Both read lengths on the host: this backend is not for CUDA graphs.
+
+With an fp8 cache it is the reference of the quantised arithmetic (attention/kv_quant.py):
+store_kv quantises, and every read of the cache goes through `read_cache`, which dequantises the
+rows read (K and V) to the query's dtype: a prefill sequence's gathered keys, or one decode tile
+at a time (never a dequantised copy of the whole cache).
 """
 from typing import NamedTuple
 
@@ -19,6 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from nanovllm.attention.base import AttentionBackend
+from nanovllm.attention.kv_quant import KVScales, quantize, read_cache
 from nanovllm.utils.context import AttentionMetadata
 from nanovllm.utils.math_utils import cdiv
 
@@ -112,6 +118,7 @@ class StepPlan(NamedTuple):
 
 class TorchBackend(AttentionBackend):
     name = "torch"
+    supports_fp8_kv_cache = True
 
     def __init__(self, decode_tile_bytes: int = DECODE_TILE_BYTES) -> None:
         self.decode_tile_bytes = decode_tile_bytes
@@ -124,32 +131,39 @@ class TorchBackend(AttentionBackend):
         self._k_tile = self._v_tile = torch.empty(0)
 
     def store_kv(self, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                 slot_mapping: torch.Tensor) -> None:
+                 slot_mapping: torch.Tensor, kv_scales: KVScales | None = None) -> None:
         keep = slot_mapping >= 0
         slots = slot_mapping[keep].long()
-        k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, slots, k[keep])
-        v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, slots, v[keep])
+        k, v = k[keep], v[keep]
+        if kv_scales is not None:
+            k, v = quantize(k, kv_scales.k, k_cache.dtype), quantize(v, kv_scales.v, v_cache.dtype)
+            # index_copy_ has no fp8 kernel on CPU: copy the bytes (fp8 is one byte per element).
+            k_cache, v_cache, k, v = (x.view(torch.uint8) for x in (k_cache, v_cache, k, v))
+        k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, slots, k)
+        v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, slots, v)
 
     def prefill(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
-                v_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+                v_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
+                kv_scales: KVScales | None = None) -> torch.Tensor:
         plan = self.step_plan(q, k_cache, meta)
         out = torch.empty_like(q)
         for seq in plan.prefills:
             if meta.block_tables is None:
                 ki, vi = k[seq.start_k:seq.start_k + seq.len_k], v[seq.start_k:seq.start_k + seq.len_k]
             else:
-                ki = gather_kv(k_cache, meta.block_tables[seq.index], seq.len_k)
-                vi = gather_kv(v_cache, meta.block_tables[seq.index], seq.len_k)
+                k_scale, v_scale = kv_scales or (None, None)
+                ki = read_cache(gather_kv(k_cache, meta.block_tables[seq.index], seq.len_k), k_scale, q.dtype)
+                vi = read_cache(gather_kv(v_cache, meta.block_tables[seq.index], seq.len_k), v_scale, q.dtype)
             rows = slice(seq.start_q, seq.start_q + seq.len_q)
             out[rows] = causal_attention(q[rows], ki, vi, scale)
         if plan.decode is not None:
             out[plan.decode_rows] = self.paged_decode(q.index_select(0, plan.decode_rows), k_cache, v_cache,
-                                                      plan.decode, scale)
+                                                      plan.decode, scale, kv_scales)
         return out
 
     def decode(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
-               scale: float) -> torch.Tensor:
-        return self.paged_decode(q, k_cache, v_cache, self.step_plan(q, k_cache, meta).decode, scale)
+               scale: float, kv_scales: KVScales | None = None) -> torch.Tensor:
+        return self.paged_decode(q, k_cache, v_cache, self.step_plan(q, k_cache, meta).decode, scale, kv_scales)
 
     def step_plan(self, q: torch.Tensor, k_cache: torch.Tensor, meta: AttentionMetadata) -> StepPlan:
         """This step's plan, made by its first layer. A prefill step's one-new-token rows over a
@@ -158,7 +172,8 @@ class TorchBackend(AttentionBackend):
             return self._plan
 
         def plan(context_lens: torch.Tensor, block_tables: torch.Tensor) -> DecodePlan:
-            bytes_per_token = 2 * k_cache[0, 0].numel() * k_cache.element_size()  # K and V
+            # K and V as SDPA reads them: a quantised cache's tile is dequantised to q's dtype.
+            bytes_per_token = 2 * k_cache[0, 0].numel() * max(k_cache.element_size(), q.element_size())
             return plan_decode(context_lens, block_tables, k_cache.size(1), bytes_per_token, q.dtype,
                                self.decode_tile_bytes)
 
@@ -187,12 +202,13 @@ class TorchBackend(AttentionBackend):
         return self._plan
 
     def paged_decode(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, plan: DecodePlan,
-                     scale: float) -> torch.Tensor:
+                     scale: float, kv_scales: KVScales | None = None) -> torch.Tensor:
         """One query per row over its cached context, tile by tile: q [rows, Hq, D] -> [rows, Hq, D];
-        a row with context length 0 outputs zeros."""
+        a row with context length 0 outputs zeros. An fp8 cache's tile is dequantised as it is read."""
         num_heads, head_dim = q.shape[1:]
         num_blocks, num_kv_heads = k_cache.size(0), k_cache.size(2)
         group = num_heads // num_kv_heads
+        k_scale, v_scale = kv_scales or (None, None)
         k_flat, v_flat = k_cache.view(num_blocks, -1), v_cache.view(num_blocks, -1)  # [num_blocks, block numel]
         need = max((t.block_ids.numel() for t in plan.tiles), default=0) * k_flat.size(1)
         if self._k_tile.numel() < need or self._k_tile.dtype != k_cache.dtype or self._k_tile.device != k_cache.device:
@@ -204,8 +220,10 @@ class TorchBackend(AttentionBackend):
             rows, n = tile.end - tile.start, tile.block_ids.numel()
             k = torch.index_select(k_flat, 0, tile.block_ids, out=self._k_tile[:n * k_flat.size(1)].view(n, -1))
             v = torch.index_select(v_flat, 0, tile.block_ids, out=self._v_tile[:n * v_flat.size(1)].view(n, -1))
-            # [rows, num_kv_heads, num_tokens, head_dim]: strided views of the gathered blocks
-            k, v = (x.view(rows, -1, num_kv_heads, head_dim)[:, :tile.num_tokens].transpose(1, 2) for x in (k, v))
+            # [rows, num_tokens, num_kv_heads, head_dim]: strided views of the gathered blocks
+            k, v = (x.view(rows, -1, num_kv_heads, head_dim)[:, :tile.num_tokens] for x in (k, v))
+            k, v = read_cache(k, k_scale, q.dtype), read_cache(v, v_scale, q.dtype)
+            k, v = k.transpose(1, 2), v.transpose(1, 2)  # [rows, num_kv_heads, num_tokens, head_dim]
             # The group of query heads of a KV head is that head's "query length".
             out_sorted[tile.start:tile.end] = F.scaled_dot_product_attention(
                 q_sorted[tile.start:tile.end], k, v, attn_mask=tile.mask, scale=scale)

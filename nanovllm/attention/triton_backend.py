@@ -8,6 +8,7 @@ so importing nanovllm works where triton is absent.
 import torch
 
 from nanovllm.attention.base import AttentionBackend
+from nanovllm.attention.kv_quant import KVScales
 from nanovllm.utils.context import AttentionMetadata
 
 
@@ -15,6 +16,7 @@ class TritonBackend(AttentionBackend):
     name = "triton"
     supports_cuda_graphs = True
     compiles_kernels = True
+    supports_fp8_kv_cache = True
 
     def __init__(self) -> None:
         # Lazy: importing triton is slow, and it must not happen at `import nanovllm` time (tests
@@ -29,18 +31,19 @@ class TritonBackend(AttentionBackend):
         self._retired_scratch: list[torch.Tensor] = []
 
     def store_kv(self, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                 slot_mapping: torch.Tensor) -> None:
-        self._store_kv(k, v, k_cache, v_cache, slot_mapping)
+                 slot_mapping: torch.Tensor, kv_scales: KVScales | None = None) -> None:
+        self._store_kv(k, v, k_cache, v_cache, slot_mapping, **_scale_args(kv_scales))
 
     def prefill(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
-                v_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+                v_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
+                kv_scales: KVScales | None = None) -> torch.Tensor:
         if meta.block_tables is None:  # no cache yet (warm-up): keys are this step's k/v
             return self._prefill(q, k, v, meta.cu_seqlens_q, meta.cu_seqlens_k, scale)
         return self._prefill(q, k_cache, v_cache, meta.cu_seqlens_q, meta.cu_seqlens_k, scale,
-                             block_tables=meta.block_tables)
+                             block_tables=meta.block_tables, **_scale_args(kv_scales))
 
     def decode(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
-               scale: float) -> torch.Tensor:
+               scale: float, kv_scales: KVScales | None = None) -> torch.Tensor:
         # Everything below reads shapes only, never tensor values: no host synchronisation, and
         # the same launch for the same shapes, so a CUDA graph can capture it.
         kernels = self._decode_kernels
@@ -49,7 +52,7 @@ class TritonBackend(AttentionBackend):
                                                k_cache.size(1), kernels.num_sms(q.device))
         scratch = self._scratch_for(kernels.scratch_numel(batch, num_heads, head_dim, num_splits), q.device)
         return kernels.decode_attention(q, k_cache, v_cache, meta.block_tables, meta.context_lens, scale,
-                                        num_splits=num_splits, scratch=scratch)
+                                        num_splits=num_splits, scratch=scratch, **_scale_args(kv_scales))
 
     def prepare_cuda_graphs(self, max_batch: int, num_heads: int, num_kv_heads: int, head_dim: int,
                             max_blocks: int, block_size: int, device: torch.device) -> None:
@@ -80,3 +83,8 @@ class TritonBackend(AttentionBackend):
                 self._retired_scratch.append(self._scratch)
             self._scratch = torch.empty(numel, dtype=torch.float32, device=device)
         return self._scratch
+
+
+def _scale_args(kv_scales: KVScales | None) -> dict[str, torch.Tensor]:
+    """The kernels' k_scale/v_scale keyword arguments: none for a cache in the model's dtype."""
+    return {} if kv_scales is None else {"k_scale": kv_scales.k, "v_scale": kv_scales.v}

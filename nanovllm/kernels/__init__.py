@@ -21,6 +21,8 @@ import torch
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 INDEX_DTYPES = (torch.int32, torch.int64)
+# A quantised paged cache (Config.kv_cache_dtype): K/V in fp8 with per-head scales (kv_quant.py).
+FP8_CACHE_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 # tl.dot refuses operands with a dimension below 16, so query rows and head_dim pad up to it.
 MIN_DOT_SIZE = 16
 # Kernels keep [rows, head_dim] fp32 accumulators in registers; beyond 256 they would spill.
@@ -72,9 +74,10 @@ def check_head_dim(head_dim: int) -> None:
 def check_paged_cache(k_cache: torch.Tensor, v_cache: torch.Tensor, dtype: torch.dtype,
                       device: torch.device) -> None:
     """k_cache and v_cache: [num_blocks, block_size, num_kv_heads, head_dim], one layout for both
-    (the kernels address both with one set of strides)."""
-    check_tensor("k_cache", k_cache, 4, (dtype,), device)
-    check_tensor("v_cache", v_cache, 4, (dtype,), device)
+    (the kernels address both with one set of strides), in the model's `dtype` or both in one fp8
+    dtype (a quantised cache, whose scales kv_quant.kv_cache_scales checks)."""
+    check_tensor("k_cache", k_cache, 4, (dtype, *FP8_CACHE_DTYPES), device)
+    check_tensor("v_cache", v_cache, 4, (k_cache.dtype,), device)
     if k_cache.shape != v_cache.shape or k_cache.stride() != v_cache.stride():
         raise ValueError(f"k_cache and v_cache must share shape and strides, got {tuple(k_cache.shape)} "
                          f"{k_cache.stride()} and {tuple(v_cache.shape)} {v_cache.stride()}")

@@ -12,6 +12,8 @@ in fp32), and writes the output directly (one split) or a normalised partial plu
 log-sum-exp for `_reduce_kernel`, grid (batch, num_heads). Each program sizes its share from the
 row's context length on the device, so the grid depends only on host-known shapes and the whole
 call can be captured in a CUDA graph: no host synchronisation, no data-dependent launch.
+An fp8 cache is dequantised as each K/V tile is loaded (kv_quant.dequantize_kv, the program's
+KV-head scale held in a register), so the tile math is the same as for a 16-bit cache.
 """
 import functools
 from typing import NamedTuple
@@ -22,6 +24,7 @@ import triton.language as tl
 
 from nanovllm.kernels import INDEX_DTYPES, LOG2E, MIN_DOT_SIZE, SUPPORTED_DTYPES, check_head_dim, check_paged_cache, \
     check_tensor, dot_precision, next_power_of_2, output_for, padded_head_dim
+from nanovllm.kernels.kv_quant import dequantize_kv, kv_cache_scales
 from nanovllm.kernels.reductions import MAX, SUM, online_softmax_step
 
 # Splits multiply the programs so small batches fill the GPU; past this, the reduce and the
@@ -90,7 +93,7 @@ def scratch_numel(batch: int, num_heads: int, head_dim: int, num_splits: int) ->
 
 @triton.jit
 def _decode_kernel(
-    q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, context_lens_ptr,
+    q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, context_lens_ptr, k_scale_ptr, v_scale_ptr,
     out_ptr, partial_out_ptr, partial_lse_ptr,
     stride_q_batch, stride_q_head,
     stride_cache_block, stride_cache_slot, stride_cache_head,
@@ -99,7 +102,7 @@ def _decode_kernel(
     qk_scale_log2,  # softmax scale * log2(e)
     num_heads, head_dim,
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
-    DIM_PAD: tl.constexpr, NUM_SPLITS: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    DIM_PAD: tl.constexpr, NUM_SPLITS: tl.constexpr, DOT_PRECISION: tl.constexpr, KV_QUANTIZED: tl.constexpr,
 ):
     batch = tl.program_id(0).to(tl.int64)
     kv_head = tl.program_id(1)
@@ -122,6 +125,9 @@ def _decode_kernel(
                 mask=row_mask[:, None] & dim_mask[None, :], other=0.0)  # [GROUP_PAD, DIM_PAD]
 
     # 3. Online softmax over tiles of BLOCK_N positions, each found through the block table.
+    if KV_QUANTIZED:  # this KV head's scales, for every tile
+        k_scale = tl.load(k_scale_ptr + kv_head)
+        v_scale = tl.load(v_scale_ptr + kv_head)
     m_i = tl.full([GROUP_PAD], float("-inf"), tl.float32)
     l_i = tl.full([GROUP_PAD], 0.0, tl.float32)
     acc = tl.full([GROUP_PAD, DIM_PAD], 0.0, tl.float32)
@@ -134,9 +140,13 @@ def _decode_kernel(
         slots = blocks * stride_cache_block + (positions % BLOCK_SIZE) * stride_cache_slot + kv_head * stride_cache_head
         kv_mask = valid[:, None] & dim_mask[None, :]
         k = tl.load(k_cache_ptr + slots[:, None] + dims[None, :], mask=kv_mask, other=0.0)  # [BLOCK_N, DIM_PAD]
+        if KV_QUANTIZED:
+            k = dequantize_kv(k, k_scale, q)
         scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale_log2  # [GROUP_PAD, BLOCK_N]
         scores = tl.where(valid[None, :], scores, float("-inf"))
         v = tl.load(v_cache_ptr + slots[:, None] + dims[None, :], mask=kv_mask, other=0.0)  # [BLOCK_N, DIM_PAD]
+        if KV_QUANTIZED:
+            v = dequantize_kv(v, v_scale, q)
         m_i, l_i, acc = online_softmax_step(scores, v, m_i, l_i, acc, DOT_PRECISION)
 
     # 4. An empty share (context 0, or past the end of a short context) has l == 0: output zeros.
@@ -183,7 +193,8 @@ def _reduce_kernel(
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                      context_lens: torch.Tensor, scale: float, *, num_splits: int = 1,
                      scratch: torch.Tensor | None = None, out: torch.Tensor | None = None,
-                     tiles: DecodeTiles | None = None) -> torch.Tensor:
+                     tiles: DecodeTiles | None = None, k_scale: torch.Tensor | None = None,
+                     v_scale: torch.Tensor | None = None) -> torch.Tensor:
     """One query token per row over its first context_lens[b] cached positions.
 
     q: [batch, num_heads, head_dim] (a strided view is fine, stride(-1) == 1); k_cache, v_cache:
@@ -191,7 +202,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     int64), padded with -1, never read past a row's context; context_lens: [batch] int32 (or
     int64), 0 for a padding row. num_splits > 1 needs `scratch`, a flat fp32 tensor of at least
     scratch_numel(...) elements (allocated here if None, which a CUDA graph capture must avoid).
-    Returns `out` ([batch, num_heads, head_dim], q's dtype), allocated when not given.
+    An fp8 cache needs k_scale, v_scale: [num_kv_heads] float32 (attention/kv_quant.py). Returns `out` ([batch, num_heads, head_dim], q's dtype), allocated when not given.
     """
     device = q.device
     check_tensor("q", q, 3, SUPPORTED_DTYPES, device)
@@ -210,6 +221,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
                          f"must have batch={batch} rows")
     if num_splits < 1:
         raise ValueError(f"num_splits={num_splits} must be >= 1")
+    quantized, _, k_scale, v_scale = kv_cache_scales(k_cache, k_scale, v_scale, num_kv_heads, q.dtype)
     out = output_for(q, out)
     if batch == 0:
         return out
@@ -230,7 +242,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     dim_pad = padded_head_dim(head_dim)
 
     _decode_kernel[(batch, num_kv_heads, num_splits)](
-        q, k_cache, v_cache, block_tables, context_lens,
+        q, k_cache, v_cache, block_tables, context_lens, k_scale, v_scale,
         out, partial_out, partial_lse,
         q.stride(0), q.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
@@ -240,7 +252,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         num_heads, head_dim,
         GROUP=group, GROUP_PAD=max(MIN_DOT_SIZE, next_power_of_2(group)), BLOCK_SIZE=block_size,
         BLOCK_N=tiles.block_n, DIM_PAD=dim_pad, NUM_SPLITS=num_splits, DOT_PRECISION=dot_precision(q.dtype),
-        num_warps=tiles.num_warps, num_stages=tiles.num_stages,
+        KV_QUANTIZED=quantized, num_warps=tiles.num_warps, num_stages=tiles.num_stages,
     )
     if num_splits > 1:
         _reduce_kernel[(batch, num_heads)](

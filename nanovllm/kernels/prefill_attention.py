@@ -12,6 +12,8 @@ G = Hq/Hkv heads of that KV head as the rows of one tile (so a key tile is loade
 Sequence s owns program ids [cu_q[s] // BLOCK_Q + s, ...): an upper bound on its block count,
 which gives a grid of total_q // BLOCK_Q + batch programs per KV head from host-known sizes,
 and lets each program find its sequence by binary search over cu_seqlens_q. Spare programs exit.
+A paged fp8 cache is dequantised as each K/V tile is loaded (kv_quant.dequantize_kv, the
+program's KV-head scale held in a register).
 """
 from typing import NamedTuple
 
@@ -21,6 +23,7 @@ import triton.language as tl
 
 from nanovllm.kernels import INDEX_DTYPES, LOG2E, MIN_DOT_SIZE, SUPPORTED_DTYPES, check_head_dim, check_paged_cache, \
     check_tensor, dot_precision, next_power_of_2, output_for, padded_head_dim
+from nanovllm.kernels.kv_quant import dequantize_kv, kv_cache_scales
 from nanovllm.kernels.reductions import online_softmax_step
 
 
@@ -59,7 +62,7 @@ def _find_sequence(cu_seqlens_q_ptr, q_block, batch, BLOCK_Q: tl.constexpr):
 # The batch size and the block table's width change every step: no variant per value (kernels/__init__.py).
 @triton.jit(do_not_specialize=["batch", "stride_table_batch"])
 def _prefill_kernel(
-    q_ptr, k_ptr, v_ptr, out_ptr, cu_seqlens_q_ptr, cu_seqlens_k_ptr, block_tables_ptr,
+    q_ptr, k_ptr, v_ptr, out_ptr, cu_seqlens_q_ptr, cu_seqlens_k_ptr, block_tables_ptr, k_scale_ptr, v_scale_ptr,
     stride_q_token, stride_q_head,
     # Paged: block, slot-in-block and head strides of the caches. Contiguous: token, unused, head
     # (k and v may differ there: v is often a view of the fused qkv output, k a rotated copy).
@@ -71,6 +74,7 @@ def _prefill_kernel(
     batch, head_dim,
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr,
     DIM_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr, PAGED: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    KV_QUANTIZED: tl.constexpr,
 ):
     q_block = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -100,6 +104,9 @@ def _prefill_kernel(
                 mask=io_mask, other=0.0)  # [BLOCK_M, DIM_PAD]
 
     # 3. Online softmax over key tiles, up to the last key the block's last token can see.
+    if KV_QUANTIZED:  # this KV head's scales, for every tile
+        k_scale = tl.load(k_scale_ptr + kv_head)
+        v_scale = tl.load(v_scale_ptr + kv_head)
     m_i = tl.full([BLOCK_Q * GROUP_PAD], float("-inf"), tl.float32)
     l_i = tl.full([BLOCK_Q * GROUP_PAD], 0.0, tl.float32)
     acc = tl.full([BLOCK_Q * GROUP_PAD, DIM_PAD], 0.0, tl.float32)
@@ -121,10 +128,14 @@ def _prefill_kernel(
         v_offsets += kv_head * stride_v_head
         kv_mask = valid[:, None] & dim_mask[None, :]
         k = tl.load(k_ptr + k_offsets[:, None] + dims[None, :], mask=kv_mask, other=0.0)  # [BLOCK_N, DIM_PAD]
+        if KV_QUANTIZED:
+            k = dequantize_kv(k, k_scale, q)
         scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale_log2  # [BLOCK_M, BLOCK_N]
         visible = valid[None, :] & (key_pos[None, :] <= (prefix + q_pos)[:, None])
         scores = tl.where(visible, scores, float("-inf"))
         v = tl.load(v_ptr + v_offsets[:, None] + dims[None, :], mask=kv_mask, other=0.0)  # [BLOCK_N, DIM_PAD]
+        if KV_QUANTIZED:
+            v = dequantize_kv(v, v_scale, q)
         m_i, l_i, acc = online_softmax_step(scores, v, m_i, l_i, acc, DOT_PRECISION)
 
     # 4. A row that saw no key (only possible when Lk < Lq) has l == 0 and outputs zeros.
@@ -135,14 +146,16 @@ def _prefill_kernel(
 
 def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor,
                       cu_seqlens_k: torch.Tensor, scale: float, *, block_tables: torch.Tensor | None = None,
-                      out: torch.Tensor | None = None, tiles: PrefillTiles | None = None) -> torch.Tensor:
+                      out: torch.Tensor | None = None, tiles: PrefillTiles | None = None,
+                      k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None) -> torch.Tensor:
     """Varlen bottom-right causal attention; returns `out` [total_q, num_heads, head_dim] (q's dtype).
 
     q: [total_q, num_heads, head_dim] (a strided view is fine, stride(-1) == 1); cu_seqlens_q/k:
     [batch + 1] int32 (or int64) prefix sums of new and total tokens. Without block_tables, k and v
     are this step's [total_k, num_kv_heads, head_dim] (strided views fine). With block_tables
     ([batch, max_blocks], padded with -1), k and v are the paged caches [num_blocks, block_size,
-    num_kv_heads, head_dim] holding all Lk keys of each sequence.
+    num_kv_heads, head_dim] holding all Lk keys of each sequence, in q's dtype or in fp8 with
+    k_scale, v_scale ([num_kv_heads] float32, see attention/kv_quant.py).
     """
     device = q.device
     check_tensor("q", q, 3, SUPPORTED_DTYPES, device)
@@ -171,6 +184,7 @@ def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seql
         strides = (k.stride(0), 0, k.stride(1), v.stride(0), 0, v.stride(1))
         block_tables, table_stride = cu_seqlens_k, 0  # a placeholder pointer, never read
     num_kv_heads = k.size(-2)
+    quantized, _, k_scale, v_scale = kv_cache_scales(k, k_scale, v_scale, num_kv_heads, q.dtype)
     if k.size(-1) != head_dim:
         raise ValueError(f"k/v head_dim {k.size(-1)} does not match q's {head_dim}")
     check_head_dim(head_dim)
@@ -188,7 +202,7 @@ def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seql
 
     grid = (total_q // block_q + batch, num_kv_heads)
     _prefill_kernel[grid](
-        q, k, v, out, cu_seqlens_q, cu_seqlens_k, block_tables,
+        q, k, v, out, cu_seqlens_q, cu_seqlens_k, block_tables, k_scale, v_scale,
         q.stride(0), q.stride(1),
         *strides,
         out.stride(0), out.stride(1),
@@ -197,6 +211,6 @@ def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seql
         batch, head_dim,
         GROUP=group, GROUP_PAD=group_pad, BLOCK_Q=block_q, BLOCK_N=tiles.block_n,
         DIM_PAD=padded_head_dim(head_dim), BLOCK_SIZE=block_size, PAGED=paged, DOT_PRECISION=dot_precision(q.dtype),
-        num_warps=tiles.num_warps, num_stages=tiles.num_stages,
+        KV_QUANTIZED=quantized, num_warps=tiles.num_warps, num_stages=tiles.num_stages,
     )
     return out

@@ -3,7 +3,8 @@
 Owns one Triton kernel and its checking wrapper. Per token it normalises each q and k head
 (Qwen3's q_norm/k_norm; skipped for models without them, as Llama and Qwen2), rotates both
 (neox style: the two halves of a head turn together), writes them back in place, and stores the
-token's rotated K and its V in the paged cache at its slot (-1: a padding row, store nothing).
+token's rotated K and its V in the paged cache at its slot (-1: a padding row, store nothing),
+quantised per KV head by kv_quant.quantize_kv when the cache is fp8 (Config.kv_cache_dtype).
 It computes what layers/layernorm.py and layers/rotary_embedding.py compute, cast for cast
 (they are its oracle and the CPU path); it knows the cache layout [num_blocks, block_size,
 num_kv_heads, head_dim] and nothing of sequences or attention.
@@ -21,6 +22,7 @@ import triton.language as tl
 
 from nanovllm.kernels import INDEX_DTYPES, SUPPORTED_DTYPES, check_head_dim, check_paged_cache, check_tensor, \
     next_power_of_2, previous_power_of_2
+from nanovllm.kernels.kv_quant import kv_cache_scales, quantize_kv
 from nanovllm.kernels.reductions import SUM
 
 # Elements of q, k and v per program: tokens are added to a program up to this (at least one).
@@ -84,13 +86,14 @@ def _norm_rope_rows(ptr, stride_token, stride_head, token, head, row_ok, weight_
 @triton.jit(do_not_specialize=["num_tokens"])
 def _qk_norm_rope_store_kernel(
     q_ptr, k_ptr, v_ptr, positions_ptr, cos_sin_ptr, q_weight_ptr, k_weight_ptr,
-    k_cache_ptr, v_cache_ptr, slot_mapping_ptr,
+    k_cache_ptr, v_cache_ptr, slot_mapping_ptr, k_scale_ptr, v_scale_ptr,
     stride_q_token, stride_q_head, stride_k_token, stride_k_head, stride_v_token, stride_v_head,
     stride_cos_sin,
     stride_cache_block, stride_cache_slot, stride_cache_head,
     num_tokens, num_heads, num_kv_heads, eps,
     BLOCK_T: tl.constexpr, Q_HEADS_PAD: tl.constexpr, KV_HEADS_PAD: tl.constexpr, HALF: tl.constexpr,
     HALF_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr, HAS_NORM: tl.constexpr, STORE: tl.constexpr,
+    QUANTIZED: tl.constexpr, FP8_MAX: tl.constexpr,
 ):
     first_token = tl.program_id(0) * BLOCK_T
     # 1. q: every head of the program's tokens, normalised and rotated in place.
@@ -104,25 +107,35 @@ def _qk_norm_rope_store_kernel(
     k1, k2 = _norm_rope_rows(k_ptr, stride_k_token, stride_k_head, token, head, row_ok, k_weight_ptr, cos, sin,
                              eps, HALF, HALF_PAD, HAS_NORM)
     # 3. The rotated K and the V of each token into its cache slot (-1: none); int64, as block *
-    #    stride overflows int32 on a large cache.
+    #    stride overflows int32 on a large cache. An fp8 cache stores x / scale of the row's KV head.
     if STORE:
         slot = tl.load(slot_mapping_ptr + token, mask=token_ok, other=-1).to(tl.int64)[:, None]
         cols = tl.arange(0, HALF_PAD)[None, :]
         mask = row_ok[:, None] & (slot >= 0) & (cols < HALF)
         cache = (slot // BLOCK_SIZE) * stride_cache_block + (slot % BLOCK_SIZE) * stride_cache_slot \
             + head[:, None] * stride_cache_head + cols
+        v_first = v_ptr + token[:, None] * stride_v_token + head[:, None] * stride_v_head + cols
+        v1 = tl.load(v_first, mask=mask)
+        v2 = tl.load(v_first + HALF, mask=mask)
+        if QUANTIZED:
+            ks = tl.load(k_scale_ptr + head, mask=row_ok, other=1.0)[:, None]  # [rows, 1] float32
+            vs = tl.load(v_scale_ptr + head, mask=row_ok, other=1.0)[:, None]
+            k1 = quantize_kv(k1, ks, k_cache_ptr, FP8_MAX)
+            k2 = quantize_kv(k2, ks, k_cache_ptr, FP8_MAX)
+            v1 = quantize_kv(v1, vs, v_cache_ptr, FP8_MAX)
+            v2 = quantize_kv(v2, vs, v_cache_ptr, FP8_MAX)
         tl.store(k_cache_ptr + cache, k1, mask=mask)
         tl.store(k_cache_ptr + cache + HALF, k2, mask=mask)
-        v_first = v_ptr + token[:, None] * stride_v_token + head[:, None] * stride_v_head + cols
-        tl.store(v_cache_ptr + cache, tl.load(v_first, mask=mask), mask=mask)
-        tl.store(v_cache_ptr + cache + HALF, tl.load(v_first + HALF, mask=mask), mask=mask)
+        tl.store(v_cache_ptr + cache, v1, mask=mask)
+        tl.store(v_cache_ptr + cache + HALF, v2, mask=mask)
 
 
 def qk_norm_rope_store(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
                        cos_sin_cache: torch.Tensor, q_weight: torch.Tensor | None = None,
                        k_weight: torch.Tensor | None = None, eps: float = 1e-6, *,
                        k_cache: torch.Tensor | None = None, v_cache: torch.Tensor | None = None,
-                       slot_mapping: torch.Tensor | None = None) -> None:
+                       slot_mapping: torch.Tensor | None = None, k_scale: torch.Tensor | None = None,
+                       v_scale: torch.Tensor | None = None) -> None:
     """In place: q and k normalised per head (when the weights are given) and rotated; and with a
     cache, k_cache/v_cache.view(-1, Hkv, D)[slot_mapping[t]] = k[t], v[t] for every slot >= 0.
 
@@ -130,7 +143,9 @@ def qk_norm_rope_store(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positi
     views of the fused qkv output (stride(-1) == 1); positions: [num_tokens] int32/int64;
     cos_sin_cache: [max_position, head_dim] or [max_position, 1, head_dim] float32, cos | sin halves;
     q_weight, k_weight: [head_dim] in q's dtype, both or neither; k_cache, v_cache: [num_blocks,
-    block_size, num_kv_heads, head_dim] and slot_mapping [num_tokens] int32/int64, all or none.
+    block_size, num_kv_heads, head_dim] and slot_mapping [num_tokens] int32/int64, all or none;
+    the cache in q's dtype, or fp8 with k_scale, v_scale ([num_kv_heads] float32: stored as
+    x / scale, see attention/kv_quant.py).
     """
     device = q.device
     check_tensor("q", q, 3, SUPPORTED_DTYPES, device)
@@ -170,6 +185,11 @@ def qk_norm_rope_store(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positi
         check_tensor("slot_mapping", slot_mapping, 1, INDEX_DTYPES, device)
         if slot_mapping.size(0) != num_tokens:
             raise ValueError(f"slot_mapping has {slot_mapping.size(0)} entries for {num_tokens} tokens")
+        quantized, fp8_max, k_scale, v_scale = kv_cache_scales(k_cache, k_scale, v_scale, k.size(1), q.dtype)
+    elif k_scale is not None or v_scale is not None:
+        raise ValueError("k_scale/v_scale are for storing into an fp8 cache; no cache was given")
+    else:
+        quantized, fp8_max, k_scale, v_scale = False, 0.0, k, k  # placeholder pointers, never read
     if num_tokens == 0:
         return
     num_kv_heads = k.size(1)
@@ -183,12 +203,13 @@ def qk_norm_rope_store(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positi
     token_elements = (q_heads_pad + 2 * kv_heads_pad) * 2 * half_pad
     block_t = previous_power_of_2(max(1, ELEMENTS_PER_PROGRAM // token_elements))
     _qk_norm_rope_store_kernel[(triton.cdiv(num_tokens, block_t),)](
-        q, k, v, positions, cos_sin, q_weight, k_weight, k_cache, v_cache, slot_mapping,
+        q, k, v, positions, cos_sin, q_weight, k_weight, k_cache, v_cache, slot_mapping, k_scale, v_scale,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         cos_sin.stride(0),
         *cache_strides,
         num_tokens, num_heads, num_kv_heads, eps,
         BLOCK_T=block_t, Q_HEADS_PAD=q_heads_pad, KV_HEADS_PAD=kv_heads_pad, HALF=half, HALF_PAD=half_pad,
-        BLOCK_SIZE=k_cache.size(1) if store else 1, HAS_NORM=has_norm, STORE=store,
+        BLOCK_SIZE=k_cache.size(1) if store else 1, HAS_NORM=has_norm, STORE=store, QUANTIZED=quantized,
+        FP8_MAX=fp8_max,
         num_warps=min(MAX_WARPS, max(1, block_t * token_elements // ELEMENTS_PER_WARP)),
     )

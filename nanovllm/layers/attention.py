@@ -1,11 +1,13 @@
 """The attention layer the model calls: prepares q and k (per-head norm, rotary embedding), stores
 this step's K/V in the paged cache, then runs the backend's prefill or decode. The model runner
-hands every layer its cache slice and the backend chosen at start-up; the model code is the same
-whatever the backend.
+hands every layer its cache slice, the backend chosen at start-up and, for an fp8 cache, the
+layer's K/V scales (or, while it calibrates them, an observer of K/V); the model code is the same
+whatever the backend and cache dtype.
 
 Preparing q and k here, not in the model, is what lets one Triton kernel (kernels/qk_norm_rope.py,
-chosen by `enable_triton`) do the norm, the rotation and the cache store in one pass; the torch
-path (the CPU path and the oracle) calls the model's own q_norm, k_norm and rotary modules.
+chosen by `enable_triton`) do the norm, the rotation and the cache store (quantised for an fp8
+cache) in one pass; the torch path (the CPU path and the oracle) calls the model's own q_norm,
+k_norm and rotary modules.
 """
 from typing import Callable
 
@@ -13,6 +15,7 @@ import torch
 from torch import nn
 
 from nanovllm.attention.base import AttentionBackend
+from nanovllm.attention.kv_quant import KVRangeObserver, KVScales
 from nanovllm.layers.layernorm import RMSNorm
 from nanovllm.layers.rotary_embedding import RotaryEmbedding
 from nanovllm.utils.context import get_context
@@ -30,6 +33,8 @@ class Attention(nn.Module):
         # [num_blocks, block_size, num_kv_heads, head_dim] each; empty until the cache exists
         self.k_cache = self.v_cache = torch.tensor([])
         self.fused_qk_kernel: Callable | None = None  # set by enable_triton
+        self.kv_scales: KVScales | None = None  # an fp8 cache's scales (set by the runner); None: unquantised
+        self.kv_observer: KVRangeObserver | None = None  # set by the runner while it calibrates kv_scales
 
     def enable_triton(self) -> None:
         from nanovllm.kernels.qk_norm_rope import qk_norm_rope_store  # lazy: triton only when chosen
@@ -48,6 +53,8 @@ class Attention(nn.Module):
             assert (q_norm is None) == (k_norm is None) and (q_norm is None or q_norm.eps == k_norm.eps)
             norm = {} if q_norm is None else dict(q_weight=q_norm.weight, k_weight=k_norm.weight, eps=float(q_norm.eps))
             cache = dict(k_cache=self.k_cache, v_cache=self.v_cache, slot_mapping=meta.slot_mapping) if cached else {}
+            if cached and self.kv_scales is not None:
+                cache.update(k_scale=self.kv_scales.k, v_scale=self.kv_scales.v)
             self.fused_qk_kernel(q, k, v, positions, rotary.cos_sin_cache, **norm, **cache)
         else:
             if q_norm is not None:
@@ -55,7 +62,9 @@ class Attention(nn.Module):
             if rotary is not None:
                 q, k = rotary(positions, q, k)
             if cached:
-                self.backend.store_kv(k, v, self.k_cache, self.v_cache, meta.slot_mapping)
+                self.backend.store_kv(k, v, self.k_cache, self.v_cache, meta.slot_mapping, self.kv_scales)
+        if self.kv_observer is not None:  # calibration sees K as it is stored: normalised and rotated
+            self.kv_observer.observe(k, v)
         if meta.is_prefill:
-            return self.backend.prefill(q, k, v, self.k_cache, self.v_cache, meta, self.scale)
-        return self.backend.decode(q, self.k_cache, self.v_cache, meta, self.scale)
+            return self.backend.prefill(q, k, v, self.k_cache, self.v_cache, meta, self.scale, self.kv_scales)
+        return self.backend.decode(q, self.k_cache, self.v_cache, meta, self.scale, self.kv_scales)

@@ -16,7 +16,9 @@ covers only decode with graphs on; with the cache allocated, this launches what 
    on at batch 1 and 2 too (dynamo specialises size 1; Triton kernels take batch sizes as the grid
    or as arguments excluded from specialisation).
 The prefills write K/V for one token into block 0, which no sequence owns yet (every block is
-written before anything reads it). Swaps copy blocks with torch indexing and compile nothing. It
+written before anything reads it). An fp8 cache's scales are set before this runs, so the
+quantised variants of the store and attention kernels are the ones launched (and the paged
+prefill, which an fp8 cache takes for every prompt, is among them). Swaps copy blocks with torch indexing and compile nothing. It
 knows the runner's parts and nothing of scheduling.
 """
 import dataclasses

@@ -1,6 +1,7 @@
 """Runs the model over one step and samples the next tokens.
 
-Owns the model, the attention backend, the KV cache (one tensor, sliced per layer), the host
+Owns the model, the attention backend, the KV cache (one tensor, sliced per layer; fp8 with
+per-layer scales when Config.kv_cache_dtype asks, see kv_scales.py), the host
 swap space (the same layout in host memory, pinned on CUDA, for preemption_mode="swap"), the
 sampler and the decode CUDA graphs. A step: the scheduled sequences become a StepMessage; its
 swap copies move KV blocks between the cache and the swap space; the message becomes the forward
@@ -29,6 +30,7 @@ from nanovllm.models.registry import MODELS
 from nanovllm.runner.decode_inputs import DecodeInputs
 from nanovllm.runner.graph import DecodeGraphs, graph_batch_sizes
 from nanovllm.runner.kernel_warmup import warm_up_kernels
+from nanovllm.runner.kv_scales import calibration_token_ids, checkpoint_kv_scales, describe, observing_kv
 from nanovllm.runner.sampling_inputs import prepare_sampling
 from nanovllm.runner.step_inputs import StepInputs, StepMessage, prefill_inputs
 from nanovllm.sampling_params import SamplingParams
@@ -134,13 +136,14 @@ class ModelRunner:
                 self.model = MODELS[config.architecture](hf_config)
         finally:
             torch.set_default_dtype(default_dtype)
-        load_model(self.model, config.model)
+        checkpoint_scales = load_model(self.model, config.model)
         half_in_float32 = self.device.type == "cpu" and not cpu.native_half_matmul(config.dtype)
         if half_in_float32:
             cpu.hold_matmul_weights_in_float32(self.model)
-        self.backend = create_backend(config.attention_backend, config.device, self.block_size)
+        self.backend = create_backend(config.attention_backend, config.device, self.block_size, config.kv_cache_dtype)
         self.attention_backend = self.backend.name
-        self.attention_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
+        named_layers = {name: m for name, m in self.model.named_modules() if isinstance(m, Attention)}
+        self.attention_layers = list(named_layers.values())
         for layer in self.attention_layers:
             layer.backend = self.backend
         # The KV cache's shape comes from the attention layers as the model built them (this rank's heads).
@@ -154,8 +157,20 @@ class ModelRunner:
                 if isinstance(module, TRITON_LAYERS):
                     module.enable_triton()
         self.max_blocks_per_seq = cdiv(config.max_model_len, self.block_size)
+        self.cache_dtype = config.kv_cache_torch_dtype
+        self.kv_quantized = self.cache_dtype != config.dtype
+        kv_scales = checkpoint_kv_scales(checkpoint_scales, named_layers, self.rank, self.world_size,
+                                         self.device) if self.kv_quantized else None
+        self.kv_scales_source = "checkpoint" if kv_scales is not None else "calibrated on the warm-up"
         load_s = lap()
-        self.warmup_model()
+        if self.kv_quantized and kv_scales is None:
+            with observing_kv(self.attention_layers, self.device) as observers:
+                self.warmup_model()
+            kv_scales = [observer.scales(self.cache_dtype) for observer in observers]
+        else:
+            self.warmup_model()
+        for layer, scales in zip(self.attention_layers, kv_scales or []):
+            layer.kv_scales = scales
         warmup_s = lap()
         self.num_kvcache_blocks = self.allocate_kv_cache()
         self.num_swap_blocks = self.allocate_swap_space()
@@ -176,11 +191,13 @@ class ModelRunner:
         self.startup = StartupTimes(load_s, warmup_s, kv_cache_s, kernels_s, lap())
         if self.rank == 0:
             logger.info("device %s, dtype %s, attention %s, compile %s, fused kernels %s, CUDA graphs %s, KV cache %d "
-                        "blocks x %d tokens = %d tokens, tensor parallel %d", config.device, config.dtype,
+                        "blocks x %d tokens = %d tokens (%s), tensor parallel %d", config.device, config.dtype,
                         self.backend.name, config.compile_mode, config.fused_kernels,
                         f"on ({len(self.graphs)} batch sizes)" if self.graphs else "off",
                         self.num_kvcache_blocks, self.block_size, self.num_kvcache_blocks * self.block_size,
-                        self.world_size)
+                        self.describe_cache_dtype(), self.world_size)
+            if self.kv_quantized:
+                logger.info("KV-cache scales %s: %s", self.kv_scales_source, describe(kv_scales))
             if self.device.type == "cpu":
                 logger.info("CPU: %d torch threads per rank, malloc tuned %s, linear layers in %s", config.cpu_threads,
                             malloc_tuned, "float32 (no native half-precision matmul here)" if half_in_float32
@@ -211,7 +228,9 @@ class ModelRunner:
             num_seqs = max(1, min(config.max_num_batched_tokens // seq_len, config.max_num_seqs))
         else:
             seq_len, num_seqs = min(CPU_WARMUP_TOKENS, config.max_model_len), 1
-        seqs = [Sequence(-1, [0] * seq_len, SamplingParams(), self.block_size) for _ in range(num_seqs)]
+        # Varied tokens: this forward is also what calibrates an fp8 cache's scales (kv_scales.py).
+        prompt = calibration_token_ids(config.hf_config.vocab_size, seq_len)
+        seqs = [Sequence(-1, prompt, SamplingParams(), self.block_size) for _ in range(num_seqs)]
         for seq in seqs:
             seq.num_scheduled_tokens = seq_len
         self.run(seqs, True)
@@ -219,7 +238,15 @@ class ModelRunner:
             torch.cuda.empty_cache()
 
     def _kv_block_bytes(self) -> int:
-        return kv_block_bytes(self.num_layers, self.block_size, self.num_kv_heads, self.head_dim, self.config.dtype)
+        return kv_block_bytes(self.num_layers, self.block_size, self.num_kv_heads, self.head_dim, self.cache_dtype)
+
+    def describe_cache_dtype(self) -> str:
+        """The cache's element type for the start-up log, with what it buys over the model's."""
+        name = str(self.cache_dtype).removeprefix("torch.")
+        if not self.kv_quantized:
+            return name
+        ratio = self.config.dtype.itemsize // self.cache_dtype.itemsize
+        return f"{name}: {ratio}x the tokens of a {str(self.config.dtype).removeprefix('torch.')} cache"
 
     def _num_blocks_from_memory(self) -> int:
         config = self.config
@@ -250,7 +277,7 @@ class ModelRunner:
         num_blocks = n if n > 0 else self._num_blocks_from_memory()
         # [k|v, layer, block, slot in block, kv head, head_dim]: one tensor, a slice per layer
         self.kv_cache = torch.zeros(2, self.num_layers, num_blocks, self.block_size, self.num_kv_heads,
-                                    self.head_dim, dtype=self.config.dtype, device=self.device)
+                                    self.head_dim, dtype=self.cache_dtype, device=self.device)
         for i, layer in enumerate(self.attention_layers):
             layer.k_cache, layer.v_cache = self.kv_cache[0, i], self.kv_cache[1, i]
         return num_blocks
@@ -273,16 +300,22 @@ class ModelRunner:
     @torch.inference_mode()
     def swap(self, swap_out: BlockCopies, swap_in: BlockCopies) -> None:
         """Make a step's block copies: swap-outs (cache -> host) first, then swap-ins (host ->
-        cache), each one gather and one scatter over block ids for every layer, K and V at once."""
+        cache), each one gather and one scatter over block ids for every layer, K and V at once.
+        An fp8 cache's blocks are copied as bytes (index_copy_ has no fp8 kernel on CPU)."""
+        if not (swap_out.src or swap_in.src):
+            return
+        kv_cache, swap_cache = self.kv_cache, self.swap_cache
+        if self.kv_quantized:
+            kv_cache, swap_cache = kv_cache.view(torch.uint8), swap_cache.view(torch.uint8)
         if swap_out.src:
             src = torch.tensor(swap_out.src, dtype=torch.int64, device=self.device)
             dst = torch.tensor(swap_out.dst, dtype=torch.int64)
             # [2, layers, n, block_size, kv heads, head_dim], gathered on the device, copied once
-            self.swap_cache.index_copy_(2, dst, self.kv_cache.index_select(2, src).cpu())
+            swap_cache.index_copy_(2, dst, kv_cache.index_select(2, src).cpu())
         if swap_in.src:
             src = torch.tensor(swap_in.src, dtype=torch.int64)
             dst = torch.tensor(swap_in.dst, dtype=torch.int64, device=self.device)
-            self.kv_cache.index_copy_(2, dst, self.swap_cache.index_select(2, src).to(self.device))
+            kv_cache.index_copy_(2, dst, swap_cache.index_select(2, src).to(self.device))
 
     @torch.inference_mode()
     def capture_cudagraphs(self) -> None:
@@ -318,7 +351,7 @@ class ModelRunner:
 
     def _forward(self, step: StepMessage) -> tuple[StepInputs, torch.Tensor]:
         if step.is_prefill:
-            inputs = prefill_inputs(step, self.block_size, self.device)
+            inputs = prefill_inputs(step, self.block_size, self.device, attend_from_cache=self.kv_quantized)
         elif self.graphs:
             inputs = self.decode_inputs.fill(step, self.graphs.padded_batch(step.num_seqs), full_width=True)
             return inputs, self.graphs.replay(inputs)

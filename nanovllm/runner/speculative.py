@@ -47,8 +47,9 @@ class SpeculativeOutput(NamedTuple):
 
 
 def draft_footprint(config: Config) -> MemoryReserve:
-    """The draft model's weights and its bytes per KV block, from a build on the meta device
-    (nothing allocated, nothing read), so the target can size its cache leaving room for both."""
+    """The draft model's weights and its bytes per KV block (in its cache's dtype: fp8 when
+    kv_cache_dtype asks, as the target's), from a build on the meta device (nothing allocated,
+    nothing read), so the target can size its cache leaving room for both."""
     default_dtype = torch.get_default_dtype()
     torch.set_default_dtype(config.dtype)
     try:
@@ -59,7 +60,7 @@ def draft_footprint(config: Config) -> MemoryReserve:
     layers = [m for m in model.modules() if isinstance(m, Attention)]
     weights = sum(p.numel() * p.element_size() for p in model.parameters())
     return MemoryReserve(weights, kv_block_bytes(len(layers), config.kvcache_block_size, layers[0].num_kv_heads,
-                                                 layers[0].head_dim, config.dtype))
+                                                 layers[0].head_dim, config.kv_cache_torch_dtype))
 
 
 class SpeculativeRunner:

@@ -96,10 +96,14 @@ def decode_slot(block_table: list[int], block_size: int, num_tokens: int) -> int
     return block_table[position // block_size] * block_size + position % block_size
 
 
-def prefill_inputs(step: StepMessage, block_size: int, device: torch.device) -> StepInputs:
+def prefill_inputs(step: StepMessage, block_size: int, device: torch.device, attend_from_cache: bool = False
+                   ) -> StepInputs:
     """A prefill step's inputs: every sequence's new tokens back to back. A sequence samples when
     this chunk completes its prompt, from the row of its last new token; one with proposed
-    tokens from the rows of its newest token and of each proposed one (speculative decoding)."""
+    tokens from the rows of its newest token and of each proposed one (speculative decoding).
+    Attention reads the keys from the paged cache when a prefix is cached, and always with
+    `attend_from_cache` (a quantised cache: every query then sees the same fp8 K/V, whether its
+    prefix was cached, swapped in, recomputed or computed in this very step)."""
     positions, slot_mapping = [], []
     cu_q, cu_k = [0], [0]  # prefix sums of new (q) and total (k) tokens per sequence
     for start, end, table in zip(step.starts, step.ends, step.block_tables):
@@ -110,6 +114,7 @@ def prefill_inputs(step: StepMessage, block_size: int, device: torch.device) -> 
         cu_k.append(cu_k[-1] + end)
     seqlens_q = [end - start for start, end in zip(step.starts, step.ends)]
     has_prefix = cu_k[-1] > cu_q[-1]  # some sequence attends to K/V cached before this step
+    paged = has_prefix or (attend_from_cache and bool(slot_mapping))  # the warm-up has no cache
     meta = AttentionMetadata(
         is_prefill=True,
         slot_mapping=to_device(slot_mapping, torch.int64, device),
@@ -117,7 +122,7 @@ def prefill_inputs(step: StepMessage, block_size: int, device: torch.device) -> 
         cu_seqlens_k=to_device(cu_k, torch.int32, device),
         max_seqlen_q=max(seqlens_q),
         max_seqlen_k=max(step.ends),
-        block_tables=block_tables_tensor(step.block_tables, device) if has_prefix else None,
+        block_tables=block_tables_tensor(step.block_tables, device) if paged else None,
         seqlens_q=seqlens_q,
         seqlens_k=list(step.ends),
     )

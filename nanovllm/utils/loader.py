@@ -8,7 +8,9 @@ transposed Conv1D weights and fused c_attn, Qwen3-MoE's per-expert tensors) maps
 in `checkpoint_targets`. A missing, unexpected or mis-shaped tensor is an error naming it; a fused
 parameter lists the pieces it expects in `param.shard_ids`, so a missing piece is named too.
 A file safetensors cannot read (truncated or corrupt) is an error naming it. Tied embeddings
-share one parameter, so a checkpoint may omit lm_head.weight.
+share one parameter, so a checkpoint may omit lm_head.weight. KV-cache scales (vLLM's names,
+`<attention module>.k_scale` / `.v_scale`, as fp8 checkpoints carry them) are not parameters:
+they are returned for the model runner (runner/kv_scales.py), which uses them for an fp8 cache.
 """
 import glob
 import os
@@ -17,6 +19,10 @@ from typing import NamedTuple
 import torch
 from safetensors import SafetensorError, safe_open
 from torch import nn
+
+
+# Checkpoint tensors with these name endings are KV-cache scales, not weights.
+KV_SCALE_SUFFIXES = (".k_scale", ".v_scale")
 
 
 class WeightTarget(NamedTuple):
@@ -46,12 +52,16 @@ def packed_target(weight_name: str, tensor: torch.Tensor, packed: dict) -> Weigh
     return WeightTarget(weight_name, tensor, None, weight_name)
 
 
-def _load_file(file: str, params: dict[str, nn.Parameter], packed: dict, custom, loaded: set[tuple[int, object]]
-               ) -> None:
-    """Load every tensor of one *.safetensors file into its parameters, noting each in `loaded`."""
+def _load_file(file: str, params: dict[str, nn.Parameter], packed: dict, custom, loaded: set[tuple[int, object]],
+               kv_scales: dict[str, torch.Tensor]) -> None:
+    """Load every tensor of one *.safetensors file into its parameters, noting each in `loaded`;
+    KV-cache scales go to `kv_scales` instead, by name."""
     with safe_open(file, "pt", device="cpu") as f:
         for weight_name in f.keys():
             tensor = f.get_tensor(weight_name)
+            if weight_name.endswith(KV_SCALE_SUFFIXES):
+                kv_scales[weight_name] = tensor
+                continue
             targets = custom(weight_name, tensor) if custom else [packed_target(weight_name, tensor, packed)]
             for target in targets:
                 param = params.get(target.param)
@@ -64,7 +74,9 @@ def _load_file(file: str, params: dict[str, nn.Parameter], packed: dict, custom,
                 loaded.add((id(param), target.shard_id))
 
 
-def load_model(model: nn.Module, path: str) -> None:
+def load_model(model: nn.Module, path: str) -> dict[str, torch.Tensor]:
+    """Load the checkpoint's weights into `model`; returns its KV-cache scale tensors by name
+    (empty for most checkpoints)."""
     files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
     if not files:
         raise ValueError(f"model={path!r} has no *.safetensors files (other weight formats are not loaded)")
@@ -72,9 +84,10 @@ def load_model(model: nn.Module, path: str) -> None:
     packed = getattr(model, "packed_modules_mapping", {})
     custom = getattr(model, "checkpoint_targets", None)
     loaded: set[tuple[int, object]] = set()  # (id of parameter, shard id)
+    kv_scales: dict[str, torch.Tensor] = {}
     for file in files:
         try:
-            _load_file(file, params, packed, custom, loaded)
+            _load_file(file, params, packed, custom, loaded, kv_scales)
         except SafetensorError as error:  # the parser's message alone does not say which file
             raise ValueError(f"checkpoint file {file} cannot be read as safetensors ({error}); it may be "
                              "truncated or corrupt: copy or download it again") from None
@@ -85,3 +98,4 @@ def load_model(model: nn.Module, path: str) -> None:
                     for sid in shard_ids if (id(param), sid) not in loaded]
     if missing:
         raise ValueError(f"checkpoint {path!r} is missing tensor(s): {missing}")
+    return kv_scales
