@@ -73,3 +73,17 @@ def greedy(max_tokens: int, **kwargs) -> SamplingParams:
     """Greedy sampling of exactly `max_tokens` tokens (end of text ignored, as in the HF reference,
     unless ignore_eos=False is given), with any other SamplingParams field as given."""
     return SamplingParams(**{"temperature": 0, "max_tokens": max_tokens, "ignore_eos": True, **kwargs})
+
+
+def kernel_test_device(kernel) -> torch.device:
+    """Where a Triton kernel test module runs, from one of its kernels: CPU tensors when the
+    kernels run under TRITON_INTERPRET=1 (CI), else the GPU. Skips the module when the kernels
+    were compiled for a GPU (triton imported before TRITON_INTERPRET=1 was set, or it is 0) and
+    there is none."""
+    from triton.runtime.interpreter import InterpretedFunction
+    if isinstance(kernel, InterpretedFunction):
+        return torch.device("cpu")
+    if not torch.cuda.is_available():
+        pytest.skip("the kernels were compiled for a GPU (triton was imported before TRITON_INTERPRET=1 was set, "
+                    "or it is set to 0) and there is no GPU", allow_module_level=True)
+    return torch.device("cuda")

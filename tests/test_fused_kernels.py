@@ -18,7 +18,7 @@ if not torch.cuda.is_available():
 
 pytest.importorskip("triton", reason="triton is not installed, so the Triton kernels cannot run")
 
-from triton.runtime.interpreter import InterpretedFunction  # noqa: E402
+from helpers import kernel_test_device  # noqa: E402
 
 from nanovllm.attention.torch_backend import TorchBackend  # noqa: E402
 from nanovllm.kernels import sampling as sampling_mod  # noqa: E402
@@ -29,11 +29,8 @@ from nanovllm.kernels.silu_mul import silu_and_mul  # noqa: E402
 from nanovllm.layers import activation, layernorm, sampler  # noqa: E402
 from nanovllm.layers.rotary_embedding import RopeConfig, RotaryEmbedding, rotate_qk  # noqa: E402
 
-INTERPRET = isinstance(_rms_norm_kernel, InterpretedFunction)
-if not INTERPRET and not torch.cuda.is_available():
-    pytest.skip("the kernels were compiled for a GPU (imported before TRITON_INTERPRET=1 was set) and there is "
-                "no GPU", allow_module_level=True)
-DEVICE = torch.device("cpu" if INTERPRET else "cuda")
+DEVICE = kernel_test_device(_rms_norm_kernel)
+INTERPRET = DEVICE.type == "cpu"
 DTYPES = [torch.float32, torch.float16]
 # fp32: the same operations as torch, summed in another order (a few ulps); fp16: one ulp of rounding.
 TOLERANCE = {torch.float32: dict(atol=1e-5, rtol=1e-5), torch.float16: dict(atol=2e-3, rtol=2e-3),

@@ -18,17 +18,14 @@ if not torch.cuda.is_available():
 
 pytest.importorskip("triton", reason="triton is not installed, so the Triton kernels cannot run")
 
-from triton.runtime.interpreter import InterpretedFunction  # noqa: E402
+from helpers import kernel_test_device  # noqa: E402
 
 from nanovllm.kernels.fused_moe import (MoeTiles, _grouped_gemm_kernel, align_by_expert, fused_moe,  # noqa: E402
                                         max_padded_rows)
 from nanovllm.layers.fused_moe import fused_experts_torch, route  # noqa: E402
 
-INTERPRET = isinstance(_grouped_gemm_kernel, InterpretedFunction)
-if not INTERPRET and not torch.cuda.is_available():
-    pytest.skip("the kernels were compiled for a GPU (triton was imported before TRITON_INTERPRET=1 was set) "
-                "and there is no GPU", allow_module_level=True)
-DEVICE = torch.device("cpu" if INTERPRET else "cuda")
+DEVICE = kernel_test_device(_grouped_gemm_kernel)
+INTERPRET = DEVICE.type == "cpu"
 DTYPES = [torch.float32, torch.float16]
 TOLERANCE = {torch.float32: dict(atol=1e-5, rtol=1e-4), torch.float16: dict(atol=2e-3, rtol=2e-2)}
 NUM_EXPERTS = 8

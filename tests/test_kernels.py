@@ -22,7 +22,7 @@ if not torch.cuda.is_available():
 
 pytest.importorskip("triton", reason="triton is not installed, so the Triton kernels cannot run")
 
-from triton.runtime.interpreter import InterpretedFunction  # noqa: E402
+from helpers import kernel_test_device  # noqa: E402
 
 from nanovllm.attention.torch_backend import TorchBackend  # noqa: E402
 from nanovllm.attention.triton_backend import TritonBackend  # noqa: E402
@@ -32,11 +32,8 @@ from nanovllm.kernels.prefill_attention import PrefillTiles, prefill_attention  
 from nanovllm.kernels.store_kv import _store_kv_kernel, store_kv  # noqa: E402
 from nanovllm.utils.context import AttentionMetadata  # noqa: E402
 
-INTERPRET = isinstance(_store_kv_kernel, InterpretedFunction)
-if not INTERPRET and not torch.cuda.is_available():
-    pytest.skip("the kernels were compiled for a GPU (nanovllm.kernels was imported before "
-                "TRITON_INTERPRET=1 was set, or it is set to 0) and there is no GPU", allow_module_level=True)
-DEVICE = torch.device("cpu" if INTERPRET else "cuda")
+DEVICE = kernel_test_device(_store_kv_kernel)
+INTERPRET = DEVICE.type == "cpu"
 
 HEAD_DIM = 32  # small: the interpreter's cost grows with every tile element
 SCALE = HEAD_DIM ** -0.5
