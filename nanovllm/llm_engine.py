@@ -418,8 +418,8 @@ class LLMEngine:
 
     def _resolve(self, step: InFlightStep) -> StepOutput:
         out = step.tokens.result()
-        return self._report(step.batch, out, self.scheduler.resolve(step.batch, out.token_ids), step.num_tokens,
-                            step.start)
+        advanced = self.scheduler.resolve(step.batch, out.token_ids, step.tokens.sample_indices)
+        return self._report(step.batch, out, advanced, step.num_tokens, step.start)
 
     def _report(self, batch: ScheduledBatch, out: SamplerOutput, advanced: list[Sequence], num_tokens: int,
                 start: float) -> StepOutput:

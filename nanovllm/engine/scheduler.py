@@ -374,10 +374,9 @@ class Scheduler:
         (a prefill chunk that does not finish the prompt sampled nothing: token -1). Returns the
         sequences that got a new token; the finished ones among them have their blocks freed and
         have left `running`."""
-        self.advance(batch)
-        return self.resolve(batch, token_ids)
+        return self.resolve(batch, token_ids, self.advance(batch))
 
-    def advance(self, batch: ScheduledBatch, sample_indices: list[int] | None = None) -> None:
+    def advance(self, batch: ScheduledBatch, sample_indices: list[int] | None = None) -> list[int]:
         """Record that the step ran: each scheduled sequence's computed count grows by its
         scheduled tokens, blocks that filled up are published (their tokens are all known: the
         previous step's are resolved before this is called) and a sequence whose prompt is now
@@ -386,9 +385,11 @@ class Scheduler:
         them) while their tokens are still on the device: each sequence that goes on gets a
         placeholder for its token (sequence.py), so the next step can be scheduled now. One that
         the token ends by length whatever it is gets none, so nothing is scheduled after it. A
-        sequence the previous step's tokens finished is left alone: its row is discarded."""
+        sequence the previous step's tokens finished is left alone: its row is discarded.
+        Returns the rows that sample (index into the batch's sequences), for `resolve`."""
         bs, cache_blocks = self.block_manager.block_size, self.block_manager.cache_blocks
-        for seq in batch.seqs:
+        sampling = []
+        for i, seq in enumerate(batch.seqs):
             num_scheduled, seq.num_scheduled_tokens = seq.num_scheduled_tokens, 0
             if seq.is_finished:
                 continue
@@ -396,25 +397,30 @@ class Scheduler:
             seq.num_computed_tokens += num_scheduled
             if seq.num_computed_tokens // bs > first_block:  # a block filled up: publish it
                 cache_blocks(seq, first_block, seq.num_computed_tokens // bs)
-            if seq.pending_siblings and seq.num_computed_tokens == len(seq.token_ids):
-                self._release_siblings(seq)
+            if seq.num_computed_tokens == len(seq.token_ids):  # its prompt is computed: it samples
+                sampling.append(i)
+                if seq.pending_siblings:
+                    self._release_siblings(seq)
         if sample_indices is None:
-            return
+            return sampling
         ends_by_length = self.stop_checker.next_token_ends_by_length
         for row, i in enumerate(sample_indices):
             seq = batch.seqs[i]
             if not seq.is_finished and not ends_by_length(seq):
                 seq.append_token(-(row + 1))
+        return sample_indices
 
-    def resolve(self, batch: ScheduledBatch, token_ids: list[int]) -> list[Sequence]:
-        """Give each sequence that sampled in an advanced step its token (in place of its
-        placeholder, or appended) and finish those the stop checker says are done, freeing
-        their blocks. A sequence finished meanwhile (async scheduling: by the step before) gets
-        nothing, so no token ever follows a stop. Returns the sequences that got a token."""
+    def resolve(self, batch: ScheduledBatch, token_ids: list[int], sampling: list[int]) -> list[Sequence]:
+        """Give each sequence that sampled in an advanced step (the rows `advance` returned) its
+        token from `token_ids` (one per sequence of the batch; in place of its placeholder, or
+        appended) and finish those the stop checker says are done, freeing their blocks. A
+        sequence finished meanwhile (async scheduling: by the step before) gets nothing, so no
+        token ever follows a stop. Returns the sequences that got a token."""
         check = self.stop_checker.check
-        advanced, queued = [], set()
-        for seq, token_id in zip(batch.seqs, token_ids):
-            if token_id < 0 or seq.is_finished:
+        seqs, advanced, queued = batch.seqs, [], set()
+        for i in sampling:
+            seq, token_id = seqs[i], token_ids[i]
+            if seq.is_finished:
                 continue
             if seq.token_ids[-1] < 0:
                 seq.token_ids[-1] = token_id
