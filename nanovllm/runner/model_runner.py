@@ -340,14 +340,14 @@ class ModelRunner:
         """Rank 0: the next token (and logprobs) of each sequence that samples; a prefill chunk
         that leaves part of its prompt gets token -1 and no sampling, so a seeded generator never
         advances on it. Other ranks never sample (nor read a sampling field): nothing."""
-        if self.rank != 0:
-            return SamplerOutput([], [])
         return self.sample_pending(seqs, step).result()
 
     @torch.inference_mode()
     def sample_pending(self, seqs: list[Sequence], step: StepLogits) -> PendingTokens:
         """sample() without waiting for the tokens: they stay on the device (the next step's
         placeholders read them there) and travel to the host behind an event."""
+        if self.rank != 0:
+            return PendingTokens(0, [], None, [])
         sampled = seqs if len(step.sample_indices) == len(seqs) else [seqs[i] for i in step.sample_indices]
         tokens, logprobs = None, []
         if sampled:
