@@ -23,6 +23,7 @@ import tempfile
 import time
 from datetime import date
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 
@@ -33,7 +34,6 @@ from nanovllm.engine.sequence import Sequence  # noqa: E402
 from nanovllm.layers.sampler import SamplerOutput  # noqa: E402
 from nanovllm.llm_engine import LLMEngine  # noqa: E402
 from nanovllm.runner.decode_inputs import DecodeInputs  # noqa: E402
-from nanovllm.runner.pending_tokens import PendingTokens  # noqa: E402
 from nanovllm.runner.sampling_inputs import prepare_sampling  # noqa: E402
 from nanovllm.runner.step_inputs import StepMessage  # noqa: E402
 from nanovllm.sampling_params import SamplingParams  # noqa: E402
@@ -43,6 +43,15 @@ from nanovllm.utils.math_utils import cdiv  # noqa: E402
 BLOCK_SIZE = 256  # nano-vllm's default
 VOCAB = 151936  # Qwen3's: prompt ids and the sampler's width (the stand-in never reads the model's)
 PROMPT_JITTER = 50  # contexts vary by up to this many tokens, so blocks fill at different steps
+
+
+class ReadyTokens(NamedTuple):
+    """What PendingTokens gives the engine, with the tokens on the host already."""
+    sample_indices: list[int]
+    token_ids: list[int]
+
+    def result(self) -> SamplerOutput:
+        return SamplerOutput(self.token_ids, [None] * len(self.token_ids))
 
 
 class StandInRunner:
@@ -61,12 +70,13 @@ class StandInRunner:
     def run(self, seqs: list[Sequence], is_prefill: bool, *copies) -> SamplerOutput:
         return self.launch(seqs, is_prefill).result()
 
-    def launch(self, seqs: list[Sequence], is_prefill: bool, *copies) -> PendingTokens:
+    def launch(self, seqs: list[Sequence], is_prefill: bool, *copies) -> ReadyTokens:
         if not is_prefill:
             self.inputs.fill(StepMessage.of(seqs, is_prefill=False), len(seqs), full_width=False)
             prepare_sampling(seqs, VOCAB, self.eos, torch.device("cpu"))
-        tokens = torch.tensor([self.rng.randrange(1000) for _ in seqs])  # every sequence samples (one prefill step)
-        return PendingTokens(len(seqs), list(range(len(seqs))), tokens, [None] * len(seqs))
+        # Every sequence samples (the prefill is one step). Tokens ready at once, as a list: the
+        # real runner's .tolist() of the sampled tokens is device-side work here.
+        return ReadyTokens(list(range(len(seqs))), [self.rng.randrange(1000) for _ in seqs])
 
     def exit(self) -> None:
         pass

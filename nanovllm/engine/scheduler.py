@@ -50,6 +50,7 @@ from nanovllm.engine.block_manager import NO_COPIES, BlockCopies, BlockManager
 from nanovllm.engine.sequence import Sequence, SequenceStatus
 from nanovllm.engine.stop_checker import StopChecker
 
+FINISHED = SequenceStatus.FINISHED
 MIXED, PREFILL_FIRST = "mixed", "prefill_first"
 SCHEDULING_POLICIES = (MIXED, PREFILL_FIRST)
 # Measured on bench.py: docs/BENCHMARKS.md, "Scheduling policies".
@@ -387,27 +388,28 @@ class Scheduler:
         the token ends by length whatever it is gets none, so nothing is scheduled after it. A
         sequence the previous step's tokens finished is left alone: its row is discarded.
         Returns the rows that sample (index into the batch's sequences), for `resolve`."""
+        # The hot loop of a decode step's end: plain attribute reads, no per-row call.
         bs, cache_blocks = self.block_manager.block_size, self.block_manager.cache_blocks
         sampling = []
         for i, seq in enumerate(batch.seqs):
             num_scheduled, seq.num_scheduled_tokens = seq.num_scheduled_tokens, 0
-            if seq.is_finished:
+            if seq.status is FINISHED:
                 continue
             first_block = seq.num_computed_tokens // bs
-            seq.num_computed_tokens += num_scheduled
-            if seq.num_computed_tokens // bs > first_block:  # a block filled up: publish it
-                cache_blocks(seq, first_block, seq.num_computed_tokens // bs)
-            if seq.num_computed_tokens == len(seq.token_ids):  # its prompt is computed: it samples
+            computed = seq.num_computed_tokens = seq.num_computed_tokens + num_scheduled
+            if computed // bs > first_block:  # a block filled up: publish it
+                cache_blocks(seq, first_block, computed // bs)
+            if computed == len(seq.token_ids):  # its prompt is computed: it samples
                 sampling.append(i)
                 if seq.pending_siblings:
                     self._release_siblings(seq)
         if sample_indices is None:
             return sampling
-        ends_by_length = self.stop_checker.next_token_ends_by_length
+        ends_by_length, seqs = self.stop_checker.next_token_ends_by_length, batch.seqs
         for row, i in enumerate(sample_indices):
-            seq = batch.seqs[i]
-            if not seq.is_finished and not ends_by_length(seq):
-                seq.append_token(-(row + 1))
+            seq = seqs[i]
+            if seq.status is not FINISHED and not ends_by_length(seq):
+                seq.token_ids.append(-(row + 1))
         return sample_indices
 
     def resolve(self, batch: ScheduledBatch, token_ids: list[int], sampling: list[int]) -> list[Sequence]:
@@ -419,13 +421,14 @@ class Scheduler:
         check = self.stop_checker.check
         seqs, advanced, queued = batch.seqs, [], set()
         for i in sampling:
-            seq, token_id = seqs[i], token_ids[i]
-            if seq.is_finished:
+            seq = seqs[i]
+            if seq.status is FINISHED:
                 continue
-            if seq.token_ids[-1] < 0:
-                seq.token_ids[-1] = token_id
+            tokens = seq.token_ids
+            if tokens[-1] < 0:
+                tokens[-1] = token_ids[i]
             else:
-                seq.append_token(token_id)
+                tokens.append(token_ids[i])
             advanced.append(seq)
             finish = check(seq)
             if finish is not None:
