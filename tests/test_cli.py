@@ -122,6 +122,19 @@ def test_generate_prints_the_completion(qwen3_tiny, offline, capsys):
     assert capsys.readouterr().out == expected["text"] + "\n"
 
 
+def test_dict_fields_take_json(qwen3_tiny, offline, capsys):
+    """--speculative-config takes a JSON object (as vLLM's); the output is the greedy one still."""
+    spec = json.dumps({"method": "ngram", "num_speculative_tokens": 2})
+    args = ["generate", qwen3_tiny, PROMPTS[0], "--temperature", "0", "--max-tokens", "5", *ENGINE_FLAGS]
+    assert main([*args, "--speculative-config", spec]) == 0
+    expected = offline.generate(PROMPTS[:1], SamplingParams(temperature=0, max_tokens=5), use_tqdm=False)[0]
+    assert capsys.readouterr().out == expected["text"] + "\n"
+    for bad, says in (("{method: ngram}", "is not JSON"), ("[1, 2]", "is not a JSON object")):
+        with pytest.raises(SystemExit) as info:
+            main([*args, "--speculative-config", bad])
+        assert info.value.code == 2 and says in capsys.readouterr().err
+
+
 class Terminal:
     """A command on a pseudo-terminal that is its controlling terminal, so Ctrl-C is SIGINT."""
 

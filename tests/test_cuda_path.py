@@ -10,7 +10,7 @@ import torch
 from nanovllm.engine.sequence import Sequence
 from nanovllm.runner.decode_inputs import DecodeInputs
 from nanovllm.runner.graph import bucket_for, graph_batch_sizes
-from nanovllm.runner.model_runner import GIB, ModelRunner, blocks_in_budget, gpu_kv_budget
+from nanovllm.runner.model_runner import GIB, MemoryReserve, ModelRunner, blocks_in_budget, gpu_kv_budget
 from nanovllm.runner.step_inputs import StepMessage, decode_slot
 from nanovllm.sampling_params import SamplingParams
 
@@ -72,12 +72,14 @@ def test_gpu_budget_counts_weights_and_warmup_peak():
     assert blocks_in_budget(-5, 1024, 4, 16) == 0
 
 
-def fake_runner(max_model_len: int, block_size: int = 256, utilization: float = 0.9) -> SimpleNamespace:
-    """Just what _num_blocks_from_memory reads, on a pretend CUDA device (Qwen3-0.6B-like KV)."""
+def fake_runner(max_model_len: int, block_size: int = 256, utilization: float = 0.9,
+                reserve: MemoryReserve = MemoryReserve()) -> SimpleNamespace:
+    """Just what _num_blocks_from_memory reads, on a pretend CUDA device (Qwen3-0.6B-like KV);
+    `reserve` is what a speculative draft model takes from the same budget."""
     config = SimpleNamespace(gpu_memory_utilization=utilization, max_num_seqs=1024, max_model_len=max_model_len,
                              cpu_kvcache_space_gib=4.0)
     runner = SimpleNamespace(config=config, device=torch.device("cuda"), block_size=block_size, world_size=1,
-                             max_blocks_per_seq=-(-max_model_len // block_size))
+                             max_blocks_per_seq=-(-max_model_len // block_size), reserve=reserve)
     runner._kv_block_bytes = lambda: 2 * 28 * block_size * 8 * 128 * 2  # 28 MiB per 256-token block in bf16
     return runner
 
@@ -89,6 +91,10 @@ def test_block_count_from_a_fake_device(monkeypatch):
     runner = fake_runner(max_model_len=4096)
     blocks = ModelRunner._num_blocks_from_memory(runner)
     assert blocks == (int(140 * 0.9 * GIB) - 10 * GIB - 3 * GIB) // (28 << 20)
+    # A draft model's weights come off the budget, and its KV bytes are added to every block.
+    draft = MemoryReserve(fixed_bytes=GIB, per_block_bytes=4 << 20)
+    blocks = ModelRunner._num_blocks_from_memory(fake_runner(max_model_len=4096, reserve=draft))
+    assert blocks == (int(140 * 0.9 * GIB) - 10 * GIB - 3 * GIB - GIB) // (32 << 20)
 
 
 def test_clear_error_when_one_full_length_sequence_does_not_fit(monkeypatch):

@@ -165,7 +165,7 @@ def test_metrics_export_the_engine_stats():
     assert metric(metrics.render().decode(), "nanovllm_steps_total", 'kind="decode"') == 0
     stats = EngineStats(prefill_steps=7, decode_steps=11, mixed_steps=5, preemptions_recompute=2,
                         preemptions_swap=3, swap_space_full=1, swap_ins=4, blocks_swapped_out=9,
-                        blocks_swapped_in=6, swapped_prefix_lost=1, num_running=3, num_waiting=2, num_swapped=1,
+                        blocks_swapped_in=6, swapped_prefix_lost=1, spec_proposed_tokens=12, spec_accepted_tokens=8, num_running=3, num_waiting=2, num_swapped=1,
                         num_free_kv_blocks=6, num_kv_blocks=8, num_free_swap_blocks=1, num_swap_blocks=4)
     metrics.observe_engine(stats)
     text = metrics.render().decode()
@@ -173,7 +173,8 @@ def test_metrics_export_the_engine_stats():
         ("nanovllm_steps_total", 'kind="prefill"'): 7, ("nanovllm_steps_total", 'kind="decode"'): 11,
         ("nanovllm_steps_total", 'kind="mixed"'): 5, ("nanovllm_preemptions_total", 'mode="recompute"'): 2,
         ("nanovllm_preemptions_total", 'mode="swap"'): 3, ("nanovllm_swap_space_full_total", ""): 1,
-        ("nanovllm_swap_ins_total", ""): 4, ("nanovllm_blocks_swapped_total", 'direction="out"'): 9,
+        ("nanovllm_swap_ins_total", ""): 4, ("nanovllm_spec_draft_tokens_total", 'outcome="proposed"'): 12,
+        ("nanovllm_spec_draft_tokens_total", 'outcome="accepted"'): 8, ("nanovllm_blocks_swapped_total", 'direction="out"'): 9,
         ("nanovllm_blocks_swapped_total", 'direction="in"'): 6, ("nanovllm_swapped_prefix_lost_total", ""): 1,
         ("nanovllm_num_requests_running", ""): 3, ("nanovllm_num_requests_waiting", ""): 2,
         ("nanovllm_num_requests_swapped", ""): 1, ("nanovllm_kv_cache_usage_ratio", ""): 0.25,

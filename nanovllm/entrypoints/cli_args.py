@@ -9,6 +9,7 @@ import ast
 import dataclasses
 import inspect
 import io
+import json
 import textwrap
 import tokenize
 import types
@@ -16,6 +17,17 @@ import typing
 from typing import Any
 
 SCALARS = (bool, int, float, str)
+
+
+def json_object(text: str) -> dict:
+    """A `dict` field's flag value: a JSON object, as vLLM's `--speculative-config '{...}'`."""
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise argparse.ArgumentTypeError(f"{text!r} is not JSON ({exc})") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a JSON object")
+    return value
 
 
 def field_comments(cls: type) -> dict[str, str]:
@@ -47,10 +59,13 @@ def field_comments(cls: type) -> dict[str, str]:
 
 def _flag_type(annotation: Any) -> tuple[type, bool, bool]:
     """(scalar type, is a list, may be None) of a field annotation such as `int | None`,
-    `str | torch.dtype` (the first scalar wins) or `str | list[str] | None`."""
+    `str | torch.dtype` (the first scalar wins), `str | list[str] | None` or `dict | None` (a JSON
+    object)."""
     args = typing.get_args(annotation) if isinstance(annotation, types.UnionType) or \
         typing.get_origin(annotation) is typing.Union else (annotation,)
     optional = type(None) in args
+    if any(arg is dict or typing.get_origin(arg) is dict for arg in args):
+        return json_object, False, optional
     for arg in args:
         if arg in SCALARS:
             scalar = arg

@@ -27,6 +27,8 @@ ENGINE_COUNTERS = (
      {"out": "blocks_swapped_out", "in": "blocks_swapped_in"}),
     ("nanovllm_swapped_prefix_lost", "Swapped sequences recomputed because their shared prefix left the cache",
      None, {None: "swapped_prefix_lost"}),
+    ("nanovllm_spec_draft_tokens", "Speculative decoding: tokens proposed, and of them accepted", "outcome",
+     {"proposed": "spec_proposed_tokens", "accepted": "spec_accepted_tokens"}),
 )
 
 
