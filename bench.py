@@ -227,6 +227,8 @@ def parse_args() -> argparse.Namespace:
                         help=f"one of {', '.join(KV_CACHE_DTYPES)}, or a comma list to run each in turn and compare "
                              "(e.g. auto,fp8_e4m3); the JSON line then holds every run")
     parser.add_argument("--max-model-len", type=int, default=4096)
+    parser.add_argument("--async-scheduling", default="auto", choices=["auto", "on", "off"],
+                        help="Config.async_scheduling: overlap host work with the device (auto: on for CUDA)")
     parser.add_argument("--scheduling-policy", choices=list(SCHEDULING_POLICIES),
                         help="the engine's scheduling_policy (default: the engine's default)")
     parser.add_argument("--max-num-seqs", type=int, help="sequences running at once (default: the engine's)")
@@ -451,7 +453,7 @@ def bench_one(args: argparse.Namespace, kv_cache_dtype: str, compare_hf: bool) -
     startup_begin = time.perf_counter()
     llm = LLM(path, device=args.device, dtype=args.dtype, enforce_eager=args.enforce_eager,
               fused_kernels=args.fused_kernels, max_model_len=args.max_model_len, kv_cache_dtype=kv_cache_dtype,
-              **scheduling)
+              async_scheduling=args.async_scheduling, **scheduling)
     startup_s = time.perf_counter() - startup_begin
     device = llm.config.device
     if 2 * max_len > llm.config.max_model_len and args.max_len is None:
@@ -524,6 +526,7 @@ def bench_one(args: argparse.Namespace, kv_cache_dtype: str, compare_hf: bool) -
         "notes": notes,
         "process_cpu_s": round(cpu_s, 3),
         "scheduling_policy": llm.config.scheduling_policy,
+        "async_scheduling": llm.config.async_scheduling,
         "max_num_seqs": llm.config.max_num_seqs,
         "max_num_batched_tokens": llm.config.max_num_batched_tokens,
         "itl_mean_ms": mean_ms(counted["inter_token_latency_sum_s"], counted["inter_token_latency_count"]),
@@ -554,7 +557,8 @@ def bench_one(args: argparse.Namespace, kv_cache_dtype: str, compare_hf: bool) -
         ("KV cache", f"{kv_cache_dtype} ({str(llm.config.kv_cache_torch_dtype).removeprefix('torch.')}), "
                      f"{result['kv_cache_tokens']} tokens"),
         ("scheduling", f"{result['scheduling_policy']}, max_num_seqs {result['max_num_seqs']}, "
-                       f"max_num_batched_tokens {result['max_num_batched_tokens']}"),
+                       f"max_num_batched_tokens {result['max_num_batched_tokens']}, "
+                       f"async scheduling {result['async_scheduling']}"),
         ("steps", f"{result['prefill_steps']} with prefill ({result['mixed_steps']} of them mixed), "
                   f"{result['decode_steps']} decode only; {result['preemptions']} preemptions"),
         ("inter-token latency (ms)", format_ms(result["itl_mean_ms"])),

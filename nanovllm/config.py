@@ -3,7 +3,7 @@
 Owns validation of every user-facing knob and the facts read from the checkpoint: its
 `config.json`, its tokenizer (loaded and checked here, so a checkpoint without a usable one is
 refused before any weight loads) and the end-of-text id that comes from them. "auto" settings
-are resolved here, once (device, dtype, compile mode, fused kernels); the attention backend is resolved by the
+are resolved here, once (device, dtype, compile mode, fused kernels, async scheduling); the attention backend is resolved by the
 runner, which needs the backends' imports. It does not know how the model runs.
 """
 import copy
@@ -29,6 +29,7 @@ DEVICES = ("auto", "cuda", "cpu")
 ATTENTION_BACKENDS = ("auto", "flash_attn", "triton", "torch")
 COMPILE_MODES = ("auto", "on", "off")
 FUSED_KERNELS = ("auto", "triton", "torch")
+ASYNC_SCHEDULING_MODES = ("auto", "on", "off")
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 KV_CACHE_DTYPES = ("auto", *FP8_DTYPES)
 # The smallest paged-KV block the backends accept: Triton's tl.dot needs tiles of at least this.
@@ -115,6 +116,14 @@ class Config:
     # OS after each op and faulting it in again (utils/cpu.py keep_freed_memory); the process keeps
     # its peak heap. No effect with another allocator preloaded (tcmalloc) or off glibc.
     cpu_malloc_tuning: bool = True
+    # Overlap the host's work with the device's (as vLLM's async scheduling and SGLang's overlap
+    # scheduler): the next step is scheduled and launched while the device runs this one, so the
+    # scheduling, input building, stop checks and detokenising of ~0.55 ms a step hide behind it.
+    # "on", "off", or "auto" = on for CUDA on one rank without speculative decoding (on CPU the
+    # forward pass blocks the host anyway, so it gains nothing there; "on" still runs it, for
+    # tests). Outputs are the same token for token. Not with tensor parallelism or speculative
+    # decoding. Resolved to "on" or "off" when the Config is made.
+    async_scheduling: str = "auto"
     # Read from the checkpoint, not settings:
     hf_config: PretrainedConfig = field(init=False, repr=False)
     tokenizer: PreTrainedTokenizerBase | None = field(init=False, repr=False, compare=False)  # None: skipped
@@ -146,6 +155,9 @@ class Config:
             self.compile_mode = "on" if self.device == "cuda" else "off"
         self.fused_kernels = self._resolve_fused_kernels()
         self._check_tensor_parallel()
+        if self.async_scheduling == "auto":
+            single = self.tensor_parallel_size == 1 and self.speculative is None
+            self.async_scheduling = "on" if self.device == "cuda" and single else "off"
         self.tokenizer = None if self.skip_tokenizer_init else load_tokenizer(self.model)
         self.eos = end_of_text_id(self.tokenizer, self.hf_config)
         if self.speculative is not None and self.speculative.method == DRAFT_MODEL:
@@ -198,6 +210,13 @@ class Config:
             self.speculative = SpeculativeConfig.from_dict(self.speculative_config)
             require(self.tensor_parallel_size == 1, "tensor_parallel_size", self.tensor_parallel_size,
                     "1 with speculative_config (speculative decoding runs on one rank only)")
+        require(self.async_scheduling in ASYNC_SCHEDULING_MODES, "async_scheduling", self.async_scheduling,
+                f"one of {ASYNC_SCHEDULING_MODES}")
+        if self.async_scheduling == "on":  # the workers and the proposer need every token on the host
+            require(self.tensor_parallel_size == 1, "tensor_parallel_size", self.tensor_parallel_size,
+                    "1 with async_scheduling='on' (the overlapped loop runs on one rank only)")
+            require(self.speculative is None, "speculative_config", self.speculative_config,
+                    "None with async_scheduling='on' (speculative steps run the plain loop)")
         t = self.tensor_parallel_heartbeat_timeout_s
         require(is_number(t) and t >= MIN_HEARTBEAT_TIMEOUT_S, "tensor_parallel_heartbeat_timeout_s", t,
                 f"a finite number of seconds >= {MIN_HEARTBEAT_TIMEOUT_S}")

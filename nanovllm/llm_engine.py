@@ -28,9 +28,11 @@ from nanovllm.config import Config
 from nanovllm.engine.block_manager import BlockManager
 from nanovllm.engine.detokenizer import Detokenizer
 from nanovllm.engine.request import Request, RequestOutput
-from nanovllm.engine.scheduler import Scheduler, SchedulerStats
+from nanovllm.engine.scheduler import ScheduledBatch, Scheduler, SchedulerStats
 from nanovllm.engine.sequence import Sequence
 from nanovllm.engine.stop_checker import StopChecker
+from nanovllm.layers.sampler import SamplerOutput
+from nanovllm.runner.pending_tokens import PendingTokens
 from nanovllm.runner.tensor_parallel import create_model_runner
 from nanovllm.sampling_params import SamplingParams
 from nanovllm.utils.math_utils import cdiv
@@ -60,6 +62,14 @@ class StepOutput(NamedTuple):
     # Requests made by add_request() with news not yet popped (new tokens, finished or aborted),
     # in the order their news came; the requests of generate()/stream()/chat() go to their calls.
     request_ids: list[str]
+
+
+class InFlightStep(NamedTuple):
+    """A step launched by the overlapped loop whose tokens have not been resolved yet."""
+    batch: ScheduledBatch
+    tokens: PendingTokens
+    num_tokens: int  # tokens the model computes in it
+    start: float  # perf_counter() when it was scheduled
 
 
 @dataclass
@@ -112,6 +122,12 @@ class LLMEngine:
         self.scheduler = Scheduler(config.max_num_seqs, config.max_num_batched_tokens, self.block_manager,
                                    self.stop_checker, config.scheduling_policy, config.preemption_mode,
                                    config.speculative.num_speculative_tokens if self.speculative else 0)
+        # The overlapped loop (Config.async_scheduling): the step launched last, not yet resolved.
+        self.async_scheduling = config.async_scheduling == "on"
+        self._in_flight: InFlightStep | None = None
+        # Live requests whose sampling reads their output tokens' values on the host (penalties):
+        # while any is live, every step waits for its tokens (the plain loop).
+        self._num_plain_only = 0
         self._init_routing()
 
     def _init_routing(self) -> None:
@@ -264,6 +280,7 @@ class LLMEngine:
             if request.request_id is None:
                 request.request_id = self._new_request_id()
             self._requests[request.request_id] = request
+            self._num_plain_only += request.params.has_penalties
             first, *others = request.seqs
             for seq in request.seqs:
                 seq.request_id = request.request_id
@@ -280,10 +297,15 @@ class LLMEngine:
         submitted = [r for r in requests if self._requests.get(r.request_id) is r]
         unfinished = [seq for r in submitted for seq in r.seqs if not seq.is_finished]
         if unfinished:
-            self.scheduler.abort(unfinished)
+            self._drain()
+            self.scheduler.abort([seq for seq in unfinished if not seq.is_finished])
         for request in submitted:
-            del self._requests[request.request_id]
+            self._unregister(request)
             request.inbox.pop(request.request_id, None)
+
+    def _unregister(self, request: Request) -> None:
+        del self._requests[request.request_id]
+        self._num_plain_only -= request.params.has_penalties
 
     def _release(self, requests: list[Request]) -> None:
         """_forget() from a call that has ended (a stream closed, finished or dropped), which may
@@ -327,6 +349,7 @@ class LLMEngine:
             request = self._requests.get(request_id) if isinstance(request_id, str) else None
             if request is None or request.finished:
                 return False
+            self._drain()  # an aborted sample keeps no placeholder, and gets no token after its abort
             self.scheduler.abort([seq for seq in request.seqs if not seq.is_finished])
             request.inbox[request_id] = None
             return True
@@ -343,7 +366,7 @@ class LLMEngine:
             self._news.pop(request_id, None)
             output = request.pop(self.tokenizer)
             if output.finished:
-                del self._requests[request_id]
+                self._unregister(request)
             return output
 
     def has_unfinished_requests(self) -> bool:
@@ -361,22 +384,52 @@ class LLMEngine:
     def _step(self) -> StepOutput:
         self._free_deferred()
         start = perf_counter()
+        overlap = self.async_scheduling and not self._num_plain_only
+        if self._in_flight is not None and not overlap:
+            return self._drain()  # a plain step must find every token on the host
         batch = self.scheduler.schedule()
         if not batch.seqs:  # idle, or everything was preempted (the next step prefills again)
             if batch.has_copies:  # a swap-out's K/V must reach host memory before its blocks are reused
                 self.model_runner.run([], True, batch.swap_out, batch.swap_in)
-            return StepOutput([], [], 0, True, list(self._news))
+            return self._drain()
         num_tokens = batch.num_tokens  # before postprocess clears the scheduled counts
-        out = self.model_runner.run(batch.seqs, batch.is_prefill, batch.swap_out, batch.swap_in)
-        if self.speculative:  # each sequence's accepted proposals and one more token
-            advanced = self.scheduler.postprocess_speculative(batch, out.token_ids, out.num_proposed)
-        else:
-            advanced = self.scheduler.postprocess(batch, out.token_ids)
+        if not overlap:
+            out = self.model_runner.run(batch.seqs, batch.is_prefill, batch.swap_out, batch.swap_in)
+            if self.speculative:  # each sequence's accepted proposals and one more token
+                advanced = self.scheduler.postprocess_speculative(batch, out.token_ids, out.num_proposed)
+            else:
+                advanced = self.scheduler.postprocess(batch, out.token_ids)
+            return self._report(batch, out, advanced, num_tokens, start)
+        tokens = self.model_runner.launch(batch.seqs, batch.is_prefill, batch.swap_out, batch.swap_in)
+        # The overlapped loop: while the device runs this step, resolve the one before (its tokens,
+        # stop checks, outputs), then advance this one with placeholders so the next can be scheduled.
+        previous, self._in_flight = self._in_flight, InFlightStep(batch, tokens, num_tokens, start)
+        step = StepOutput([], [], 0, batch.is_prefill, list(self._news)) if previous is None else \
+            self._resolve(previous)
+        self.scheduler.advance(batch, tokens.sample_indices)
+        return step
+
+    def _drain(self) -> StepOutput:
+        """Resolve the step in flight, if any (async scheduling), so no placeholder is left."""
+        in_flight, self._in_flight = self._in_flight, None
+        if in_flight is None:
+            return StepOutput([], [], 0, True, list(self._news))
+        return self._resolve(in_flight)
+
+    def _resolve(self, step: InFlightStep) -> StepOutput:
+        out = step.tokens.result()
+        advanced = self.scheduler.resolve(step.batch, out.token_ids, step.tokens.sample_indices)
+        return self._report(step.batch, out, advanced, step.num_tokens, step.start)
+
+    def _report(self, batch: ScheduledBatch, out: SamplerOutput, advanced: list[Sequence], num_tokens: int,
+                start: float) -> StepOutput:
+        """A step's news: logprobs kept, each request with news told through its inbox, the counters."""
         self._count_inter_token_latency(advanced, batch.num_prefill_seqs > 0)
-        # The runner returns logprobs exactly for the rows that sampled, which are the advanced ones.
+        # The runner returns logprobs exactly for the rows that sampled; those of sequences that
+        # finished before them (async scheduling) are not kept, as their tokens are not.
         for seq, lp in zip(batch.seqs, out.logprobs):
             n = seq.sampling_params.logprobs
-            if lp is not None and n is not None:
+            if lp is not None and n is not None and len(seq.logprobs) < seq.num_completion_tokens:
                 seq.logprobs.append(lp._replace(top_logprobs=dict(list(lp.top_logprobs.items())[:n])))
         requests, finished = self._requests, []
         for seq in advanced:

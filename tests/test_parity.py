@@ -27,7 +27,8 @@ def record_prefill_chunks(llm: LLM) -> list[list[int]]:
     """Wrap the runner to record, per step that computes prompt tokens, the tokens scheduled for
     each sequence in its prompt (a mixed step's decode rows are left out)."""
     chunks: list[list[int]] = []
-    run = llm.model_runner.run
+    name = "launch" if llm.async_scheduling else "run"  # what the engine loop calls (on by default on CUDA)
+    run = getattr(llm.model_runner, name)
 
     def recording_run(seqs, is_prefill, *copies):
         prompt_rows = [seq.num_scheduled_tokens for seq in seqs if seq.num_computed_tokens < seq.num_prompt_tokens]
@@ -35,7 +36,7 @@ def record_prefill_chunks(llm: LLM) -> list[list[int]]:
             chunks.append(prompt_rows)
         return run(seqs, is_prefill, *copies)
 
-    llm.model_runner.run = recording_run
+    setattr(llm.model_runner, name, recording_run)
     return chunks
 
 

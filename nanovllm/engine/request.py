@@ -65,7 +65,7 @@ class Request:
         samples = []
         for i, seq in enumerate(self.seqs):
             start = seq.num_prompt_tokens + self.num_tokens_handed[i]
-            new_tokens = seq.token_ids[start:]
+            new_tokens = seq.token_ids[start:seq.num_known_tokens]
             finished_now = seq.is_finished and not self.finish_handed[i]
             if not new_tokens and not finished_now:
                 continue

@@ -26,7 +26,10 @@ which has no decode to resume). Running sequences are at most min(max_num_seqs,
 max_num_batched_tokens), so every one of them gets at least one token in each mixed step.
 
 After the step, `postprocess` advances each sequence and finishes the ones the StopChecker says
-are done, freeing their blocks. Plain Python: no tensors; the block copies of swaps travel in
+are done, freeing their blocks. It is two halves, which async scheduling (the engine's
+overlapped loop) calls apart: `advance` once the step is launched (computed counts, published
+blocks, a placeholder for each token still on the device), `resolve` once its tokens are on the
+host, after the next step has been scheduled and launched. Plain Python: no tensors; the block copies of swaps travel in
 the ScheduledBatch for the runner to make.
 
 Speculative decoding (num_lookahead_tokens > 0): after part 1, each decode that may speculate
@@ -47,6 +50,7 @@ from nanovllm.engine.block_manager import NO_COPIES, BlockCopies, BlockManager
 from nanovllm.engine.sequence import Sequence, SequenceStatus
 from nanovllm.engine.stop_checker import StopChecker
 
+FINISHED = SequenceStatus.FINISHED
 MIXED, PREFILL_FIRST = "mixed", "prefill_first"
 SCHEDULING_POLICIES = (MIXED, PREFILL_FIRST)
 # Measured on bench.py: docs/BENCHMARKS.md, "Scheduling policies".
@@ -367,28 +371,73 @@ class Scheduler:
     # --- after the step ---
 
     def postprocess(self, batch: ScheduledBatch, token_ids: list[int]) -> list[Sequence]:
-        """Advance each scheduled sequence by its computed tokens and its sampled token (a
-        prefill chunk that does not finish the prompt samples nothing), and finish those the
-        stop checker says are done. Returns the sequences that got a new token; the finished
-        ones among them have their blocks freed and have left `running`."""
-        bs = self.block_manager.block_size
-        check = self.stop_checker.check
-        advanced = []
-        for seq, token_id in zip(batch.seqs, token_ids):
-            first_block = seq.num_computed_tokens // bs
-            seq.num_computed_tokens += seq.num_scheduled_tokens
-            seq.num_scheduled_tokens = 0
-            if seq.num_computed_tokens // bs > first_block:  # a block filled up: publish it
-                self.block_manager.cache_blocks(seq, first_block, seq.num_computed_tokens // bs)
-            if seq.num_computed_tokens < len(seq.token_ids):
+        """The plain loop's end of a step: `advance`, then `resolve` with the sampled tokens
+        (a prefill chunk that does not finish the prompt sampled nothing: token -1). Returns the
+        sequences that got a new token; the finished ones among them have their blocks freed and
+        have left `running`."""
+        return self.resolve(batch, token_ids, self.advance(batch))
+
+    def advance(self, batch: ScheduledBatch, sample_indices: list[int] | None = None) -> list[int]:
+        """Record that the step ran: each scheduled sequence's computed count grows by its
+        scheduled tokens, blocks that filled up are published (their tokens are all known: the
+        previous step's are resolved before this is called) and a sequence whose prompt is now
+        computed lets its siblings in.
+        Async scheduling passes the rows that sample (`sample_indices`, as the runner launched
+        them) while their tokens are still on the device: each sequence that goes on gets a
+        placeholder for its token (sequence.py), so the next step can be scheduled now. One that
+        the token ends by length whatever it is gets none, so nothing is scheduled after it. A
+        sequence the previous step's tokens finished is left alone: its row is discarded.
+        Returns the rows that sample (index into the batch's sequences), for `resolve`."""
+        # The hot loop of a decode step's end: plain attribute reads, no per-row call.
+        bs, cache_blocks = self.block_manager.block_size, self.block_manager.cache_blocks
+        sampling = []
+        for i, seq in enumerate(batch.seqs):
+            num_scheduled, seq.num_scheduled_tokens = seq.num_scheduled_tokens, 0
+            if seq.status is FINISHED:
                 continue
-            if seq.pending_siblings:
-                self._release_siblings(seq)
-            seq.append_token(token_id)
+            first_block = seq.num_computed_tokens // bs
+            computed = seq.num_computed_tokens = seq.num_computed_tokens + num_scheduled
+            if computed // bs > first_block:  # a block filled up: publish it
+                cache_blocks(seq, first_block, computed // bs)
+            if computed == len(seq.token_ids):  # its prompt is computed: it samples
+                sampling.append(i)
+                if seq.pending_siblings:
+                    self._release_siblings(seq)
+        if sample_indices is None:
+            return sampling
+        ends_by_length, seqs = self.stop_checker.next_token_ends_by_length, batch.seqs
+        for row, i in enumerate(sample_indices):
+            seq = seqs[i]
+            if seq.status is not FINISHED and not ends_by_length(seq):
+                seq.token_ids.append(-(row + 1))
+        return sample_indices
+
+    def resolve(self, batch: ScheduledBatch, token_ids: list[int], sampling: list[int]) -> list[Sequence]:
+        """Give each sequence that sampled in an advanced step (the rows `advance` returned) its
+        token from `token_ids` (one per sequence of the batch; in place of its placeholder, or
+        appended) and finish those the stop checker says are done, freeing their blocks. A
+        sequence finished meanwhile (async scheduling: by the step before) gets nothing, so no
+        token ever follows a stop. Returns the sequences that got a token."""
+        check = self.stop_checker.check
+        seqs, advanced, queued = batch.seqs, [], set()
+        for i in sampling:
+            seq = seqs[i]
+            if seq.status is FINISHED:
+                continue
+            tokens = seq.token_ids
+            if tokens[-1] < 0:
+                tokens[-1] = token_ids[i]
+            else:
+                tokens.append(token_ids[i])
             advanced.append(seq)
             finish = check(seq)
             if finish is not None:
+                if seq.status != SequenceStatus.RUNNING:  # preempted by the step scheduled meanwhile
+                    queued.add(id(seq))
                 self.finish(seq, finish.finish_reason, finish.stop_reason)
+        if queued:
+            self.waiting.remove(queued)
+            self.swapped.remove(queued)
         self.drop_finished()
         return advanced
 

@@ -4,6 +4,11 @@ Plain Python, no tensors. Every count is derived from `token_ids` or set in one 
 preempted sequence can be recomputed from scratch with nothing stale left behind. A sequence
 swapped out to host memory keeps its computed count, and its K/V sit in host blocks
 (`host_block_table`) until it is swapped back in.
+
+Under async scheduling a sequence's newest token may be a placeholder while the device is still
+sampling it: a negative id, -(row + 1), naming its row among that step's sampled tokens (the
+runner reads the real id there on the device; the scheduler replaces it once it reaches the
+host). Only counts are read while it stands: lengths, blocks, positions.
 """
 from enum import Enum, auto
 
@@ -117,3 +122,9 @@ class Sequence:
 
     def append_token(self, token_id: int) -> None:
         self.token_ids.append(token_id)
+
+    @property
+    def num_known_tokens(self) -> int:
+        """Tokens whose ids the host has: all but a trailing placeholder (async scheduling)."""
+        token_ids = self.token_ids
+        return len(token_ids) - (token_ids[-1] < 0)

@@ -75,3 +75,10 @@ class StopChecker:
         if num_completion >= params.max_tokens or len(token_ids) >= self.max_model_len:
             return LENGTH
         return None
+
+    def next_token_ends_by_length(self, seq: Sequence) -> bool:
+        """Whether the token being sampled for this sequence (not yet appended) will finish it by
+        rule 4 whatever it is: async scheduling schedules no step after it."""
+        num_tokens = len(seq.token_ids) + 1
+        return num_tokens - seq.num_prompt_tokens >= seq.sampling_params.max_tokens or \
+            num_tokens >= self.max_model_len

@@ -118,21 +118,25 @@ class Sampler(nn.Module):
         return self.race_kernel is not None
 
     def forward(self, logits: torch.Tensor, t: SamplingTensors) -> SamplerOutput:
+        tokens, logprobs = self.draw(logits, t)
+        return SamplerOutput(tokens.tolist(), logprobs)  # the step's one host sync
+
+    def draw(self, logits: torch.Tensor, t: SamplingTensors) -> tuple[torch.Tensor, list[TokenLogprobs | None]]:
+        """The tokens left on the device ([batch] int64, no host sync) and each row's logprobs
+        (which do sync, for the rows that asked; None for the others)."""
         # logits: [batch, vocab]
         if self.race_kernel is not None:
-            return self._forward_triton(logits, t)
+            return self._draw_triton(logits, t)
         raw_logits, logits = self._penalised(logits, t)
         tokens = logits.argmax(dim=-1)
         if not t.all_greedy:
             tokens = torch.where(t.temperatures > 0, self._sample(logits, t), tokens)
-        token_ids = tokens.tolist()  # the step's one host sync
-        return SamplerOutput(token_ids, self._logprobs(raw_logits, tokens, t.num_logprobs))
+        return tokens, self._logprobs(raw_logits, tokens, t.num_logprobs)
 
-    def _forward_triton(self, logits: torch.Tensor, t: SamplingTensors) -> SamplerOutput:
+    def _draw_triton(self, logits: torch.Tensor, t: SamplingTensors) -> tuple[torch.Tensor, list]:
         seeds, counters = t.philox
         if t.needs_only_temperature:  # the common case: one pass over the logits in their own dtype
-            return SamplerOutput(self.race_kernel(logits, t.temperatures, seeds, counters).tolist(),
-                                 [None] * logits.size(0))
+            return self.race_kernel(logits, t.temperatures, seeds, counters), [None] * logits.size(0)
         # Filters in torch as above (no torch.compile: nothing may compile after start-up), then
         # the kernel races the filtered logits: already scaled for sampled rows (temperature 1
         # divides exactly), raw for greedy ones (temperature 0: argmax).
@@ -148,7 +152,7 @@ class Sampler(nn.Module):
             logits = torch.where(sampled.unsqueeze(1), scaled, logits)
             temperatures = sampled.float()
         tokens = self.race_kernel(logits, temperatures, seeds, counters)
-        return SamplerOutput(tokens.tolist(), self._logprobs(raw_logits, tokens, t.num_logprobs))
+        return tokens, self._logprobs(raw_logits, tokens, t.num_logprobs)
 
     @staticmethod
     def _penalised(logits: torch.Tensor, t: SamplingTensors) -> tuple[torch.Tensor, torch.Tensor]:

@@ -32,12 +32,18 @@ class DecodeInputs:
         # On CPU the host buffers are the device buffers: nothing to copy.
         self.device = self.host if device.type == "cpu" else {
             name: t.to(device) for name, t in self.host.items()}
+        # Marks the latest step's copies out of the host buffers. Under async scheduling the host
+        # fills step N+1 while step N's copies may still wait in the stream behind step N-1, so
+        # it waits on this before writing over what they read.
+        self.copied = torch.cuda.Event() if device.type == "cuda" else None
 
     def fill(self, step: StepMessage, padded_batch: int, full_width: bool) -> StepInputs:
         """Write a decode step's inputs and pad to `padded_batch` rows. Block tables keep their
         full width (a fixed shape, for graphs) or are cut to the batch's longest table. Every
         sequence samples, from its own row."""
         n, bs = step.num_seqs, self.block_size
+        if self.copied is not None:
+            self.copied.synchronize()  # at once unless the stream has not reached the last step's copies
         np_ = self.np
         np_["input_ids"][:n] = step.token_ids
         np_["positions"][:n] = step.starts
@@ -60,6 +66,7 @@ class DecodeInputs:
             for name in ("input_ids", "positions", "slot_mapping", "context_lens"):
                 dev[name][:padded_batch].copy_(self.host[name][:padded_batch], non_blocking=True)
             dev["block_tables"][:padded_batch].copy_(self.host["block_tables"][:padded_batch], non_blocking=True)
+            self.copied.record()
         tables_view = dev["block_tables"][:padded_batch]
         meta = AttentionMetadata(
             is_prefill=False,

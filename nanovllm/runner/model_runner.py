@@ -31,6 +31,7 @@ from nanovllm.runner.decode_inputs import DecodeInputs
 from nanovllm.runner.graph import DecodeGraphs, graph_batch_sizes
 from nanovllm.runner.kernel_warmup import warm_up_kernels
 from nanovllm.runner.kv_scales import calibration_token_ids, checkpoint_kv_scales, describe, observing_kv
+from nanovllm.runner.pending_tokens import PendingTokens, fill_placeholders
 from nanovllm.runner.sampling_inputs import prepare_sampling
 from nanovllm.runner.step_inputs import StepInputs, StepMessage, prefill_inputs
 from nanovllm.sampling_params import SamplingParams
@@ -152,6 +153,7 @@ class ModelRunner:
         self.num_kv_heads = self.attention_layers[0].num_kv_heads
         self.head_dim = self.attention_layers[0].head_dim
         self.sampler = Sampler()
+        self.last_sampled: PendingTokens | None = None  # the latest step's tokens, for placeholders
         if config.fused_kernels == "triton":
             for module in [*self.model.modules(), self.sampler]:
                 if isinstance(module, TRITON_LAYERS):
@@ -332,7 +334,13 @@ class ModelRunner:
     def run(self, seqs: list[Sequence], is_prefill: bool, swap_out: BlockCopies = NO_COPIES,
             swap_in: BlockCopies = NO_COPIES) -> SamplerOutput:
         """One step on this rank alone (one process, or each rank's own warm-up)."""
-        return self.sample(seqs, self.forward(StepMessage.of(seqs, is_prefill, swap_out, swap_in)))
+        return self.launch(seqs, is_prefill, swap_out, swap_in).result()
+
+    def launch(self, seqs: list[Sequence], is_prefill: bool, swap_out: BlockCopies = NO_COPIES,
+               swap_in: BlockCopies = NO_COPIES) -> PendingTokens:
+        """One step on this rank alone, returning before its tokens reach the host (async
+        scheduling): placeholder tokens among its inputs are read from the previous launch's."""
+        return self.sample_pending(seqs, self.forward(StepMessage.of(seqs, is_prefill, swap_out, swap_in)))
 
     @torch.inference_mode()
     def forward(self, step: StepMessage) -> StepLogits:
@@ -352,32 +360,33 @@ class ModelRunner:
     def _forward(self, step: StepMessage) -> tuple[StepInputs, torch.Tensor]:
         if step.is_prefill:
             inputs = prefill_inputs(step, self.block_size, self.device, attend_from_cache=self.kv_quantized)
-        elif self.graphs:
-            inputs = self.decode_inputs.fill(step, self.graphs.padded_batch(step.num_seqs), full_width=True)
-            return inputs, self.graphs.replay(inputs)
         else:
-            inputs = self.decode_inputs.fill(step, step.num_seqs, full_width=False)
+            padded = self.graphs.padded_batch(step.num_seqs) if self.graphs else step.num_seqs
+            inputs = self.decode_inputs.fill(step, padded, full_width=bool(self.graphs))
+        fill_placeholders(inputs.input_ids, step.token_ids, self.last_sampled)
+        if not step.is_prefill and self.graphs:
+            return inputs, self.graphs.replay(inputs)
         with forward_context(inputs.meta):
             return inputs, self.model(inputs.input_ids, inputs.positions)
 
-    @torch.inference_mode()
     def sample(self, seqs: list[Sequence], step: StepLogits) -> SamplerOutput:
         """Rank 0: the next token (and logprobs) of each sequence that samples; a prefill chunk
         that leaves part of its prompt gets token -1 and no sampling, so a seeded generator never
         advances on it. Other ranks never sample (nor read a sampling field): nothing."""
+        return self.sample_pending(seqs, step).result()
+
+    @torch.inference_mode()
+    def sample_pending(self, seqs: list[Sequence], step: StepLogits) -> PendingTokens:
+        """sample() without waiting for the tokens: they stay on the device (the next step's
+        placeholders read them there) and travel to the host behind an event."""
         if self.rank != 0:
-            return SamplerOutput([], [])
-        n = len(seqs)
-        if not step.sample_indices:
-            return SamplerOutput([-1] * n, [None] * n)
-        sampled = seqs if len(step.sample_indices) == n else [seqs[i] for i in step.sample_indices]
-        logits = step.logits
-        with compiling(self.compile):
-            out = self.sampler(logits, prepare_sampling(sampled, logits.size(-1), self.config.eos, self.device,
-                                                        philox=self.sampler.uses_philox))
-        if len(sampled) == n:
-            return out
-        token_ids, logprobs = [-1] * n, [None] * n
-        for j, i in enumerate(step.sample_indices):
-            token_ids[i], logprobs[i] = out.token_ids[j], out.logprobs[j]
-        return SamplerOutput(token_ids, logprobs)
+            return PendingTokens(0, [], None, [])
+        sampled = seqs if len(step.sample_indices) == len(seqs) else [seqs[i] for i in step.sample_indices]
+        tokens, logprobs = None, []
+        if sampled:
+            logits = step.logits
+            with compiling(self.compile):
+                tokens, logprobs = self.sampler.draw(logits, prepare_sampling(
+                    sampled, logits.size(-1), self.config.eos, self.device, philox=self.sampler.uses_philox))
+        self.last_sampled = PendingTokens(len(seqs), step.sample_indices, tokens, logprobs)
+        return self.last_sampled
