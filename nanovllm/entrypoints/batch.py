@@ -303,8 +303,8 @@ def _worker_placements(job: BatchJob) -> list[dict[str, str]]:
             raise ValueError(f"data_parallel={n} with tensor_parallel_size={tp} needs {n * tp} GPUs; "
                              f"{len(gpus)} are visible")
         return [{"CUDA_VISIBLE_DEVICES": ",".join(gpus[i * tp:(i + 1) * tp])} for i in range(n)]
-    threads = str(max(1, torch.get_num_threads() // n))
-    return [{"OMP_NUM_THREADS": threads, "NANOVLLM_BATCH_THREADS": threads} for _ in range(n)]
+    threads = str(max(1, torch.get_num_threads() // n))  # each engine's cpu_threads (Config reads OMP_NUM_THREADS)
+    return [{"OMP_NUM_THREADS": threads} for _ in range(n)]
 
 
 def _worker_main(rank: int, model: str, engine_kwargs: dict, inbox, outbox, parent_pid: int) -> None:
@@ -313,13 +313,8 @@ def _worker_main(rank: int, model: str, engine_kwargs: dict, inbox, outbox, pare
     its settings, ("failed", rank, traceback) on any other error."""
     llm = None
     try:
-        import torch
-
         from nanovllm import LLM
 
-        threads = os.environ.get("NANOVLLM_BATCH_THREADS")
-        if threads:
-            torch.set_num_threads(int(threads))
         try:
             llm = LLM(model, **engine_kwargs)
         except ValueError as exc:  # the engine refuses its settings: reported in one line

@@ -9,7 +9,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from nanovllm.layers.linear import _divide, _shard, linear
+from nanovllm.layers.linear import divide, linear, shard
 from nanovllm.utils.loader import copy_checked
 from nanovllm.utils.parallel import tp_rank, tp_size
 
@@ -20,13 +20,13 @@ class VocabParallelEmbedding(nn.Module):
         super().__init__()
         self.tp_rank, self.tp_size = tp_rank(), tp_size()
         self.num_embeddings = num_embeddings
-        self.shard_size = _divide(num_embeddings, self.tp_size, "vocab_size")
+        self.shard_size = divide(num_embeddings, self.tp_size, "vocab_size")
         self.vocab_start = self.shard_size * self.tp_rank
         self.weight = nn.Parameter(torch.empty(self.shard_size, embedding_dim))
         self.weight.weight_loader = self.weight_loader
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, name: str) -> None:
-        copy_checked(param.data, _shard(loaded, 0, self.tp_rank, self.shard_size, self.tp_size, name), name)
+        copy_checked(param.data, shard(loaded, 0, self.tp_rank, self.shard_size, self.tp_size, name), name)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.tp_size == 1:

@@ -17,7 +17,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from nanovllm.layers.linear import _divide, _shard
+from nanovllm.layers.linear import divide, shard
 from nanovllm.utils.loader import copy_checked
 from nanovllm.utils.parallel import tp_rank, tp_size
 
@@ -82,7 +82,7 @@ class FusedMoE(nn.Module):
         self.tp_rank, self.tp_size = tp_rank(), tp_size()
         self.num_experts, self.top_k, self.renormalize = num_experts, top_k, renormalize
         self.intermediate_size = intermediate_size
-        self.inter_per_rank = _divide(intermediate_size, self.tp_size, "moe_intermediate_size")
+        self.inter_per_rank = divide(intermediate_size, self.tp_size, "moe_intermediate_size")
         # [num_experts, 2 * inter / tp, hidden]: this rank's gate rows, then its up rows, per expert
         self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * self.inter_per_rank, hidden_size))
         # [num_experts, hidden, inter / tp]
@@ -102,11 +102,11 @@ class FusedMoE(nn.Module):
                              f"{self.num_experts}")
         size = self.inter_per_rank
         if proj == "down_proj":  # [hidden, inter]: this rank's columns
-            copy_checked(param.data[expert], _shard(loaded, 1, self.tp_rank, size, self.tp_size, name), name)
+            copy_checked(param.data[expert], shard(loaded, 1, self.tp_rank, size, self.tp_size, name), name)
         else:  # [inter, hidden]: this rank's rows, into the gate or the up half
             offset = 0 if proj == "gate_proj" else size
             copy_checked(param.data[expert, offset:offset + size],
-                         _shard(loaded, 0, self.tp_rank, size, self.tp_size, name), name)
+                         shard(loaded, 0, self.tp_rank, size, self.tp_size, name), name)
 
     def forward(self, x: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
         # x: [num_tokens, hidden]; router_logits: [num_tokens, num_experts]

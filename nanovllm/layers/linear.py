@@ -14,7 +14,7 @@ from nanovllm.utils.loader import copy_checked
 from nanovllm.utils.parallel import tp_rank, tp_size
 
 
-def _shard(loaded: torch.Tensor, dim: int, rank: int, size: int, world: int, name: str) -> torch.Tensor:
+def shard(loaded: torch.Tensor, dim: int, rank: int, size: int, world: int, name: str) -> torch.Tensor:
     """This rank's slice of `loaded` along `dim`, after checking the whole is `world` slices."""
     if world == 1:
         return loaded
@@ -33,7 +33,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> 
     return F.linear(x.to(weight.dtype), weight, bias).to(x.dtype)
 
 
-def _divide(numerator: int, denominator: int, what: str) -> int:
+def divide(numerator: int, denominator: int, what: str) -> int:
     if numerator % denominator:
         raise ValueError(f"{what}={numerator} is not divisible by tensor_parallel_size={denominator}")
     return numerator // denominator
@@ -64,7 +64,7 @@ class LinearBase(nn.Module):
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, name: str) -> None:
         if self.tp_dim is not None:
-            loaded = _shard(loaded, self.tp_dim, self.tp_rank, param.size(self.tp_dim), self.tp_size, name)
+            loaded = shard(loaded, self.tp_dim, self.tp_rank, param.size(self.tp_dim), self.tp_size, name)
         copy_checked(param.data, loaded, name)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -80,7 +80,7 @@ class ReplicatedLinear(LinearBase):
 class ColumnParallelLinear(LinearBase):
 
     def __init__(self, input_size: int, output_size: int, bias: bool = False):
-        super().__init__(input_size, _divide(output_size, tp_size(), "output_size"), bias, 0)
+        super().__init__(input_size, divide(output_size, tp_size(), "output_size"), bias, 0)
 
 
 class MergedColumnParallelLinear(ColumnParallelLinear):
@@ -94,7 +94,7 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, name: str, shard_id: int) -> None:
         offset = sum(self.output_sizes[:shard_id]) // self.tp_size
         size = self.output_sizes[shard_id] // self.tp_size
-        loaded = _shard(loaded, 0, self.tp_rank, size, self.tp_size, name)
+        loaded = shard(loaded, 0, self.tp_rank, size, self.tp_size, name)
         copy_checked(param.data.narrow(0, offset, size), loaded, name)
 
 
@@ -104,22 +104,22 @@ class QKVParallelLinear(ColumnParallelLinear):
     def __init__(self, hidden_size: int, head_dim: int, num_heads: int, num_kv_heads: int, bias: bool = False):
         size = tp_size()
         self.head_dim = head_dim
-        self.num_heads = _divide(num_heads, size, "num_attention_heads")
-        self.num_kv_heads = _divide(num_kv_heads, size, "num_key_value_heads")
+        self.num_heads = divide(num_heads, size, "num_attention_heads")
+        self.num_kv_heads = divide(num_kv_heads, size, "num_key_value_heads")
         super().__init__(hidden_size, (num_heads + 2 * num_kv_heads) * head_dim, bias)
         _expect_shards(self, ("q", "k", "v"))
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, name: str, shard_id: str) -> None:
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         offset, size = {"q": (0, q_size), "k": (q_size, kv_size), "v": (q_size + kv_size, kv_size)}[shard_id]
-        loaded = _shard(loaded, 0, self.tp_rank, size, self.tp_size, name)
+        loaded = shard(loaded, 0, self.tp_rank, size, self.tp_size, name)
         copy_checked(param.data.narrow(0, offset, size), loaded, name)
 
 
 class RowParallelLinear(LinearBase):
 
     def __init__(self, input_size: int, output_size: int, bias: bool = False):
-        super().__init__(_divide(input_size, tp_size(), "input_size"), output_size, bias, 1)
+        super().__init__(divide(input_size, tp_size(), "input_size"), output_size, bias, 1)
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, name: str) -> None:
         if param.dim() == 1:  # the bias is added once, on the reduced output: not split
