@@ -464,8 +464,7 @@ class Scheduler:
             seq.num_computed_tokens += seq.num_scheduled_tokens
             seq.num_scheduled_tokens = seq.num_lookahead_slots = 0
             if seq.num_computed_tokens < len(seq.token_ids):
-                if seq.num_computed_tokens // bs > first_block:
-                    bm.cache_blocks(seq, first_block, seq.num_computed_tokens // bs)
+                bm.cache_blocks(seq, first_block, seq.num_computed_tokens // bs)  # blocks that filled up
                 continue
             if seq.pending_siblings:
                 self._release_siblings(seq)
@@ -484,8 +483,7 @@ class Scheduler:
             if seq.is_finished:
                 continue
             seq.num_computed_tokens = len(seq.token_ids) - 1  # the newest token, as always, is not computed yet
-            if seq.num_computed_tokens // bs > first_block:  # a block filled up: publish it
-                bm.cache_blocks(seq, first_block, seq.num_computed_tokens // bs)
+            bm.cache_blocks(seq, first_block, seq.num_computed_tokens // bs)
             bm.trim(seq)
         self.drop_finished()
         return advanced
@@ -510,10 +508,7 @@ class Scheduler:
         for seq in seqs:
             seq.pending_siblings = []
             if not seq.is_finished:
-                seq.status = SequenceStatus.FINISHED
-                seq.finish_reason, seq.stop_reason = "abort", None
-                self.num_unswept_finished += 1
-                self.block_manager.deallocate(seq)
+                self.finish(seq, "abort", None)
         self.waiting.remove(doomed)
         self.swapped.remove(doomed)
         self.drop_finished()
