@@ -33,7 +33,7 @@ from reference_attention import ReferenceTorchBackend  # noqa: E402
 NUM_LAYERS = 4
 MIN_PROMPT, MAX_PROMPT, MAX_NEW = 50, 300, 64
 BLOCK_SIZES = [16, 32, 64, 128, 256]
-TILE_BYTES = [256 << 10, 512 << 10, 1 << 20, 2 << 20, 4 << 20]
+TILE_BYTES = [256 << 10, 512 << 10, 1 << 20, 2 << 20, 4 << 20, 8 << 20, 16 << 20]
 
 
 def paged_caches(lengths: list[int], block_size: int, heads: tuple[int, int, int], dtype: torch.dtype,

@@ -29,9 +29,10 @@ from nanovllm.utils.context import AttentionMetadata
 from nanovllm.utils.math_utils import cdiv
 
 # Bytes of gathered K+V per decode tile. Tiles small enough to stay in cache while SDPA reads
-# them run several times faster per sequence than one batch-wide copy; below ~512 KiB the calls
-# per tile cost more than they save (measured 128 KiB..16 MiB on a 2-core Zen 3, docs/BENCHMARKS.md).
-DECODE_TILE_BYTES = 1 << 20
+# them run several times faster per sequence than one batch-wide copy; below ~1 MiB the calls
+# per tile cost more than they save, above ~8 MiB the tile leaves the cache (measured 256 KiB..16 MiB
+# on a 2-core Zen 3: 2-4 MiB best, docs/BENCHMARKS.md "CPU decode tile size").
+DECODE_TILE_BYTES = 4 << 20
 
 
 def gather_kv(cache: torch.Tensor, block_table: torch.Tensor, length: int) -> torch.Tensor:
