@@ -226,6 +226,27 @@ def test_fp8_cache_is_dequantized_per_tile_as_the_whole_cache(fp8, tile_bytes):
     assert_matches_reference(out, expected, torch.float32)
 
 
+@pytest.mark.parametrize("skip_every", [0, 3])  # every token stored (no masked copy), or padding rows skipped
+def test_store_kv_writes_each_token_to_its_slot_and_nothing_else(skip_every):
+    gen = torch.Generator().manual_seed(0)
+    num_blocks, block_size, num_tokens = 4, 16, 23
+    qkv = torch.randn(num_tokens, 3, 2, HEAD_DIM, generator=gen)
+    k, v = qkv[:, 1], qkv[:, 2]  # strided views, as the model's split of its fused projection gives
+    slots = torch.randperm(num_blocks * block_size, generator=gen)[:num_tokens]
+    if skip_every:
+        slots[::skip_every] = -1
+    shape = (num_blocks, block_size, 2, HEAD_DIM)
+    k_cache, v_cache = (torch.full(shape, float("nan")) for _ in range(2))
+    TorchBackend().store_kv(k, v, k_cache, v_cache, slots.to(torch.int32))
+    for cache, source in ((k_cache, k), (v_cache, v)):
+        flat = cache.view(-1, 2, HEAD_DIM)
+        written = slots >= 0
+        assert torch.equal(flat[slots[written]], source[written])
+        untouched = torch.ones(len(flat), dtype=torch.bool)
+        untouched[slots[written]] = False
+        assert flat[untouched].isnan().all()
+
+
 @pytest.mark.parametrize("num_heads,num_kv_heads", HEAD_LAYOUTS)
 def test_prefill_without_cache_matches_reference_exactly(num_heads, num_kv_heads):
     gen = torch.Generator().manual_seed(4)

@@ -134,8 +134,10 @@ class TorchBackend(AttentionBackend):
     def store_kv(self, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                  slot_mapping: torch.Tensor, kv_scales: KVScales | None = None) -> None:
         keep = slot_mapping >= 0
-        slots = slot_mapping[keep].long()
-        k, v = k[keep], v[keep]
+        if bool(keep.all()):  # the usual case: no masked copy of this step's K and V
+            slots = slot_mapping.long()
+        else:
+            slots, k, v = slot_mapping[keep].long(), k[keep], v[keep]
         if kv_scales is not None:
             k, v = quantize(k, kv_scales.k, k_cache.dtype), quantize(v, kv_scales.v, v_cache.dtype)
             # index_copy_ has no fp8 kernel on CPU: copy the bytes (fp8 is one byte per element).
