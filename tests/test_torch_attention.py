@@ -30,8 +30,9 @@ from reference_attention import ReferenceTorchBackend
 HEAD_DIM = 32
 SCALE = HEAD_DIM ** -0.5
 GARBAGE = 1e3  # scale of the values in slots no sequence owns
-# (num_heads, num_kv_heads): GQA groups of 1, 2, 3 and 4.
-HEAD_LAYOUTS = [(2, 2), (4, 2), (6, 2), (8, 2)]
+# (num_heads, num_kv_heads): GQA groups of 1, 2, 3 and 4, and one and four KV heads (float32 decode
+# attends by matmul with one or two KV heads and through SDPA with more: both are covered).
+HEAD_LAYOUTS = [(2, 2), (4, 2), (6, 2), (8, 2), (3, 1), (12, 4)]
 FP32_TOLERANCE = dict(atol=1e-6, rtol=1e-5)  # float32: different summation order only
 BF16_TOLERANCE = dict(atol=2e-2, rtol=2e-2)
 # Tile budgets (bytes of gathered K+V): one row per tile, a few rows per tile, the default.
@@ -89,6 +90,20 @@ def test_decode_matches_reference(dtype, block_size, num_heads, num_kv_heads, ti
     out = TorchBackend(tile_bytes).decode(q, k_cache, v_cache, meta, SCALE)
     assert_matches_reference(out, expected, dtype)
     assert (out[meta.context_lens == 0] == 0).all(), "a zero-length row must output exactly 0"
+
+
+@pytest.mark.parametrize("dtype,num_kv_heads,by_matmul", [
+    (torch.float32, 1, True), (torch.float32, 2, True), (torch.float32, 4, False), (torch.bfloat16, 2, False)])
+def test_decode_attends_by_matmul_only_in_float32_with_few_kv_heads(monkeypatch, dtype, num_kv_heads, by_matmul):
+    calls = []
+    real = torch_backend.attend_by_matmul
+    monkeypatch.setattr(torch_backend, "attend_by_matmul", lambda *args: calls.append(1) or real(*args))
+    gen = torch.Generator().manual_seed(3)
+    lengths = [40, 1, 17]
+    k_cache, v_cache, tables = paged_cache(lengths, 16, num_kv_heads, dtype, gen)
+    q = torch.randn(len(lengths), 2 * num_kv_heads, HEAD_DIM, generator=gen).to(dtype)
+    TorchBackend().decode(q, k_cache, v_cache, decode_meta(lengths, tables), SCALE)
+    assert bool(calls) == by_matmul
 
 
 def test_decode_every_row_active_and_batch_of_one():

@@ -10,6 +10,14 @@ query length (q [rows, kv_heads, group, head_dim]), which the CPU kernel runs fa
 enable_gqa (several times in bfloat16). How a step's rows are tiled depends only on its
 metadata, so it is worked out once per step (a StepPlan) and reused by every layer.
 
+With one or two KV heads in float32 on CPU a tile is attended by two batched matmuls instead
+(`attend_by_matmul`): each row's query heads are laid out block-diagonally against all of its
+KV heads side by side, so the gathered tile is read as it lies, one matrix per row, at the
+price of multiplying by zeros (twice the flops with two KV heads). That measured 8-16% faster
+per decode step than SDPA on issue 15's model (docs/BENCHMARKS.md, "CPU decode by matmul"); with
+more KV heads the zeros cost more than they save, and half-precision matmuls are emulated on CPUs
+without native kernels, so SDPA stays there.
+
 Prefill loops over the other sequences on the host; one with a cached prefix reads its keys from
 the cache through its own blocks. Both read lengths on the host: this backend is not for CUDA graphs.
 
@@ -33,6 +41,7 @@ from nanovllm.utils.math_utils import cdiv
 # per tile cost more than they save, above ~8 MiB the tile leaves the cache (measured 256 KiB..16 MiB
 # on a 2-core Zen 3: 2-4 MiB best, docs/BENCHMARKS.md "CPU decode tile size").
 DECODE_TILE_BYTES = 4 << 20
+MATMUL_DECODE_MAX_KV_HEADS = 2  # attend_by_matmul's zeros cost num_kv_heads times the useful flops
 
 
 def gather_kv(cache: torch.Tensor, block_table: torch.Tensor, length: int) -> torch.Tensor:
@@ -55,6 +64,34 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: f
         mask = cols <= rows + (lk - lq)  # [Lq, Lk]
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
     return out.squeeze(0).transpose(0, 1)
+
+
+def block_diagonal_queries(q: torch.Tensor) -> torch.Tensor:
+    """q [rows, num_kv_heads, group, head_dim] -> [rows, num_kv_heads * group, num_kv_heads * head_dim]
+    with KV head h's queries in columns h * head_dim:(h + 1) * head_dim and zeros elsewhere."""
+    rows, num_kv_heads, group, head_dim = q.shape
+    out = q.new_zeros(rows, num_kv_heads, group, num_kv_heads, head_dim)
+    for h in range(num_kv_heads):
+        out[:, h, :, h] = q[:, h]
+    return out.view(rows, num_kv_heads * group, num_kv_heads * head_dim)
+
+
+def attend_by_matmul(q_bd: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
+                     scale: float) -> torch.Tensor:
+    """Decode attention of one tile as two batched matmuls: q_bd from block_diagonal_queries
+    ([rows, kv_heads * group, kv_heads * head_dim]), k/v [rows, num_tokens, kv_heads, head_dim]
+    (slices of a gathered tile: each token's heads contiguous), mask [rows, 1, 1, num_tokens]
+    additive or None -> [rows, kv_heads, group, head_dim]. Scores are scaled after the dot
+    product, as HF's eager attention does."""
+    rows, num_tokens, num_kv_heads, head_dim = k.shape
+    k, v = k.reshape(rows, num_tokens, -1), v.reshape(rows, num_tokens, -1)  # views: [rows, tokens, heads * dim]
+    # [rows, kv_heads * group, tokens], every query head against every KV head (the zeros keep them apart)
+    if mask is None:
+        scores = torch.bmm(q_bd, k.transpose(1, 2)).mul_(scale)
+    else:
+        scores = torch.baddbmm(mask.view(rows, 1, num_tokens), q_bd, k.transpose(1, 2), alpha=scale)
+    out = torch.bmm(scores.softmax(-1), v).view(rows, num_kv_heads, -1, num_kv_heads, head_dim)
+    return out.diagonal(dim1=1, dim2=3).permute(0, 3, 1, 2)  # each query head's own KV head
 
 
 class DecodeTile(NamedTuple):
@@ -219,6 +256,9 @@ class TorchBackend(AttentionBackend):
                                           for _ in range(2))
         q_sorted = q.index_select(0, plan.order).view(-1, num_kv_heads, group, head_dim)
         out_sorted = torch.empty_like(q_sorted)  # [active, num_kv_heads, group, head_dim]
+        by_matmul = (q.device.type == "cpu" and q.dtype == torch.float32
+                     and num_kv_heads <= MATMUL_DECODE_MAX_KV_HEADS)
+        q_bd = block_diagonal_queries(q_sorted) if by_matmul else None
         for tile in plan.tiles:
             rows, n = tile.end - tile.start, tile.block_ids.numel()
             k = torch.index_select(k_flat, 0, tile.block_ids, out=self._k_tile[:n * k_flat.size(1)].view(n, -1))
@@ -226,6 +266,9 @@ class TorchBackend(AttentionBackend):
             # [rows, num_tokens, num_kv_heads, head_dim]: strided views of the gathered blocks
             k, v = (x.view(rows, -1, num_kv_heads, head_dim)[:, :tile.num_tokens] for x in (k, v))
             k, v = read_cache(k, k_scale, q.dtype), read_cache(v, v_scale, q.dtype)
+            if by_matmul:
+                out_sorted[tile.start:tile.end] = attend_by_matmul(q_bd[tile.start:tile.end], k, v, tile.mask, scale)
+                continue
             k, v = k.transpose(1, 2), v.transpose(1, 2)  # [rows, num_kv_heads, num_tokens, head_dim]
             # The group of query heads of a KV head is that head's "query length".
             out_sorted[tile.start:tile.end] = F.scaled_dot_product_attention(
