@@ -13,10 +13,10 @@ metadata, so it is worked out once per step (a StepPlan) and reused by every lay
 With one or two KV heads in float32 on CPU a tile is attended by two batched matmuls instead
 (`attend_by_matmul`): each row's query heads are laid out block-diagonally against all of its
 KV heads side by side, so the gathered tile is read as it lies, one matrix per row, at the
-price of multiplying by zeros (twice the flops with two KV heads). That measured 8-16% faster
-per decode step than SDPA on issue 15's model (docs/BENCHMARKS.md, "CPU decode by matmul"); with
-more KV heads the zeros cost more than they save, and half-precision matmuls are emulated on CPUs
-without native kernels, so SDPA stays there.
+price of multiplying by zeros (twice the flops with two KV heads). That measured 12-15% faster
+per decode step than SDPA on issue 15's model (docs/BENCHMARKS.md, "CPU decode tile size and
+formulation"); with more KV heads the zeros cost more than they save, and half-precision
+matmuls are emulated on CPUs without native kernels, so SDPA stays there.
 
 Prefill loops over the other sequences on the host; one with a cached prefix reads its keys from
 the cache through its own blocks. Both read lengths on the host: this backend is not for CUDA graphs.
@@ -36,10 +36,10 @@ from nanovllm.attention.kv_quant import KVScales, quantize, read_cache
 from nanovllm.utils.context import AttentionMetadata
 from nanovllm.utils.math_utils import cdiv
 
-# Bytes of gathered K+V per decode tile. Tiles small enough to stay in cache while SDPA reads
-# them run several times faster per sequence than one batch-wide copy; below ~1 MiB the calls
-# per tile cost more than they save, above ~8 MiB the tile leaves the cache (measured 256 KiB..16 MiB
-# on a 2-core Zen 3: 2-4 MiB best, docs/BENCHMARKS.md "CPU decode tile size").
+# Bytes of gathered K+V per decode tile. Tiles small enough to stay in cache while they are
+# attended run several times faster per sequence than one batch-wide copy; below ~1 MiB the
+# calls per tile cost more than they save, past ~8 MiB the tile leaves the cache (measured
+# 256 KiB..16 MiB on a 2-core Zen 3: 4 MiB best; BENCHMARKS.md, "CPU decode tile size and formulation").
 DECODE_TILE_BYTES = 4 << 20
 MATMUL_DECODE_MAX_KV_HEADS = 2  # attend_by_matmul's zeros cost num_kv_heads times the useful flops
 
