@@ -85,7 +85,8 @@ def attend_by_matmul(q_bd: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask:
     product, as HF's eager attention does."""
     rows, num_tokens, num_kv_heads, head_dim = k.shape
     k, v = k.reshape(rows, num_tokens, -1), v.reshape(rows, num_tokens, -1)  # views: [rows, tokens, heads * dim]
-    # [rows, kv_heads * group, tokens], every query head against every KV head (the zeros keep them apart)
+    # [rows, kv_heads * group, tokens], every query head against every KV head; the zeros of q_bd keep
+    # them apart exactly (0 * x is 0 for the finite x a cache holds)
     if mask is None:
         scores = torch.bmm(q_bd, k.transpose(1, 2)).mul_(scale)
     else:
