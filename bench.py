@@ -289,17 +289,25 @@ def hf_batches(prompts: list[list[int]], output_lens: list[int], batch_size: int
     return [order[start:start + batch_size] for start in range(0, len(order), batch_size)]
 
 
+def hf_sampling(temperature: float) -> dict:
+    """HF generate's sampling arguments for nanovllm's temperature: greedy at 0, else sampling at
+    that temperature with nothing else applied. The checkpoint's generation_config may set
+    top_k/top_p; they are overridden so HF samples as nanovllm does (temperature only)."""
+    if temperature == 0:
+        return {"do_sample": False}
+    return {"do_sample": True, "temperature": temperature, "top_k": 0, "top_p": 1.0}
+
+
 def hf_generate(model, prompts: list[list[int]], max_new_tokens: int, pad_token_id: int, cache: str,
-                max_cache_len: int) -> int:
-    """One HF generate call over `prompts`, left-padded with an attention mask; exactly
-    max_new_tokens new tokens per prompt (no EOS stops it). Returns the tokens generated."""
+                max_cache_len: int, sampling: dict) -> int:
+    """One HF generate call over `prompts`, left-padded with an attention mask, sampling as
+    `sampling` (hf_sampling) says; exactly max_new_tokens new tokens per prompt (no EOS stops it).
+    Returns the tokens generated."""
     width = max(len(p) for p in prompts)
     input_ids = torch.tensor([[pad_token_id] * (width - len(p)) + p for p in prompts], device=model.device)
     attention_mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=model.device)
-    # The checkpoint's generation_config may set top_k/top_p/EOS ids; override all of them so the
-    # sampling is nanovllm's (temperature only) and every sequence makes max_new_tokens.
-    kwargs = {"do_sample": True, "temperature": TEMPERATURE, "top_k": 0, "top_p": 1.0,
-              "max_new_tokens": max_new_tokens, "eos_token_id": None, "pad_token_id": pad_token_id}
+    # The checkpoint's generation_config may set EOS ids: none here, so every sequence makes max_new_tokens.
+    kwargs = {**sampling, "max_new_tokens": max_new_tokens, "eos_token_id": None, "pad_token_id": pad_token_id}
     if cache == "static":
         kwargs["cache_implementation"] = "static"
         if hasattr(GenerationConfig(), "max_cache_len"):  # transformers >= 5.x: one cache size, no recompiles
@@ -317,7 +325,7 @@ def _synchronize(device: str) -> None:
         torch.cuda.synchronize()
 
 
-def _warm_up_hf(model, prompts: list[list[int]], output_lens: list[int], batches: list[list[int]],
+def _warm_up_hf(model, prompts: list[list[int]], output_lens: list[int], sampling: dict, batches: list[list[int]],
                 pad_token_id: int, cache: str, max_cache_len: int) -> None:
     """A short generate per distinct batch size: a compiled static-cache decode step is
     compiled per batch shape, and that must not happen inside the timed run. No call makes more
@@ -327,18 +335,19 @@ def _warm_up_hf(model, prompts: list[list[int]], output_lens: list[int], batches
         first_of_size.setdefault(len(batch), batch)
     for batch in first_of_size.values():
         new_tokens = min(WARMUP_MAX_TOKENS, max(output_lens[i] for i in batch))
-        hf_generate(model, [prompts[i] for i in batch], new_tokens, pad_token_id, cache, max_cache_len)
+        hf_generate(model, [prompts[i] for i in batch], new_tokens, pad_token_id, cache, max_cache_len, sampling)
 
 
-def _choose_hf_cache(model, prompts: list[list[int]], output_lens: list[int], batches: list[list[int]],
-                     pad_token_id: int, mode: str, device: str, max_cache_len: int) -> tuple[str, list[str]]:
+def _choose_hf_cache(model, prompts: list[list[int]], output_lens: list[int], sampling: dict,
+                     batches: list[list[int]], pad_token_id: int, mode: str, device: str,
+                     max_cache_len: int) -> tuple[str, list[str]]:
     """The KV cache for the timed run, warmed up; and notes saying why it was chosen.
 
     "static" (transformers compiles the decode step on CUDA) is tried when asked for, or by
     "auto" on CUDA; if it raises, HF runs with the dynamic cache. "auto" keeps static only if it
     is faster than dynamic over (up to) HF_PROBE_NEW_TOKENS steps of the first batch.
     """
-    warm_up = partial(_warm_up_hf, model, prompts, output_lens)
+    warm_up = partial(_warm_up_hf, model, prompts, output_lens, sampling)
     if mode == "dynamic" or (mode == "auto" and device != "cuda"):
         warm_up(batches[:1], pad_token_id, "dynamic", max_cache_len)
         return "dynamic", []
@@ -358,7 +367,7 @@ def _choose_hf_cache(model, prompts: list[list[int]], output_lens: list[int], ba
     for cache in ("static", "dynamic"):
         _synchronize(device)
         start = time.perf_counter()
-        hf_generate(model, first, probe_tokens, pad_token_id, cache, max_cache_len)
+        hf_generate(model, first, probe_tokens, pad_token_id, cache, max_cache_len, sampling)
         _synchronize(device)
         probe_s[cache] = time.perf_counter() - start
     cache = min(probe_s, key=probe_s.get)
@@ -367,11 +376,11 @@ def _choose_hf_cache(model, prompts: list[list[int]], output_lens: list[int], ba
 
 
 def run_hf_baseline(path: str, prompts: list[list[int]], output_lens: list[int], device: str, dtype: torch.dtype,
-                    batch_size: int, cache_mode: str, seed: int) -> HFResult:
+                    batch_size: int, cache_mode: str, seed: int, temperature: float) -> HFResult:
     """The workload through HF transformers' generate: batched, warmed up, timed.
 
-    Fairness: the same prompts, output lengths, device, dtype and sampling (temperature 0.6,
-    EOS ignored). HF cannot give each sequence of a batch its own max_new_tokens, so sequences
+    Fairness: the same prompts, output lengths, device, dtype and sampling (nanovllm's
+    temperature, greedy at 0; EOS ignored). HF cannot give each sequence of a batch its own max_new_tokens, so sequences
     are sorted by output length and neighbours batched (hf_batches); each batch generates its
     longest member's length, but only each sequence's own requested tokens count as output,
     as for nanovllm. The overshoot is HF's cost of static batching, reported as generated_tokens.
@@ -383,15 +392,16 @@ def run_hf_baseline(path: str, prompts: list[list[int]], output_lens: list[int],
     batches = hf_batches(prompts, output_lens, batch_size)
     # Static caches are sized once for the longest batch (prompt padded + output) so no call reallocates.
     max_cache_len = max(max(len(prompts[i]) for i in b) + max(output_lens[i] for i in b) for b in batches)
-    cache, notes = _choose_hf_cache(model, prompts, output_lens, batches, pad_token_id, cache_mode, device,
-                                   max_cache_len)
+    sampling = hf_sampling(temperature)
+    cache, notes = _choose_hf_cache(model, prompts, output_lens, sampling, batches, pad_token_id, cache_mode,
+                                   device, max_cache_len)
 
     torch.manual_seed(seed)
     load_1m = os.getloadavg()[0]
     _synchronize(device)
     start = time.perf_counter()
     generated = sum(hf_generate(model, [prompts[i] for i in batch], max(output_lens[i] for i in batch),
-                                pad_token_id, cache, max_cache_len) for batch in batches)
+                                pad_token_id, cache, max_cache_len, sampling) for batch in batches)
     _synchronize(device)
     elapsed = time.perf_counter() - start
 
@@ -401,7 +411,8 @@ def run_hf_baseline(path: str, prompts: list[list[int]], output_lens: list[int],
     cache_words = f"{cache} KV cache, " + ("decode step torch.compile'd by transformers" if compiled else "eager")
     setup = (f"transformers {transformers.__version__} generate: AutoModelForCausalLM({dtype_name}, "
              f"attn_implementation={HF_ATTN_IMPLEMENTATION}), {cache_words}, <= {batch_size} seqs per call "
-             "sorted by output length, left-padded with attention masks")
+             "sorted by output length, left-padded with attention masks, "
+             + ("greedy" if temperature == 0 else f"sampling at temperature {temperature}"))
     del model
     gc.collect()
     return HFResult(elapsed, generated, setup, cache, batch_size, len(batches), notes, load_1m)
@@ -584,7 +595,7 @@ def bench_one(args: argparse.Namespace, kv_cache_dtype: str, compare_hf: bool) -
         torch.cuda.empty_cache()
     if compare_hf:
         hf = run_hf_baseline(path, prompts, [sp.max_tokens for sp in sampling_params], device, dtype,
-                             hf_batch_size, args.hf_cache, args.seed)
+                             hf_batch_size, args.hf_cache, args.seed, args.temperature)
         hf_throughput = total_output_tokens / hf.time_s
         result.update({
             "hf_setup": hf.setup,

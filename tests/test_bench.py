@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from nanovllm.engine.scheduler import DEFAULT_SCHEDULING_POLICY
 
@@ -121,6 +122,7 @@ def test_bench_compare_hf(hf_run, plain_run):
     assert run["hf_generated_tokens"] % 4 == 0
     assert run["total_output_tokens"] <= run["hf_generated_tokens"] <= 4 * 16
     assert run["hf_cache"] == "dynamic" and "transformers" in run["hf_setup"]
+    assert run["hf_setup"].endswith("sampling at temperature 0.6")  # bench.py's default, as nanovllm's
 
 
 def test_benchmark_plot_writes_png(plain_run, hf_run, tmp_path):
@@ -205,3 +207,22 @@ def test_bench_runs_each_kv_cache_dtype_of_a_comma_list(workdir):
     assert first["total_output_tokens"] == second["total_output_tokens"]
     assert second["throughput_vs_first"] == pytest.approx(second["throughput_tok_s"] / first["throughput_tok_s"],
                                                           abs=0.002)
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.3])
+def test_hf_baseline_samples_as_nanovllm_does(bench, plain_run, workdir, monkeypatch, temperature):
+    """--temperature reaches every HF generate call: greedy at 0, else that temperature alone."""
+    seen = []
+
+    def fake_generate(model, prompts, max_new_tokens, pad_token_id, cache, max_cache_len, sampling):
+        seen.append(sampling)
+        return max_new_tokens * len(prompts)
+
+    monkeypatch.setattr(bench, "hf_generate", fake_generate)
+    checkpoint = workdir / bench.SYNTHETIC["tiny"].dirname  # built by plain_run
+    result = bench.run_hf_baseline(str(checkpoint), [[1, 2, 3], [4, 5]], [4, 6], "cpu", torch.float32,
+                                   batch_size=2, cache_mode="dynamic", seed=0, temperature=temperature)
+    expected = {"do_sample": False} if temperature == 0 else \
+        {"do_sample": True, "temperature": temperature, "top_k": 0, "top_p": 1.0}
+    assert seen and all(sampling == expected for sampling in seen)
+    assert result.setup.endswith("greedy" if temperature == 0 else f"temperature {temperature}")
