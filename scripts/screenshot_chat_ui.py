@@ -25,7 +25,11 @@ import urllib.request
 from contextlib import ExitStack
 from pathlib import Path
 
-from websockets.sync.client import connect
+try:
+    from websockets.sync.client import connect
+except ImportError:  # not a requirement of nanovllm: only this script needs it
+    sys.exit("screenshot_chat_ui.py needs the `websockets` package (Chromium's DevTools protocol is a "
+             "websocket): pip install websockets")
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 START_TIMEOUT = 300.0  # seconds for the server (engine build) and the page to come up

@@ -3,6 +3,8 @@ messages in, streamed answers out (equal to the server's own non-streaming answe
 conversation), the history kept and cleared, and a clear message when the server is down."""
 import os
 import socket
+import subprocess
+import sys
 
 import openai
 import pytest
@@ -61,3 +63,14 @@ def test_chat_page_says_when_the_server_is_down(monkeypatch):
     assert not app.exception
     assert "down or unreachable" in app.error[0].value
     assert app.chat_input[0].disabled
+
+
+def test_screenshot_script_names_its_missing_package():
+    """scripts/screenshot_chat_ui.py needs `websockets`, which nanovllm does not require: without
+    it the script stops before doing anything, saying what to install."""
+    blocked = "import sys; sys.modules.update(dict.fromkeys(['websockets', 'websockets.sync', 'websockets.sync.client']))"
+    # (a None entry in sys.modules makes its import fail, as if the package were not installed)
+    run = f"{blocked}; import runpy; runpy.run_path({os.path.join(REPO_ROOT, 'scripts', 'screenshot_chat_ui.py')!r}, run_name='__main__')"
+    result = subprocess.run([sys.executable, "-c", run], capture_output=True, text=True, timeout=60, check=False)
+    assert result.returncode != 0
+    assert "pip install websockets" in result.stderr
