@@ -48,8 +48,8 @@ class Attention(nn.Module):
         (both or neither); the Triton path does that in place, in q and k."""
         meta = get_context()
         cached = self.k_cache.numel() > 0  # warm-up runs before the cache exists
-        # The kernel rotates whole heads; a partial rotary (fewer rotated dims) keeps the torch path.
-        if rotary is not None and self.fused_qk_kernel is not None and rotary.cos_sin_cache.size(-1) == q.size(-1):
+        # The kernel rotates whole heads, as every model here does (rope_config_of refuses partial rotary).
+        if rotary is not None and self.fused_qk_kernel is not None:
             assert (q_norm is None) == (k_norm is None) and (q_norm is None or q_norm.eps == k_norm.eps)
             norm = {} if q_norm is None else dict(q_weight=q_norm.weight, k_weight=k_norm.weight, eps=float(q_norm.eps))
             cache = dict(k_cache=self.k_cache, v_cache=self.v_cache, slot_mapping=meta.slot_mapping) if cached else {}
