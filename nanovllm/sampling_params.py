@@ -119,6 +119,14 @@ class SamplingParams:
     def greedy(self) -> bool:
         return self.temperature == 0.0
 
+    def check_vocabulary(self, vocab_size: int) -> None:
+        """Refuse token ids outside a model's vocabulary (ValueError naming the field), once the
+        engine knows it."""
+        for name, ids in (("stop_token_ids", self.stop_token_ids), ("logit_bias", self.logit_bias or ())):
+            bad = next((t for t in ids if t >= vocab_size), None)
+            if bad is not None:
+                raise ValueError(f"{name} has token id {bad}, outside the vocabulary; ids must be in [0, {vocab_size})")
+
     @cached_property
     def processors(self) -> tuple[str, ...]:
         """The logits processors this request needs, by name, in the sampling pipeline's order

@@ -7,25 +7,50 @@ A batch's `SamplingTensors` carry the processors its rows need, in vLLM's order:
 2. temperature (0 = greedy: the row takes the argmax of step 1's logits);
 3. after temperature, on sampled rows only: min_p → top_k / top_p.
 
-`runner/sampling_inputs.py` builds them once per batch from the rows' `SamplingParams` (a
-processor is there only when some row needs it, as `SamplingParams.processors` names them). The
+`runner/sampling_inputs.py` builds them once per batch, each processor class from the rows'
+parameters (`build`: None when no row needs it, as `SamplingParams.processors` names them). The
 torch sampler, the Triton race (layers/sampler.py) and speculative verification and drafting
 (layers/rejection_sampler.py) all apply them through `SamplingTensors.adjust` and `.filter`, and
 the race kernel's single pass over the raw logits is taken exactly when there is none
 (`needs_only_temperature`). Adding a sampling option is a field (and its name in `processors`)
-in SamplingParams, a processor class here and its builder in runner/sampling_inputs.py.
+in SamplingParams and a processor class here, placed in BEFORE_TEMPERATURE or AFTER_TEMPERATURE.
 
 Processors never modify their input (the raw logits are kept for logprobs) and never see a
-sequence: they hold per-row tensors, one row per sampling row of the batch.
+sequence: they hold per-row tensors, one row per sampling row of the batch, built from a
+`RowsView` of the rows.
 """
 from dataclasses import dataclass
-from typing import Callable, NamedTuple
+from typing import Callable, NamedTuple, Protocol
 
 import torch
+
+from nanovllm.sampling_params import SamplingParams
+
+
+class SamplingRow(Protocol):
+    """What a processor may read of a row (engine/sequence.py's Sequence, which this module does not import)."""
+    sampling_params: SamplingParams
+    prompt_token_ids: list[int]
+    completion_token_ids: list[int]
+
+
+class RowsView(NamedTuple):
+    """What a processor is built from: the sampling rows, read only where a processor needs them."""
+    rows: list[SamplingRow]
+    params: list[SamplingParams]
+    banned_token_ids: Callable[[SamplingRow], list[int]]  # what a row may not take now (min_tokens)
+    column: Callable[[list, torch.dtype], torch.Tensor]  # values -> a [len] tensor on the sampling device
+    device: torch.device
+    vocab_size: int
 
 
 class LogitsProcessor:
     """One step of the pipeline: [batch, vocab] float32 logits in, new logits of the same shape out."""
+
+    @classmethod
+    def build(cls, rows: RowsView) -> "LogitsProcessor | None":
+        """The processor for these rows, or None when none of them needs it."""
+        raise NotImplementedError
 
     def __call__(self, logits: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError
@@ -38,6 +63,16 @@ class LogitBias(LogitsProcessor):
     token_ids: torch.Tensor  # [n] int64
     values: torch.Tensor  # [n] float32
 
+    @classmethod
+    def build(cls, rows: RowsView) -> "LogitBias | None":
+        entries = [(row, token_id, bias) for row, p in enumerate(rows.params) for token_id, bias in
+                   (p.logit_bias or {}).items()]
+        if not entries:
+            return None
+        row_ids, token_ids, values = zip(*entries)
+        return cls(rows.column(row_ids, torch.int64), rows.column(token_ids, torch.int64),
+                   rows.column(values, torch.float32))
+
     def __call__(self, logits: torch.Tensor) -> torch.Tensor:
         return logits.index_put((self.rows, self.token_ids), self.values, accumulate=True)
 
@@ -47,6 +82,14 @@ class TokenBans(LogitsProcessor):
     """Tokens a row may not take now (min_tokens: end-of-text and stop tokens before it is reached)."""
     rows: torch.Tensor  # [n] int64
     token_ids: torch.Tensor  # [n] int64
+
+    @classmethod
+    def build(cls, rows: RowsView) -> "TokenBans | None":
+        entries = [(row, token_id) for row, seq in enumerate(rows.rows) for token_id in rows.banned_token_ids(seq)]
+        if not entries:
+            return None
+        row_ids, token_ids = zip(*entries)
+        return cls(rows.column(row_ids, torch.int64), rows.column(token_ids, torch.int64))
 
     def __call__(self, logits: torch.Tensor) -> torch.Tensor:
         return logits.index_put((self.rows, self.token_ids), torch.full((), float("-inf"), device=logits.device))
@@ -61,6 +104,17 @@ class Penalties(LogitsProcessor):
     prompt_mask: torch.Tensor  # [batch, vocab] bool: the token occurs in the prompt
     output_counts: torch.Tensor  # [batch, vocab] float32: occurrences in the output so far
 
+    @classmethod
+    def build(cls, rows: RowsView) -> "Penalties | None":
+        params, column = rows.params, rows.column
+        if not any(p.has_penalties for p in params):
+            return None
+        return cls(column([p.repetition_penalty for p in params], torch.float32),
+                   column([p.presence_penalty for p in params], torch.float32),
+                   column([p.frequency_penalty for p in params], torch.float32),
+                   token_counts([r.prompt_token_ids for r in rows.rows], rows.vocab_size, rows.device) > 0,
+                   token_counts([r.completion_token_ids for r in rows.rows], rows.vocab_size, rows.device))
+
     def __call__(self, logits: torch.Tensor) -> torch.Tensor:
         return apply_penalties(logits, self.repetition, self.presence, self.frequency, self.prompt_mask,
                                self.output_counts)
@@ -69,6 +123,12 @@ class Penalties(LogitsProcessor):
 @dataclass(frozen=True)
 class MinP(LogitsProcessor):
     min_p: torch.Tensor  # [batch] float32, 0 = off
+
+    @classmethod
+    def build(cls, rows: RowsView) -> "MinP | None":
+        if not any(p.min_p > 0 for p in rows.params if not p.greedy):
+            return None
+        return cls(rows.column([p.min_p for p in rows.params], torch.float32))
 
     def __call__(self, logits: torch.Tensor) -> torch.Tensor:
         return apply_min_p(logits, self.min_p)
@@ -79,8 +139,32 @@ class TopKTopP(LogitsProcessor):
     top_k: torch.Tensor | None  # [batch] int64, vocab size = off; None: no row uses it
     top_p: torch.Tensor | None  # [batch] float32, 1 = off; None: no row uses it
 
+    @classmethod
+    def build(cls, rows: RowsView) -> "TopKTopP | None":
+        params, column, vocab_size = rows.params, rows.column, rows.vocab_size
+        sampled = [p for p in params if not p.greedy]
+        top_k = column([min(p.top_k, vocab_size) if p.top_k > 0 else vocab_size for p in params], torch.int64) \
+            if any(p.top_k > 0 for p in sampled) else None
+        top_p = column([p.top_p for p in params], torch.float32) if any(p.top_p < 1 for p in sampled) else None
+        return cls(top_k, top_p) if top_k is not None or top_p is not None else None
+
     def __call__(self, logits: torch.Tensor) -> torch.Tensor:
         return apply_top_k_top_p(logits, self.top_k, self.top_p)
+
+
+# The pipeline, in order: steps 1 and 3 (see the module's docstring).
+BEFORE_TEMPERATURE: tuple[type[LogitsProcessor], ...] = (LogitBias, TokenBans, Penalties)
+AFTER_TEMPERATURE: tuple[type[LogitsProcessor], ...] = (MinP, TopKTopP)
+
+
+def token_counts(rows: list[list[int]], vocab_size: int, device: torch.device) -> torch.Tensor:
+    """[batch, vocab] float32 counts of each token id per row."""
+    width = max(1, max(map(len, rows)))
+    # Pad with an extra column (vocab_size) that is dropped after counting.
+    ids = torch.tensor([r + [vocab_size] * (width - len(r)) for r in rows], dtype=torch.int64)
+    counts = torch.zeros(len(rows), vocab_size + 1, dtype=torch.float32)
+    counts.scatter_add_(1, ids, torch.ones_like(ids, dtype=torch.float32))
+    return counts[:, :vocab_size].to(device, non_blocking=True)
 
 
 def apply_penalties(logits: torch.Tensor, repetition: torch.Tensor, presence: torch.Tensor, frequency: torch.Tensor,
@@ -154,6 +238,13 @@ class SamplingTensors(NamedTuple):
         for processor in self.after_temperature:
             logits = processor(logits)
         return logits
+
+    @staticmethod
+    def pipeline(rows: RowsView) -> tuple[tuple[LogitsProcessor, ...], tuple[LogitsProcessor, ...]]:
+        """The processors these rows need: (before temperature, after temperature), each in order."""
+        before = tuple(p for cls in BEFORE_TEMPERATURE if (p := cls.build(rows)) is not None)
+        after = tuple(p for cls in AFTER_TEMPERATURE if (p := cls.build(rows)) is not None)
+        return before, after
 
     def probs(self, logits: torch.Tensor) -> torch.Tensor:
         """[rows, vocab] float32: the distribution each sampled row draws from, raw logits in."""
