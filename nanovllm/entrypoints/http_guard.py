@@ -203,10 +203,15 @@ class RequestGuard:
                                                    (REQUEST_ID_HEADER, request_id.encode())]}
             await send(message)
 
-        async def refuse(status: int, message: str, code: str) -> None:
+        async def respond(status: int, body: bytes, close: bool) -> None:
+            headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
+            # After a refused body the connection is closed: what is left of the body is never read.
             await send_with_id({"type": "http.response.start", "status": status,
-                                "headers": [(b"content-type", b"application/json"), (b"connection", b"close")]})
-            await send_with_id({"type": "http.response.body", "body": error_json(status, message, code)})
+                                "headers": headers + [(b"connection", b"close")] * close})
+            await send_with_id({"type": "http.response.body", "body": body})
+
+        async def refuse(status: int, message: str, code: str) -> None:
+            await respond(status, error_json(status, message, code), close=True)
 
         body = await self._read_body(scope, receive, refuse)
         if body is None:  # refused, or the client left
@@ -227,10 +232,8 @@ class RequestGuard:
             # client gets the id alone (exception text can hold paths, prompts or secrets).
             logger.exception("request %s %s failed (request id %s)", scope["method"], scope["path"], request_id)
             if not started:
-                await send_with_id({"type": "http.response.start", "status": 500,
-                                    "headers": [(b"content-type", b"application/json")]})
-                await send_with_id({"type": "http.response.body", "body": error_json(
-                    500, internal_error_message(request_id), "internal_error", type="server_error")})
+                await respond(500, error_json(500, internal_error_message(request_id), "internal_error",
+                                              type="server_error"), close=False)
 
     async def _read_body(self, scope: Scope, receive: Receive, refuse) -> bytes | None:
         """The whole body, or None once the request is refused (413, 408) or the client left."""

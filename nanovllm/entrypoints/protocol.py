@@ -179,7 +179,13 @@ class SamplingFields(Strict):
 
 
 class CompletionRequest(SamplingFields):
-    prompt: Any  # str, list of str, token ids or a list of token-id lists; checked below
+    # str, list of str, token ids or a list of token-id lists; checked below (the schema says so to clients)
+    prompt: Any = Field(json_schema_extra={"anyOf": [
+        {"type": "string", "minLength": 1},
+        {"type": "array", "minItems": 1, "items": {"type": "string", "minLength": 1}},
+        {"type": "array", "minItems": 1, "items": {"type": "integer", "minimum": 0, "maximum": MAX_COUNT}},
+        {"type": "array", "minItems": 1, "items": {"type": "array", "minItems": 1, "items": {
+            "type": "integer", "minimum": 0, "maximum": MAX_COUNT}}}]})
     max_tokens: Annotated[int, Field(ge=1, le=MAX_COUNT)] | None = DEFAULT_COMPLETION_MAX_TOKENS
     logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
     echo: bool = False
