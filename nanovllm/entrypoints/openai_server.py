@@ -186,8 +186,8 @@ def _fit_context(request: Request, params: SamplingParams, prompts: list[list[in
                                 f"length of the {noun}.", param=prompt_field, code="context_length_exceeded")
         if requested is not None and len(prompt) + requested > max_len:
             raise APIError(400, f"This model's maximum context length is {max_len} tokens. However, you requested "
-                                f"{len(prompt) + requested} tokens ({len(prompt)} in the {noun}{which}, {requested} for "
-                                f"the completion). Please reduce the length of the {noun} or completion.",
+                                f"{len(prompt) + requested} tokens ({len(prompt)} in the {noun}{which}, {requested} "
+                                f"for the completion). Please reduce the length of the {noun} or completion.",
                            param=max_tokens_field, code="context_length_exceeded")
     max_tokens = requested if requested is not None else min(default, max_len - max(map(len, prompts)))
     return params if max_tokens == params.max_tokens else replace(params, max_tokens=max_tokens)

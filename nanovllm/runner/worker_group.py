@@ -6,7 +6,8 @@ silence) into a prompt, clear TensorParallelError on rank 0. Nothing is fixed th
 on one host could share: the rendezvous store listens on a port the OS picks (port 0 on
 127.0.0.1), and steps travel through one multiprocessing Pipe per worker, so no shared-memory
 name exists to collide. Every rank runs on this host (multi-node is out of scope), so the store
-listens on loopback alone: nothing on the network can reach it. The protocol itself (message kinds, the worker's side) is `worker.py`.
+listens on loopback alone: nothing on the network can reach it. The protocol itself (message
+kinds, the worker's side) is `worker.py`.
 """
 import logging
 import multiprocessing as mp
