@@ -176,3 +176,29 @@ def test_logit_bias_greedy_equals_hf_on_biased_logits(qwen3_tiny):
         assert out["token_ids"] == ids[len(prompt):]
     assert [o["token_ids"] for o in biased] != [o["token_ids"] for o in clean]
     assert forced[0]["token_ids"] == [11] * 4  # +100 all but forces a token, sampled or not
+
+
+def test_logit_bias_over_http(qwen3_tiny):
+    """OpenAI's shape (token ids as string keys): +100 forces the token on both endpoints; a key
+    that is not a token id, one outside the vocabulary and a value past 100 are 400s naming
+    logit_bias, and the server answers the next request."""
+    from serving import httpx, server_thread
+    with server_thread(qwen3_tiny) as server:
+        def post(path: str, **body) -> httpx.Response:
+            return httpx.post(server.url + path, json=body, timeout=60)
+        completion = post("/v1/completions", prompt="Hello", max_tokens=3, temperature=0, logit_bias={"11": 100})
+        assert completion.status_code == 200, completion.text
+        assert completion.json()["choices"][0]["text"] == decoded(qwen3_tiny, [11] * 3)
+        chat = post("/v1/chat/completions", messages=[{"role": "user", "content": "hi"}], max_tokens=2,
+                    temperature=0.8, seed=1, logit_bias={"12": 100})
+        assert chat.status_code == 200 and chat.json()["choices"][0]["message"]["content"] == \
+            decoded(qwen3_tiny, [12] * 2)
+        for bias in ({"x1": 1}, {"-3": 1}, {"10000000": 1}, {"5": 101}):
+            refused = post("/v1/completions", prompt="Hello", max_tokens=2, logit_bias=bias)
+            assert refused.status_code == 400 and refused.json()["error"]["param"] == "logit_bias", refused.text
+        assert post("/v1/completions", prompt="Hello", max_tokens=2).status_code == 200
+
+
+def decoded(path: str, token_ids: list[int]) -> str:
+    from transformers import AutoTokenizer
+    return AutoTokenizer.from_pretrained(path).decode(token_ids, skip_special_tokens=True)

@@ -29,6 +29,8 @@ MAX_COUNT = 2**31 - 1
 MAX_STOP = 64
 # Characters of one stop string: text is held back from a stream until it cannot begin one.
 MAX_STOP_CHARS = 1024
+# logit_bias entries a request may give: each is one element of the sampler's bias, every step.
+MAX_LOGIT_BIAS_ENTRIES = 1024
 
 
 def _valid_unicode(text: str) -> str:
@@ -158,19 +160,25 @@ class SamplingFields(Strict):
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: Text | None = None  # accepted and ignored, as OpenAI's
-    logit_bias: dict[Text, float] | None = None  # refused unless empty: the sampler has no bias
+    # OpenAI's logit_bias: token ids (as JSON object keys, so strings) -> a value in [-100, 100]
+    logit_bias: Annotated[dict[Text, float], Field(max_length=MAX_LOGIT_BIAS_ENTRIES)] | None = None
 
     def sampling_params(self, max_tokens: int, logprobs: int | None) -> SamplingParams:
         """SamplingParams for this request (its checks raise ValueError naming the field)."""
+        logit_bias = None
         if self.logit_bias:
-            raise ValueError("logit_bias is not supported by this server; leave it out or empty")
+            bad = next((key for key in self.logit_bias if not (key.isascii() and key.isdigit())), None)
+            if bad is not None:
+                raise ValueError(f"logit_bias has the key {bad!r:.40}; its keys must be token ids written as "
+                                 "decimal strings, e.g. {\"50256\": -100}")
+            logit_bias = {int(key): value for key, value in self.logit_bias.items()}
         given = {name: getattr(self, name) for name in (
             "temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty")}
         return SamplingParams(
             n=self.n, seed=self.seed, stop=self.stop, stop_token_ids=self.stop_token_ids,
             include_stop_str_in_output=self.include_stop_str_in_output, min_tokens=self.min_tokens,
             max_tokens=max_tokens, ignore_eos=self.ignore_eos, logprobs=logprobs,
-            skip_special_tokens=self.skip_special_tokens,
+            skip_special_tokens=self.skip_special_tokens, logit_bias=logit_bias,
             **{name: value for name, value in given.items() if value is not None})
 
     @property
