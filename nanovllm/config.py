@@ -15,6 +15,11 @@ from dataclasses import dataclass, field, fields
 import torch
 from transformers import AutoConfig, PretrainedConfig, PreTrainedTokenizerBase
 
+try:  # transformers 5's configs validate their fields through huggingface_hub's strict dataclasses
+    from huggingface_hub.errors import StrictDataclassError
+except ImportError:  # an older huggingface_hub: its configs raise ValueError and TypeError alone
+    StrictDataclassError = ValueError
+
 from nanovllm.attention.kv_quant import FP8_DTYPES
 from nanovllm.engine.scheduler import DEFAULT_SCHEDULING_POLICY, PREEMPTION_MODES, RECOMPUTE, SCHEDULING_POLICIES
 from nanovllm.kernels import MIN_DOT_SIZE
@@ -272,12 +277,20 @@ class Config:
             raise ValueError(f"{path} holds a JSON {type(raw).__name__}, not an object; config.json must be "
                              "the checkpoint's transformers config, a JSON object")
         architecture = architecture_of(raw.get("architectures"), self.model)
+        model_class = MODELS[architecture]
+        try:  # sizes, epsilons and head counts as written, before transformers builds anything of them
+            model_class.check_raw_config(raw)
+        except ValueError as error:
+            raise ValueError(f"{path}: {error}") from None
         # A local directory and no trust_remote_code: nothing from the checkpoint is executed.
         try:
             hf_config = AutoConfig.from_pretrained(self.model, trust_remote_code=False)
-        except (ValueError, KeyError, TypeError) as error:  # fields transformers cannot make a config of
+        except (ValueError, KeyError, TypeError, StrictDataclassError) as error:  # fields it cannot make a config of
             raise ValueError(f"{path} is not a config transformers can read: {error}") from error
-        MODELS[architecture].adapt_config(hf_config)  # refuses what the model cannot run, before any work
+        try:  # refuses what the model cannot run, before any work
+            model_class.adapt_config(hf_config)
+        except ValueError as error:
+            raise ValueError(f"{path}: {error}") from None
         return hf_config
 
     def _resolve_device(self) -> str:
