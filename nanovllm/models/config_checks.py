@@ -42,7 +42,7 @@ def sizes_up_to(**caps: int) -> dict[str, range]:
 
 
 def _refuse(name: str, value: object, allowed: str) -> None:
-    raise ValueError(f"config.json field {name}={value!r} is not allowed; {name} must be {allowed}")
+    raise ValueError(f"{name}={value!r} is not allowed; {name} must be {allowed}")
 
 
 def _describe(allowed: range) -> str:
@@ -90,5 +90,5 @@ def config_values(hf_config: PretrainedConfig, spec: ConfigSpec) -> dict:
 def check_divides(total_name: str, total: int, part_name: str, part: int) -> None:
     """Refuse a config whose `total` field is not a multiple of its `part` field."""
     if total % part:
-        raise ValueError(f"config.json fields {total_name}={total} and {part_name}={part} do not fit: "
+        raise ValueError(f"{total_name}={total} and {part_name}={part} do not fit: "
                          f"{total_name} must be a multiple of {part_name}")

@@ -26,7 +26,7 @@ def head_dim_of(config: PretrainedConfig) -> int:
 
 def check_even_head_dim(head_dim: int) -> None:
     if head_dim % 2:  # rotary turns each head's dimensions in pairs
-        raise ValueError(f"config.json field head_dim={head_dim} is not allowed; rotary embedding needs an even "
+        raise ValueError(f"head_dim={head_dim} is not allowed; rotary embedding needs an even "
                          "head_dim (head_dim, or hidden_size / num_attention_heads when it is not given)")
 
 

@@ -57,7 +57,7 @@ class Qwen3MoeForCausalLM(Qwen3ForCausalLM):
         super().adapt_config(hf_config)
         top_k, num_experts = hf_config.num_experts_per_tok, hf_config.num_experts
         if num_experts > 0 and not 1 <= top_k <= num_experts:
-            raise ValueError(f"config.json field num_experts_per_tok={top_k} is not allowed; num_experts_per_tok "
+            raise ValueError(f"num_experts_per_tok={top_k} is not allowed; num_experts_per_tok "
                              f"must be in 1..num_experts={num_experts}")
 
     @classmethod
