@@ -318,9 +318,11 @@ def test_serve_sigterm_finishes_in_flight_requests_and_exits_0(qwen3_tiny, offli
 
 def test_chat_slash_words_are_commands(qwen3_tiny, offline):
     """/help lists the commands, an unknown /word says so, and neither reaches the model: the
-    next message is answered as the first of a conversation. /exit quits."""
+    next message is answered as the first of a conversation. "//" sends a line starting with "/";
+    /exit quits."""
     params = SamplingParams(temperature=0, max_tokens=CHAT_MAX_TOKENS)
     first = offline.chat([{"role": "user", "content": "Hello"}], params, use_tqdm=False)[0]["text"]
+    slashed = offline.chat([{"role": "user", "content": "/etc is"}], params, use_tqdm=False)[0]["text"]
     prompt = b"\r\n> "
     term = Terminal(cli("chat", qwen3_tiny, "--temperature", "0", "--max-tokens", str(CHAT_MAX_TOKENS),
                         *ENGINE_FLAGS))
@@ -333,6 +335,10 @@ def test_chat_slash_words_are_commands(qwen3_tiny, offline):
         assert term.read_until(prompt) == b"/nope and more\r\nunknown command /nope; /help lists them" + prompt
         term.send(b"Hello\n")
         assert term.read_until(prompt) == b"Hello\r\n" + first.encode().replace(b"\n", b"\r\n") + prompt
+        term.send(b"/clear\n")
+        term.read_until(b"(conversation cleared)" + prompt)
+        term.send(b"//etc is\n")  # "//" sends a message that starts with "/"
+        assert term.read_until(prompt) == b"//etc is\r\n" + slashed.encode().replace(b"\n", b"\r\n") + prompt
         term.send(b"/exit\n")
         assert term.proc.wait(RUN_TIMEOUT) == 0
     finally:
