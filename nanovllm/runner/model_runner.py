@@ -30,6 +30,7 @@ from nanovllm.models.registry import MODELS
 from nanovllm.runner.decode_inputs import DecodeInputs
 from nanovllm.runner.graph import DecodeGraphs, graph_batch_sizes
 from nanovllm.runner.kernel_warmup import warm_up_kernels
+from nanovllm.runner.memory_check import check_fits, kv_block_bytes
 from nanovllm.runner.kv_scales import calibration_token_ids, checkpoint_kv_scales, describe, observing_kv
 from nanovllm.runner.pending_tokens import PendingTokens, fill_placeholders
 from nanovllm.runner.sampling_inputs import prepare_sampling
@@ -96,11 +97,6 @@ def blocks_in_budget(budget: int, block_bytes: int, max_num_seqs: int, blocks_pe
     return min(max(budget, 0) // block_bytes, max_num_seqs * blocks_per_seq)
 
 
-def kv_block_bytes(num_layers: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
-    """Bytes of one paged KV block: K and V of block_size tokens in every layer."""
-    return 2 * num_layers * block_size * num_kv_heads * head_dim * dtype.itemsize
-
-
 class MemoryReserve(NamedTuple):
     """Room another model sharing this runner's memory budget takes (a speculative draft model):
     its weights, made after this runner measures the device, and the bytes it keeps per KV block
@@ -130,6 +126,8 @@ class ModelRunner:
             torch.set_num_threads(config.cpu_threads)  # process-wide, as OMP_NUM_THREADS would be
             malloc_tuned = config.cpu_malloc_tuning and cpu.keep_freed_memory()
         lap = lap_timer(self.device)
+        # Weights and the smallest KV cache against the memory there is, before any is allocated.
+        check_fits(config, self.device, reserve.fixed_bytes, reserve.per_block_bytes)
         default_dtype = torch.get_default_dtype()
         torch.set_default_dtype(config.dtype)
         try:
