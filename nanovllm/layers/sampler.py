@@ -15,6 +15,12 @@ seed and the index of the token it draws, so its stream is its own; for the othe
 step). A batch that needs nothing but temperatures is one kernel over the logits as the LM head
 wrote them; otherwise the filters run in torch first and the same kernel races the filtered
 logits, so a seeded row draws the same token on either path.
+
+No NaN or infinity reaches a draw or a logprob: SamplingParams bounds every parameter (a
+temperature below 1e-5 is greedy, penalties in range), and the logits go through `finite_logits`
+before any processing, so a model that emits inf or NaN in a row still yields a token id in the
+vocabulary and finite logprobs. (The Triton race alone over raw logits, the temperature-only
+fast path, is not guarded: its argmax returns an index of the row whatever the values.)
 """
 from typing import Callable, NamedTuple
 
@@ -22,6 +28,18 @@ import torch
 from torch import nn
 
 from nanovllm.utils.compile import compilable
+
+
+# Logits are kept within +-LOGIT_LIMIT: far inside float32 (3.4e38), so dividing by the smallest
+# temperature (1e-5) or repetition penalty (0.01), or subtracting two logits, stays finite.
+LOGIT_LIMIT = 1e30
+
+
+def finite_logits(logits: torch.Tensor) -> torch.Tensor:
+    """float32 logits with NaN as the least likely value and infinities and beyond-range values
+    clamped to +-LOGIT_LIMIT. One elementwise pass, on the sampler's general path only."""
+    return torch.nan_to_num(logits.float(), nan=-LOGIT_LIMIT, posinf=LOGIT_LIMIT,
+                            neginf=-LOGIT_LIMIT).clamp_(-LOGIT_LIMIT, LOGIT_LIMIT)
 
 
 class SamplingTensors(NamedTuple):
@@ -55,6 +73,9 @@ class TokenLogprobs(NamedTuple):
 class SamplerOutput(NamedTuple):
     token_ids: list[int]
     logprobs: list[TokenLogprobs | None]
+    # Sequences (index into the step's) whose sampling inputs raised: no real token; the engine
+    # fails their requests alone. None: every row sampled.
+    failed: dict[int, Exception] | None = None
 
 
 def apply_penalties(logits: torch.Tensor, repetition: torch.Tensor, presence: torch.Tensor, frequency: torch.Tensor,
@@ -86,6 +107,7 @@ def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor | None, top_p: t
         mass_before = probs.cumsum(dim=-1) - probs  # probability of the more likely tokens
         # top_p = 1 keeps everything, even where float rounding takes the running sum to 1.
         drop = (mass_before >= top_p.unsqueeze(1)) & (top_p < 1).unsqueeze(1)
+        drop[:, 0] = False  # the most likely token, even when a tiny top_p rounds to 0 in float32
         sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
     return torch.full_like(logits, float("-inf")).scatter_(1, order, sorted_logits)
 
@@ -158,7 +180,7 @@ class Sampler(nn.Module):
     def _penalised(logits: torch.Tensor, t: SamplingTensors) -> tuple[torch.Tensor, torch.Tensor]:
         """The logits in float32 (logprobs are taken from these), and the same after the penalties
         and min_tokens bans (what the argmax and the draw see)."""
-        raw_logits = logits = logits.float()
+        raw_logits = logits = finite_logits(logits)
         if t.penalties is not None:
             logits = apply_penalties(logits, *t.penalties)
         if t.banned is not None:
