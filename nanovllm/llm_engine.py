@@ -607,6 +607,7 @@ class LLMEngine:
             return request.pop(self.tokenizer)
         except Exception as exc:
             self._fail_request(request, "building its output (detokenization)", exc)
+            request.inbox.pop(request.request_id, None)  # this very pop reports it
             return request.pop(self.tokenizer)
 
     def _final(self, request: Request) -> dict:
@@ -676,7 +677,8 @@ class LLMEngine:
             unfinished = {r.request_id: r for r in requests}
             while unfinished:
                 for request_id in self._next_news(inbox):
-                    if unfinished[request_id].finished:
+                    request = unfinished.get(request_id)
+                    if request is not None and request.finished:
                         del unfinished[request_id]
                         pbar.update(1)
                 if use_tqdm:
@@ -720,12 +722,14 @@ class LLMEngine:
             with self._entered():
                 self._submit(requests)
             mine = {r.request_id: r for r in requests}
-            num_unfinished = len(requests)
-            while num_unfinished:
+            unfinished = set(mine)
+            while unfinished:
                 with self._entered():
-                    outputs = [self._pop(mine[request_id]) for request_id in self._next_news(inbox)]
+                    outputs = [self._pop(mine[request_id]) for request_id in self._next_news(inbox)
+                               if request_id in unfinished]
                 for out in outputs:
-                    num_unfinished -= out.finished
+                    if out.finished:
+                        unfinished.discard(out.request_id)
                     index = mine[out.request_id].index
                     for s in out.samples:
                         yield StreamOutput(index, s.index, s.text, s.token_ids, s.finished, s.finish_reason)

@@ -75,7 +75,10 @@ class Request:
         return True
 
     def pop(self, tokenizer: PreTrainedTokenizerBase | None) -> RequestOutput:
-        """The news since the last pop; once finished, with the final output."""
+        """The news since the last pop; once finished, with the final output (built first, so a
+        fault there leaves nothing handed out and the engine can build the error output instead)."""
+        finished = self.finished
+        final = self.final_output(tokenizer) if finished else None
         samples = []
         for i, seq in enumerate(self.seqs):
             start = seq.num_prompt_tokens + self.num_tokens_handed[i]
@@ -92,8 +95,6 @@ class Request:
             samples.append(SampleDelta(i, new_tokens, text, logprobs, seq.is_finished,
                                        "abort" if failed and seq.is_finished else seq.finish_reason,
                                        None if failed else seq.stop_reason))
-        finished = self.finished
-        final = self.final_output(tokenizer) if finished else None
         return RequestOutput(self.request_id, self.prompt_token_ids, samples, finished, final,
                              self.error if finished else None)
 
