@@ -754,12 +754,17 @@ class LLMEngine:
                         for m in conversation):
                     raise ValueError(f"conversation {conversation!r:.80} is not allowed; "
                                      "it must be a list of {'role': str, 'content': str} dicts")
+                for m in conversation:
+                    bad = first_surrogate(m["role"] + m["content"])
+                    if bad is not None:
+                        raise ValueError(f"messages has a lone surrogate in {m!r:.80}; messages must be valid "
+                                         "Unicode text")
             if not getattr(self.tokenizer, "chat_template", None):
                 raise ValueError(f"the tokenizer of {self.config.model!r} has no chat_template; use generate()")
             texts = [self.tokenizer.apply_chat_template(c, tokenize=False, add_generation_prompt=add_generation_prompt,
                                                         **template_kwargs) for c in conversations]
             # The template already holds any special tokens, so none are added again.
-            prompts = [self.tokenizer.encode(text, add_special_tokens=False) for text in texts]
+            prompts = [self._encode(text, "messages", add_special_tokens=False) for text in texts]
             inbox: dict[str, None] = {}
             requests = self._make_requests(prompts, sampling_params or SamplingParams(), inbox)
             return self._run_to_end(requests, inbox, use_tqdm)
