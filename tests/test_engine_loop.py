@@ -10,7 +10,8 @@ import pytest
 
 from nanovllm.engine.request import RequestOutput, SampleDelta
 from nanovllm.llm_engine import EngineStats
-from nanovllm.entrypoints.engine_loop import MAX_CONSECUTIVE_STEP_FAILURES, EngineClient, EngineDeadError, QueueFullError
+from nanovllm.entrypoints.engine_loop import (MAX_CONSECUTIVE_STEP_FAILURES, EngineClient, EngineDeadError,
+                                              QueueFullError)
 from nanovllm.entrypoints.metrics import ServerMetrics
 from nanovllm.sampling_params import SamplingParams
 from serving import metric

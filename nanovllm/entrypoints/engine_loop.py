@@ -337,7 +337,8 @@ class EngineClient:
             except Exception:
                 logger.exception("request %s could not be aborted; its caller gets an error output", request_id)
             if output is None or not output.finished:
-                output = failed_output(request_id, live[request_id].n, STEP_FAILED_MESSAGE.format(request_id=request_id))
+                message = STEP_FAILED_MESSAGE.format(request_id=request_id)
+                output = failed_output(request_id, live[request_id].n, message)
             elif output.error is None:
                 output.error = output.final["error"] = STEP_FAILED_MESSAGE.format(request_id=request_id)
             outputs.append((request_id, output))

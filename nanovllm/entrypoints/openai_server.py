@@ -202,7 +202,8 @@ def _check_finals(state, finals: list[dict], request_id: str) -> None:
     error = next((final["error"] for final in finals if "error" in final), None)
     if error is not None:
         raise APIError(500, error, type="server_error")
-    if state.engine_client.shutting_down and any(s.get("finish_reason") == "abort" for f in finals for s in _samples(f)):
+    aborted = any(s.get("finish_reason") == "abort" for final in finals for s in _samples(final))
+    if aborted and state.engine_client.shutting_down:
         raise APIError(503, f"the server is shutting down; request {request_id} was aborted before it finished",
                        type="server_error")
 
