@@ -6,7 +6,7 @@ the sampler applies them in (as vLLM): penalties, temperature, min_p, top_k, top
 Every field is bounded here (docs/reliability.md has the table): counts to named caps, floats
 finite and in range, strings valid Unicode, so nothing a caller can pass overflows a tensor or
 turns the logits into NaN. What depends on the model (top_k and stop_token_ids against the
-vocabulary, max_tokens against the context) is checked again when the engine builds the request.
+vocabulary, max_tokens against the KV cache) is checked again when the engine builds the request.
 A temperature below SAMPLING_EPS is stored as 0: greedy, as vLLM treats it (dividing by
 1e-38 overflows float32).
 

@@ -137,6 +137,12 @@ def test_params_in_range_run_sanely(llm, kwargs, prompt):
     assert_sane(llm.generate([prompt], params, use_tqdm=False), params, llm.config.hf_config.vocab_size)
 
 
+@pytest.mark.parametrize("name", ["temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty"])
+def test_an_int_past_float_range_is_refused_by_name(name):
+    with pytest.raises(ValueError, match=rf"^{name}=1000000000.*\.\.\. is not allowed"):  # quoted, cut short
+        SamplingParams(**{name: 10**400})
+
+
 def test_lone_surrogates_are_refused_by_name(llm):
     with pytest.raises(ValueError, match="prompt has a lone surrogate"):
         llm.generate(["abc\ud800"], SamplingParams(max_tokens=1), use_tqdm=False)
