@@ -699,7 +699,10 @@ class LLMEngine:
         """One output dict per prompt, in input order: "text", "token_ids", "finish_reason",
         "stop_reason", "prompt_token_ids", "num_cached_tokens", "logprobs" when asked, and for
         n > 1 every sample under "outputs" (the top-level fields are sample 0's). `priority`:
-        one int per prompt, lower first (see add_request); None gives all 0."""
+        one int per prompt, lower first (see add_request); None gives all 0. A request the
+        engine failed (a fault in its own work, see the module docstring) is among them with
+        finish_reason "abort" and "error", a message naming its request id; the others are
+        exactly what they would be without it. Bad input raises ValueError before any work."""
         with self._entered():
             inbox: dict[str, None] = {}
             requests = self._make_requests(prompts, sampling_params, inbox, priority=priority)
