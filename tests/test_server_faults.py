@@ -9,6 +9,7 @@ import logging
 
 import pytest
 
+from nanovllm.engine.detokenizer import Detokenizer
 from nanovllm.engine.stop_checker import StopChecker
 from serving import httpx, metric, server_thread
 
@@ -79,6 +80,30 @@ def test_a_failed_request_is_a_500_and_the_others_are_served(qwen3_tiny, faulty_
         assert httpx.get(server.url + "/health").status_code == 200
         metrics = httpx.get(server.url + "/metrics").text
         assert metric(metrics, "nanovllm_num_requests_running") == 0
+
+
+def test_a_request_failed_as_it_is_built_is_answered_at_once(qwen3_tiny, monkeypatch):
+    """A fault while the engine builds the request (nothing of it is ever scheduled): its
+    response still comes, a 500 or an error event, and the server serves on."""
+    init = Detokenizer.__init__
+
+    def faulty(self, tokenizer, params):
+        if params.max_tokens == VICTIM_MAX_TOKENS:
+            raise RuntimeError("/secret/path injected fault")
+        init(self, tokenizer, params)
+    monkeypatch.setattr(Detokenizer, "__init__", faulty)
+    with server_thread(qwen3_tiny) as server:
+        url = server.base_url + "/completions"
+        body = {"model": server.settings.model_name, "prompt": PROMPT, "max_tokens": VICTIM_MAX_TOKENS,
+                "temperature": 0}
+        failed = httpx.post(url, json=body, timeout=TIMEOUT)
+        assert failed.status_code == 500 and "cmpl-" in failed.json()["error"]["message"]
+        stream = events(sse_lines(httpx.post(url, json={**body, "stream": True}, timeout=TIMEOUT).text))
+        assert stream[-1] == "[DONE]" and "error" in stream[-2]
+        assert stream[-3]["choices"][0]["finish_reason"] == "abort"
+        served = httpx.post(url, json={**body, "max_tokens": MAX_TOKENS, "ignore_eos": True}, timeout=TIMEOUT)
+        assert served.status_code == 200 and served.json()["usage"]["completion_tokens"] == MAX_TOKENS
+        assert httpx.get(server.url + "/health").status_code == 200
 
 
 class Records(logging.Handler):
