@@ -44,6 +44,9 @@ class SpeculativeOutput(NamedTuple):
     token_ids: list[list[int]]  # per sequence: its new tokens (accepted proposals, then one more); [] if none
     logprobs: list[TokenLogprobs | None]  # per sequence: only sequences sampled without proposals have them
     num_proposed: list[int]  # per sequence: tokens proposed for it in this step
+    # Sequences (index into the step's) whose sampling inputs raised: no tokens; the engine fails
+    # their requests alone. None: every sequence sampled.
+    failed: dict[int, Exception] | None = None
 
 
 def draft_footprint(config: Config) -> MemoryReserve:
@@ -184,15 +187,17 @@ class SpeculativeRunner:
                 plain_rows.append(row)
             row += k + 1
         device = step.logits.device
+        failed = None
         if plain:
             logits = step.logits if not spec else step.logits[torch.tensor(plain_rows, device=device)]
             out = self.target.sample(seqs, StepLogits(logits, plain))
+            failed = out.failed
             for i in plain:
                 token_ids[i], logprobs[i] = [out.token_ids[i]], out.logprobs[i]
         if spec:
             self._verify_proposals(seqs, step.logits[torch.tensor(spec_rows, device=device)], spec, proposals,
                                    token_ids)
-        return SpeculativeOutput(token_ids, logprobs, num_proposed)
+        return SpeculativeOutput(token_ids, logprobs, num_proposed, failed)
 
     def _verify_proposals(self, seqs: list[Sequence], logits: torch.Tensor, spec: list[int],
                           proposals: list[list[int]], token_ids: list[list[int]]) -> None:
