@@ -6,14 +6,18 @@ and answers waiting non-streaming requests with a 503, with no traceback in the 
 import asyncio
 import json
 import logging
+import time
 
 import pytest
 
+from nanovllm.llm_engine import LLMEngine
 from nanovllm.engine.detokenizer import Detokenizer
 from nanovllm.engine.stop_checker import StopChecker
 from serving import httpx, metric, server_thread
 
 PROMPT = "Hello world! How are"
+LONG = 1000  # tokens: within the test checkpoint's context (1024) with the prompt
+STEP_S = 0.01  # the shortest engine step in the shutdown test: LONG steps last well past its grace period
 VICTIM_MAX_TOKENS = 7  # the fault hits only requests asking for this many tokens
 MAX_TOKENS = 6
 TIMEOUT = 120.0
@@ -115,15 +119,18 @@ class Records(logging.Handler):
         self.records.append(record)
 
 
-def test_shutdown_past_the_grace_period_ends_every_response(qwen3_tiny):
+def test_shutdown_past_the_grace_period_ends_every_response(qwen3_tiny, monkeypatch):
     """A stream and a non-streaming request that cannot finish within the grace period: the
     stream ends with an "abort" chunk and [DONE], the other gets a 503; the log has no traceback."""
+    # Each step takes at least STEP_S, so the context's worth of tokens outlasts the grace period.
+    step = LLMEngine.step
+    monkeypatch.setattr(LLMEngine, "step", lambda self: time.sleep(STEP_S) or step(self))
     records = Records()
     loggers = [logging.getLogger(name) for name in ("uvicorn", "uvicorn.error", "nanovllm")]
     with server_thread(qwen3_tiny, shutdown_timeout=2.0) as server:
         for logger in loggers:
             logger.addHandler(records)
-        body = {"model": server.settings.model_name, "prompt": PROMPT, "max_tokens": 5000, "temperature": 0,
+        body = {"model": server.settings.model_name, "prompt": PROMPT, "max_tokens": LONG, "temperature": 0,
                 "ignore_eos": True}
 
         async def run():
@@ -132,8 +139,10 @@ def test_shutdown_past_the_grace_period_ends_every_response(qwen3_tiny):
                     lines = r.aiter_lines()
                     first = await anext(lines)  # it is generating
                     plain = asyncio.ensure_future(http.post(server.base_url + "/completions", json=body))
+                    deadline = time.monotonic() + TIMEOUT
                     while metric((await http.get(server.url + "/metrics")).text,
                                  "nanovllm_num_requests_running") < 2:
+                        assert time.monotonic() < deadline, "the two requests never ran together"
                         await asyncio.sleep(0.05)
                     server.uvicorn.should_exit = True  # what SIGTERM does
                     rest = [line async for line in lines]
