@@ -15,6 +15,7 @@ import threading
 from pathlib import Path
 
 from nanovllm import LLM
+from nanovllm import demo_model
 from nanovllm.config import ATTENTION_BACKENDS, DEVICES, DTYPES, Config
 from nanovllm.entrypoints.batch import add_job_flags
 from nanovllm.entrypoints.cli_args import add_dataclass_flags, dataclass_kwargs
@@ -34,7 +35,12 @@ class CLIError(Exception):
     """A refusal to report in one line with exit status 1 (no traceback)."""
 
 
-def _add_model(parser: argparse.ArgumentParser) -> None:
+def _add_model(parser: argparse.ArgumentParser, optional: bool = False) -> None:
+    if optional:  # None: the demo model, resolved in main()
+        parser.add_argument("model", metavar="MODEL", nargs="?", help="local checkpoint directory (config.json, "
+                            "*.safetensors, tokenizer files); nothing is downloaded. Default: the demo model "
+                            "(`nanovllm demo-model`), built once into the cache")
+        return
     parser.add_argument("model", metavar="MODEL", help="local checkpoint directory (config.json, *.safetensors, "
                         "tokenizer files); nothing is downloaded")
 
@@ -57,7 +63,7 @@ def build_parser() -> argparse.ArgumentParser:
                            description="Serve MODEL over an OpenAI-compatible HTTP API (/v1/completions, "
                                        "/v1/chat/completions, /v1/models, /health, /metrics). SIGTERM or "
                                        "Ctrl-C stops it gracefully.")
-    _add_model(serve)
+    _add_model(serve, optional=True)
     serve.add_argument("--host", default=DEFAULT_HOST, help="address to bind (default: %(default)s, loopback only)")
     serve.add_argument("--port", type=int, default=DEFAULT_PORT, help="port to bind; 0 picks a free one "
                        "(default: %(default)s)")
@@ -73,7 +79,7 @@ def build_parser() -> argparse.ArgumentParser:
     generate = sub.add_parser("generate", help="complete prompts and print the completions",
                               description="Complete each PROMPT with MODEL and print the completions, one per "
                                           "prompt (--json: the output dict of LLM.generate, one JSON line each).")
-    _add_model(generate)
+    _add_model(generate, optional=True)
     generate.add_argument("prompts", nargs="+", metavar="PROMPT", help="prompt text")
     generate.add_argument("--json", action="store_true", help="print each output dict as one JSON line")
     engine_fields = _add_engine_flags(generate)
@@ -84,7 +90,7 @@ def build_parser() -> argparse.ArgumentParser:
                           description="Chat with MODEL through its chat template; answers stream as they are "
                                       "made. /reset starts the conversation over, /exit (or Ctrl-D) quits, "
                                       "Ctrl-C stops the answer being written.")
-    _add_model(chat)
+    _add_model(chat, optional=True)
     chat.add_argument("--system", default=None, help="a system message to open every conversation with")
     engine_fields = _add_engine_flags(chat)
     sampling_fields = _add_sampling_flags(chat)
@@ -101,6 +107,8 @@ def build_parser() -> argparse.ArgumentParser:
     engine_fields = _add_engine_flags(batch)
     sampling_fields = _add_sampling_flags(batch)
     batch.set_defaults(run=_batch, engine_fields=engine_fields, sampling_fields=sampling_fields)
+
+    demo_model.add_subcommand(sub)
 
     # Listed here for --help; its arguments go to bench.py untouched (see main).
     sub.add_parser("bench", help="run the throughput benchmark (bench.py; `nanovllm bench --help` for its flags)",
@@ -275,6 +283,8 @@ def main(argv: list[str] | None = None) -> int:
         if argv[:1] == ["bench"]:  # bench.py parses its own flags (and its own --help)
             return _bench(argv[1:])
         args = build_parser().parse_args(argv)
+        if getattr(args, "model", "") is None:  # serve, generate, chat with no MODEL
+            args.model = demo_model.default_model()
         return args.run(args)
     except CLIError as exc:
         print(f"{PROG}: error: {exc}", file=sys.stderr)
