@@ -1,6 +1,7 @@
 """The demo model (nanovllm/demo_model.py) at a reduced recipe (conftest.DEMO_TEST_RECIPE): it
 trains, saves a normal HF checkpoint, reloads with transformers, and nanovllm's greedy output on
 it matches HF's token for token; the cache builds it once; the CLI builds it and defaults to it."""
+import importlib.util
 import json
 import math
 import os
@@ -104,3 +105,18 @@ def test_cli_demo_model_refuses_bad_steps(steps, tmp_path):
     run = _cli(["demo-model", str(tmp_path / "demo"), "--steps", steps], str(tmp_path / "cache"))
     assert run.returncode == 2 and "--steps" in run.stderr and repr(steps) in run.stderr, run.stderr
     assert not (tmp_path / "demo").exists()
+
+
+def test_example_py_completes_code_with_the_demo_model(demo_cache):
+    spec = importlib.util.spec_from_file_location("example", REPO_ROOT / "example.py")
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
+    run = subprocess.run([sys.executable, "example.py", "--max-tokens", "8", "--device", "cpu"], cwd=REPO_ROOT,
+                         env={**os.environ, "XDG_CACHE_HOME": demo_cache, "OMP_NUM_THREADS": "1"},
+                         capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr
+    with LLM(_model_dir(demo_cache), device="cpu") as llm:
+        outputs = llm.generate(example.CODE_PROMPTS, SamplingParams(**example.DEMO_PARAMS, max_tokens=8),
+                               use_tqdm=False)
+    for prompt, output in zip(example.CODE_PROMPTS, outputs):
+        assert prompt + output["text"] in run.stdout
