@@ -3,12 +3,12 @@
 Every machine with Python has the standard library's source (code, comments and docstrings), so
 a model trained on it is a real model that needs no download: `python example.py`, the CLI's
 `generate` / `chat` / `serve` and README's snippets use it when no model is named. It writes
-recognisable Python, not good Python: a few million parameters trained for a couple of minutes.
+recognisable Python, not good Python: a million parameters trained for two minutes.
 
 What this module owns: reading the corpus (`corpus_files`, with a held-out split for
 perplexity), training a byte-level BPE tokenizer on it with the `tokenizers` library, training a
 Qwen3-architecture model with HF transformers, and saving both as a normal HF checkpoint
-(config.json, model.safetensors, tokenizer.json, tokenizer_config.json with a ChatML template).
+(config.json, model.safetensors, tokenizer.json, tokenizer_config.json, a ChatML chat template).
 `default_model()` is the cached copy under the user's cache dir, built once.
 
 It knows nothing of the engine: nanovllm only ever sees the saved directory. The same Python
@@ -53,13 +53,17 @@ INFO_FILE = "nanovllm_demo.json"  # the recipe a saved demo model was built with
 # checkpoint everywhere), and a small model's steps were 7x slower on 2 threads than on 1 when the
 # 2 cores were shared with other work (OpenMP threads spin waiting for each other).
 TRAIN_THREADS = 1
+ADAM_BETAS = (0.9, 0.95)  # nanoGPT's: a shorter second-moment memory suits a short, high-rate run
+GRAD_CLIP = 1.0  # max gradient norm; keeps the high learning rate's first steps from diverging
+MIN_LR_FRACTION = 0.1  # the cosine schedule ends at this share of the peak rate
+ROPE_THETA = 10_000.0  # the original RoPE base: plenty for a 2048-token context
 
 
 @dataclass(frozen=True)
 class DemoRecipe:
     """How the demo model is built. The defaults take about two minutes on 2 CPU cores; tests use
     fewer steps and less text (seconds)."""
-    steps: int = 400  # optimizer steps: about a minute and a half on one core of a quiet 2-core machine
+    steps: int = 400  # optimizer steps: 2 min 16 s for the whole build on a busy 2-core host (BENCHMARKS.md)
     corpus_bytes: int = 4_000_000  # training text read (of ~12 MB of standard library)
     tokenizer_bytes: int = 2_000_000  # of that, the text the BPE merges are learned from
     vocab_size: int = 2048  # tokens, the special ones included; a multiple of 64 as real checkpoints pad
@@ -125,18 +129,19 @@ def _token_stream(tokenizer: Tokenizer, texts: list[str], eos_id: int) -> torch.
 
 
 def _learning_rate(step: int, recipe: DemoRecipe) -> float:
-    """Linear warm-up, then cosine decay to a tenth of the peak."""
+    """Linear warm-up, then cosine decay to MIN_LR_FRACTION of the peak."""
     if step < recipe.warmup_steps:
         return recipe.learning_rate * (step + 1) / recipe.warmup_steps
     progress = (step - recipe.warmup_steps) / max(1, recipe.steps - recipe.warmup_steps)
-    return recipe.learning_rate * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress)))
+    cosine = 0.5 * (1 + math.cos(math.pi * progress))  # 1 -> 0
+    return recipe.learning_rate * (MIN_LR_FRACTION + (1 - MIN_LR_FRACTION) * cosine)
 
 
 def _train(model: Qwen3ForCausalLM, stream: torch.Tensor, recipe: DemoRecipe,
            log: Callable[[str], None]) -> tuple[float, float]:
     """Next-token training on random windows of `stream`; returns the first step's loss and the last's."""
     generator = torch.Generator().manual_seed(recipe.seed)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=recipe.learning_rate, betas=(0.9, 0.95),
+    optimizer = torch.optim.AdamW(model.parameters(), lr=recipe.learning_rate, betas=ADAM_BETAS,
                                   weight_decay=recipe.weight_decay)
     model.train()
     log_every = max(1, recipe.steps // 10)
@@ -150,7 +155,7 @@ def _train(model: Qwen3ForCausalLM, stream: torch.Tensor, recipe: DemoRecipe,
         loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), window[:, 1:].flatten())
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        torch.nn.utils.clip_grad_norm_(model.parameters(), GRAD_CLIP)
         optimizer.step()
         if step == 0:
             first_loss = loss.item()
@@ -195,7 +200,7 @@ def _build(path: Path, recipe: DemoRecipe, log: Callable[[str], None], started: 
         num_hidden_layers=recipe.num_hidden_layers, num_attention_heads=recipe.num_attention_heads,
         num_key_value_heads=recipe.num_key_value_heads, head_dim=recipe.head_dim,
         max_position_embeddings=recipe.max_position_embeddings, tie_word_embeddings=True,
-        rope_parameters={"rope_type": "default", "rope_theta": 10_000.0},
+        rope_parameters={"rope_type": "default", "rope_theta": ROPE_THETA},
         bos_token_id=eos_id, eos_token_id=eos_id, pad_token_id=eos_id)
     model = Qwen3ForCausalLM(config)
     first_loss, final_loss = _train(model, stream, recipe, log)
