@@ -17,6 +17,7 @@ from transformers import AutoConfig, AutoTokenizer
 from nanovllm import LLM, SamplingParams
 from nanovllm.demo_model import (DEMO_DIR_NAME, EOS_TOKEN, INFO_FILE, DemoRecipe, build_demo_model, corpus_files,
                                  default_model)
+from nanovllm.entrypoints.cli import main
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 CODE_PROMPTS = ["def read_file(path):\n", "class Config:\n    def __init__(self", "import os\nimport sys\n\n"]
@@ -101,9 +102,11 @@ def test_cli_demo_model_builds_into_a_dir(tmp_path):
 
 
 @pytest.mark.parametrize("steps", ["0", "-3", "many"])
-def test_cli_demo_model_refuses_bad_steps(steps, tmp_path):
-    run = _cli(["demo-model", str(tmp_path / "demo"), "--steps", steps], str(tmp_path / "cache"))
-    assert run.returncode == 2 and "--steps" in run.stderr and repr(steps) in run.stderr, run.stderr
+def test_cli_demo_model_refuses_bad_steps(steps, tmp_path, capsys):
+    with pytest.raises(SystemExit) as info:
+        main(["demo-model", str(tmp_path / "demo"), "--steps", steps])
+    err = capsys.readouterr().err
+    assert info.value.code == 2 and "--steps" in err and repr(steps) in err, err
     assert not (tmp_path / "demo").exists()
 
 
