@@ -238,8 +238,9 @@ def _is_built(path: Path) -> bool:
 
 def default_model(recipe: DemoRecipe = DemoRecipe(), log: Callable[[str], None] = _to_stderr) -> str:
     """The demo model's directory in the cache, built with `recipe` first (about two minutes) when
-    it is missing or an older RECIPE_VERSION built it. It is built in a temporary folder beside it and renamed into
-    place, so a build that is interrupted, or two builds at once, never leave a half-written model."""
+    it is missing or an older RECIPE_VERSION built it. It is built in a temporary folder beside it
+    and renamed into place, so a build that is interrupted, or two builds at once, never leave a
+    half-written model, and a finished one is never replaced under a process reading it."""
     path = cache_dir() / DEMO_DIR_NAME
     if _is_built(path):
         return str(path)
@@ -250,7 +251,9 @@ def default_model(recipe: DemoRecipe = DemoRecipe(), log: Callable[[str], None] 
     staging.chmod(0o755)  # mkdtemp makes it private; the model is no secret
     try:
         build_demo_model(staging, recipe, log)
-        if path.exists():  # an older recipe's model (or a finished concurrent build): replace it
+        if _is_built(path):  # a concurrent build finished first: keep it, drop ours
+            return str(path)
+        if path.exists():  # an older recipe's model, or the remains of something else
             shutil.rmtree(path, ignore_errors=True)
         try:
             os.rename(staging, path)

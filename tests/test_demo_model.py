@@ -123,3 +123,14 @@ def test_example_py_completes_code_with_the_demo_model(demo_cache):
                                use_tqdm=False)
     for prompt, output in zip(example.CODE_PROMPTS, outputs):
         assert prompt + output["text"] in run.stdout
+
+
+def test_default_model_rebuilds_what_an_older_recipe_left(tmp_path, monkeypatch):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    stale = Path(_model_dir(str(tmp_path)))
+    stale.mkdir(parents=True)
+    (stale / INFO_FILE).write_text(json.dumps({"recipe_version": 0}))  # an older recipe, or a torn build
+    messages = []
+    path = default_model(QUICK, log=messages.append)
+    assert messages and json.loads(Path(path, INFO_FILE).read_text())["recipe"]["steps"] == QUICK.steps
+    assert AutoConfig.from_pretrained(path).architectures == ["Qwen3ForCausalLM"]
