@@ -134,3 +134,11 @@ def test_default_model_rebuilds_what_an_older_recipe_left(tmp_path, monkeypatch)
     path = default_model(QUICK, log=messages.append)
     assert messages and json.loads(Path(path, INFO_FILE).read_text())["recipe"]["steps"] == QUICK.steps
     assert AutoConfig.from_pretrained(path).architectures == ["Qwen3ForCausalLM"]
+
+
+def test_cli_generate_reads_a_first_of_several_words_as_model(tmp_path, capsys, monkeypatch):
+    """`generate "a" "b"`: MODEL is "a" (as README says), refused in one line before any build."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    assert main(["generate", "def a():", "def b():"]) == 1
+    assert "model directory 'def a():' does not exist" in capsys.readouterr().err
+    assert not (tmp_path / "nanovllm").exists()  # the demo model was not built for it
