@@ -1,4 +1,4 @@
-"""The `nanovllm` command (also `python -m nanovllm`): serve, generate, chat, batch, bench.
+"""The `nanovllm` command (also `python -m nanovllm`): serve, generate, chat, batch, bench, demo-model.
 
 One argparse parser per subcommand; the engine flags are generated from `Config` and the
 sampling flags from `SamplingParams` (cli_args.py), so the CLI follows the API. Wrong flags exit
@@ -14,8 +14,7 @@ import sys
 import threading
 from pathlib import Path
 
-from nanovllm import LLM
-from nanovllm import demo_model
+from nanovllm import LLM, demo_model
 from nanovllm.config import ATTENTION_BACKENDS, DEVICES, DTYPES, Config
 from nanovllm.entrypoints.batch import add_job_flags
 from nanovllm.entrypoints.cli_args import add_dataclass_flags, dataclass_kwargs
