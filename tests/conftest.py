@@ -93,3 +93,21 @@ def qwen3_moe_mixed(tmp_path_factory) -> str:
     """Qwen3-MoE: 10 experts, top-2 not renormalised, layer 0 dense (mlp_only_layers), tied."""
     return build_checkpoint(str(tmp_path_factory.mktemp("qwen3_moe_mixed")), "qwen3_moe", num_experts=10,
                             norm_topk_prob=False, mlp_only_layers=[0], tie_word_embeddings=True)
+
+
+# The demo model's recipe cut down to seconds: a tenth of its text, a smaller tokenizer and model,
+# a few steps. It still trains (the loss falls), saves and reloads as the full recipe does.
+DEMO_TEST_RECIPE = dict(steps=12, corpus_bytes=300_000, tokenizer_bytes=150_000, vocab_size=512, hidden_size=64,
+                        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                        intermediate_size=128, seq_len=64, batch_size=8, warmup_steps=3)
+
+
+@pytest.fixture(scope="session")
+def demo_cache(tmp_path_factory) -> str:
+    """A cache dir (for XDG_CACHE_HOME) holding the demo model built with DEMO_TEST_RECIPE, where
+    nanovllm.demo_model.default_model() finds it: README's snippets and the CLI's default use it."""
+    from nanovllm.demo_model import DEMO_DIR_NAME, DemoRecipe, build_demo_model
+
+    cache = tmp_path_factory.mktemp("xdg_cache")
+    build_demo_model(cache / "nanovllm" / DEMO_DIR_NAME, DemoRecipe(**DEMO_TEST_RECIPE), log=lambda message: None)
+    return str(cache)

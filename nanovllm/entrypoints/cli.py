@@ -1,4 +1,4 @@
-"""The `nanovllm` command (also `python -m nanovllm`): serve, generate, chat, batch, bench, ui.
+"""The `nanovllm` command (also `python -m nanovllm`): serve, generate, chat, batch, bench, ui, demo-model.
 
 One argparse parser per subcommand, each added by its own `_add_<command>` function; the engine
 flags are generated from `Config` and the sampling flags from `SamplingParams` (cli_args.py), so
@@ -54,7 +54,12 @@ class CLIError(Exception):
     """A refusal to report in one line with exit status 1 (no traceback)."""
 
 
-def _add_model(parser: argparse.ArgumentParser) -> None:
+def _add_model(parser: argparse.ArgumentParser, optional: bool = False) -> None:
+    if optional:  # None: the demo model, resolved in main()
+        parser.add_argument("model", metavar="MODEL", nargs="?", help="local checkpoint directory (config.json, "
+                            "*.safetensors, tokenizer files); nothing is downloaded. Default: the demo model "
+                            "(`nanovllm demo-model`), built once into the cache")
+        return
     parser.add_argument("model", metavar="MODEL", help="local checkpoint directory (config.json, *.safetensors, "
                         "tokenizer files); nothing is downloaded")
 
@@ -85,7 +90,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog=PROG, description="nanovllm: a small LLM inference engine.")
     parser.add_argument("--version", action="version", version=f"{PROG} {package_version()}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    for add in (_add_serve, _add_generate, _add_chat, _add_batch, _add_bench, _add_ui):
+    for add in (_add_serve, _add_generate, _add_chat, _add_batch, _add_bench, _add_ui, _add_demo_model):
         add(sub)
     return parser
 
@@ -95,7 +100,7 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
                            description="Serve MODEL over an OpenAI-compatible HTTP API (/v1/completions, "
                                        "/v1/chat/completions, /v1/models, /health, /metrics). SIGTERM or "
                                        "Ctrl-C stops it gracefully.")
-    _add_model(serve)
+    _add_model(serve, optional=True)
     serve.add_argument("--host", default=DEFAULT_HOST, help="address to bind (default: %(default)s, loopback only)")
     serve.add_argument("--port", type=int, default=DEFAULT_PORT, help="port to bind; 0 picks a free one "
                        "(default: %(default)s)")
@@ -113,7 +118,7 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
     generate = sub.add_parser("generate", help="complete prompts and print the completions",
                               description="Complete each PROMPT with MODEL and print the completions, one per "
                                           "prompt (--json: the output dict of LLM.generate, one JSON line each).")
-    _add_model(generate)
+    _add_model(generate, optional=True)
     generate.add_argument("prompts", nargs="+", metavar="PROMPT", help="prompt text")
     generate.add_argument("--json", action="store_true", help="print each output dict as one JSON line")
     engine_fields = _add_engine_flags(generate)
@@ -128,7 +133,7 @@ def _add_chat(sub: argparse._SubParsersAction) -> None:
                                       "/help lists them, /clear starts the conversation over, /exit (or Ctrl-D) "
                                       "quits; // sends a line that starts with /. Ctrl-C stops the answer being "
                                       "written.")
-    _add_model(chat)
+    _add_model(chat, optional=True)
     chat.add_argument("--system", default=None, help="a system message to open every conversation with")
     engine_fields = _add_engine_flags(chat)
     sampling_fields = _add_sampling_flags(chat)
@@ -149,6 +154,12 @@ def _add_batch(sub: argparse._SubParsersAction) -> None:
     engine_fields = _add_engine_flags(batch)
     sampling_fields = _add_sampling_flags(batch)
     batch.set_defaults(run=_batch, engine_fields=engine_fields, sampling_fields=sampling_fields)
+
+
+
+def _add_demo_model(sub: argparse._SubParsersAction) -> None:
+    from nanovllm import demo_model
+    demo_model.add_subcommand(sub)
 
 
 def _add_bench(sub: argparse._SubParsersAction) -> None:
@@ -399,6 +410,9 @@ def main(argv: list[str] | None = None) -> int:
         if argv[:1] == ["bench"]:  # bench.py parses its own flags (and its own --help)
             return _bench(argv[1:])
         args = build_parser().parse_args(argv)
+        if getattr(args, "model", "") is None:  # serve, generate, chat with no MODEL
+            from nanovllm.demo_model import default_model
+            args.model = default_model()
         return args.run(args)
     except CLIError as exc:
         print(f"{PROG}: error: {exc}", file=sys.stderr)
