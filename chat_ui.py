@@ -1,8 +1,8 @@
 """A Streamlit chat page for a running `nanovllm serve`, talking to it through the `openai` client.
 
     pip install "nanovllm[ui]"   # or: pip install streamlit openai
-    nanovllm serve /path/to/model &
-    streamlit run chat_ui.py
+    nanovllm serve &              # the demo model, or: nanovllm serve /path/to/model &
+    nanovllm ui                   # streamlit run chat_ui.py on loopback, no usage statistics
 
 The sidebar sets the server URL, the model (empty: the server's own), temperature and max
 tokens; the defaults come from NANOVLLM_BASE_URL, NANOVLLM_MODEL, NANOVLLM_API_KEY and
