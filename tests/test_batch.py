@@ -7,6 +7,7 @@ import dataclasses
 import json
 import os
 import random
+import re
 import signal
 import subprocess
 import time
@@ -92,6 +93,8 @@ def test_log_repairs_a_torn_last_line(tmp_path):
     path.write_bytes(("\n".join(whole) + "\n" + torn).encode())
     with ResultLog(str(path), flush_interval=0) as log:
         assert log.torn_bytes == len(torn) and log.num_existing == 3
+        assert not path.read_bytes().endswith(b"\n")  # nothing is cut before the results are matched to the input
+        log.resume(6, {1: "x1", 2: "x2", 4: "x4"})
         assert [n for n in range(1, 6) if n in log.done] == [1, 2, 4]
         assert path.read_bytes().endswith(b"\n")  # cut back to the last whole line at once
         log.append(3, json.dumps({"custom_id": "x3", "line": 3, "error": None}))
@@ -101,16 +104,28 @@ def test_log_repairs_a_torn_last_line(tmp_path):
     assert [(n, raw) for n, raw in pending_lines(inputs, log.done)] == [(5, b"l5"), (6, b"l6")]
 
 
+RESULT_1 = '{"custom_id": "a", "line": 1, "error": null}'
+
+
 @pytest.mark.parametrize("content,message", [
-    ('{"line": 1}\n{"line": 1}\n', "two results for input line 1"),
-    ('{"line": 1}\nnot ours\n', "not a result line"),
-    ('{"custom_id": "x"}\n', "not a result line"),
+    (f"{RESULT_1}\n{RESULT_1}\n", "line 2 is a second result for input line 1"),
+    (f"{RESULT_1}\nnot ours\n", "line 2 is b'not ours\\n', not a result line"),
+    ('{"custom_id": "x", "line": 1}\n', "not a result line with keys"),
+    ('{"line": 1}\n', "not a result line with keys"),
+    ('{"custom_id": "x", "line": "1", "error": null}\n', "has line='1'"),
+    ("a note without a trailing newline", "line 1 is b'a note without a trailing newline', with no newline"),
+    (f"{RESULT_1}\nnotes", "line 2 is b'notes', with no newline"),
+    ("\n", "not a result line"),
 ])
-def test_log_refuses_a_foreign_file(tmp_path, content, message):
+def test_log_refuses_a_foreign_file_and_leaves_it_alone(tmp_path, content, message):
     path = tmp_path / "out.jsonl"
     path.write_text(content)
-    with pytest.raises(ValueError, match=message):
+    with pytest.raises(ValueError, match=f"is not this job's results.*{re.escape(message)}.*--overwrite"):
         ResultLog(str(path))
+    assert path.read_text() == content
+    with ResultLog(str(path), overwrite=True) as log:  # --overwrite: replaced, whatever it held
+        assert log.num_existing == 0
+    assert path.read_bytes() == b""
 
 
 def test_log_refuses_a_second_writer(tmp_path):
@@ -121,11 +136,17 @@ def test_log_refuses_a_second_writer(tmp_path):
     ResultLog(path).close()  # free again once the first has closed
 
 
-def test_log_refuses_results_beyond_the_input(tmp_path):
+@pytest.mark.parametrize("custom_ids,message", [
+    ({1: "a"}, "result for input line 7 but the input has 5 lines"),
+    ({1: "b", 7: "c"}, "custom_id 'a' for input line 1, where the input has 'b'"),
+])
+def test_log_refuses_results_of_another_input(tmp_path, custom_ids, message):
     path = tmp_path / "out.jsonl"
-    path.write_text('{"line": 7}\n')
-    with ResultLog(str(path)) as log, pytest.raises(ValueError, match="line 7 but the input has 5 lines"):
-        log.check_input(5)
+    content = RESULT_1 + '\n{"custom_id": "c", "line": 7, "error": null}\n{"custom_id": "d", "li'
+    path.write_text(content)
+    with ResultLog(str(path)) as log, pytest.raises(ValueError, match=f"{re.escape(message)}.*another input"):
+        log.resume(5 if 7 not in custom_ids else 7, custom_ids)
+    assert path.read_text() == content  # the torn-looking tail is not cut from a file that is not ours
 
 
 # --- jobs on a tiny model ---
