@@ -1,8 +1,8 @@
 """Batch jobs (`nanovllm batch`): what a line means (parsing, defaults, per-line errors), the
 output log (torn last line repaired, foreign or duplicate results refused), a job's results equal
 LLM.generate/chat greedy, resume after a partial run, the Ray predictor class called directly,
-and a job killed with SIGKILL at random points and restarted ending exactly as an uninterrupted
-run. Scale-out and memory are in test_batch_scale.py."""
+and a job killed with SIGKILL at random points of its progress and restarted ending exactly as
+an uninterrupted run. Scale-out and memory are in test_batch_scale.py."""
 import dataclasses
 import json
 import os
@@ -10,7 +10,7 @@ import random
 import re
 import signal
 import subprocess
-import time
+import sys
 
 import pytest
 
@@ -25,7 +25,6 @@ from batching import (BAD_LINES, GREEDY, JOB_ENGINE, JOB_FLAGS, SUBPROCESS_ENV, 
 from serving import REPO_ROOT, cli
 
 NUM_KILLS = 3
-KILL_TIMEOUT = 300  # seconds for a killed run to reach its kill point on a busy machine
 RUN_TIMEOUT = 300
 
 
@@ -285,38 +284,67 @@ def test_bad_job_settings_exit_1(tmp_path, qwen3_tiny, capsys):
 
 # --- killed with SIGKILL and restarted ---
 
+# `nanovllm batch` that kills itself with SIGKILL once it has written `argv[1]` result lines, after
+# writing the first `argv[2]` bytes of the next one (a torn line): a kill point fixed by progress,
+# not by the clock, so it always lands mid-job however fast the machine is. Writing part of a
+# chunk and dying is what the kernel leaves on disk when a kill lands inside write().
+KILL_AT_PROGRESS = """
+import os, signal, sys
+from nanovllm.entrypoints import batch_log
+from nanovllm.entrypoints.cli import main
+
+kill_after, torn_bytes = int(sys.argv[1]), int(sys.argv[2])
+flush = batch_log.ResultLog.flush
+written = 0
+
+def flush_or_die(self):
+    global written
+    if written + len(self._pending) > kill_after:
+        keep = kill_after - written
+        self._file.write(b"".join(self._pending[:keep]) + self._pending[keep][:torn_bytes])
+        self._file.flush()
+        os.kill(os.getpid(), signal.SIGKILL)
+    written += len(self._pending)
+    flush(self)
+
+batch_log.ResultLog.flush = flush_or_die
+sys.exit(main(sys.argv[3:]))
+"""
+
+
+def whole_results(path) -> dict[int, dict]:
+    """The whole result lines in a killed job's output (a torn last line left out), by input line."""
+    data = path.read_bytes() if path.exists() else b""
+    return by_line([json.loads(line) for line in data[:data.rfind(b"\n") + 1].splitlines()])
+
+
 def test_sigkill_at_random_points_then_resume_is_exact(reference, job_input, qwen3_tiny, tmp_path):
+    """Killed NUM_KILLS times, each after a random number of the lines still to do (and inside
+    a random line), then run to the end: exactly the uninterrupted run's results."""
     seed = int.from_bytes(os.urandom(4), "little")
     rng = random.Random(seed)
     out = tmp_path / "out.jsonl"
     num_lines = len(reference)
     command = ["batch", qwen3_tiny, "--input", job_input, "--output", str(out), "--temperature", "0",
                "--flush-interval", "0", "--max-in-flight", "4", "--no-progress", *JOB_FLAGS]
-    interrupted = 0
     for attempt in range(NUM_KILLS):
-        before = count_lines(out) if out.exists() else 0
-        # Kill once this many results are on disk (leaving room for the kills still to come)...
-        target = before + rng.randint(1, max(1, (num_lines - before) // (NUM_KILLS - attempt + 1)))
+        before = len(whole_results(out))
+        # Leave lines for the kills still to come; a kill after the last line would find the job done.
+        kill_after = rng.randint(0, (num_lines - before - 1) // (NUM_KILLS - attempt))
+        torn_bytes = rng.choice([0, rng.randint(1, 120)])
         with open(tmp_path / f"stderr{attempt}.txt", "w") as err:
-            proc = subprocess.Popen(cli(*command), cwd=REPO_ROOT, stdout=subprocess.DEVNULL, stderr=err,
-                                    env=SUBPROCESS_ENV)
-            deadline = time.monotonic() + KILL_TIMEOUT
-            while proc.poll() is None and time.monotonic() < deadline:
-                if out.exists() and count_lines(out) >= target:
-                    time.sleep(rng.uniform(0, 0.05))  # ... and a random moment later
-                    break
-                time.sleep(0.005)
-            proc.send_signal(signal.SIGKILL)
-            proc.wait(RUN_TIMEOUT)
-        interrupted += proc.returncode == -signal.SIGKILL and count_lines(out) < num_lines
-        results = by_line(read_results(out)) if out.read_bytes().endswith(b"\n") else None
-        if results is not None:  # whatever is whole on disk is already exact
-            assert all(results[n] == reference[n] for n in results), f"seed {seed}"
-    assert interrupted == NUM_KILLS, f"only {interrupted} of the kills landed mid-job (seed {seed})"
+            proc = subprocess.run([sys.executable, "-c", KILL_AT_PROGRESS, str(kill_after), str(torn_bytes),
+                                   *command], cwd=REPO_ROOT, stdout=subprocess.DEVNULL, stderr=err,
+                                  env=SUBPROCESS_ENV, timeout=RUN_TIMEOUT)
+        where = f"seed {seed}, kill {attempt} after {kill_after} lines + {torn_bytes} bytes"
+        assert proc.returncode == -signal.SIGKILL, (where, (tmp_path / f"stderr{attempt}.txt").read_text()[-3000:])
+        results = whole_results(out)
+        assert before + kill_after <= len(results) < num_lines, where
+        assert all(results[n] == reference[n] for n in results), where  # whatever is whole is exact
     with open(tmp_path / "stderr_final.txt", "w") as err:
-        proc = subprocess.Popen(cli(*command), cwd=REPO_ROOT, stdout=subprocess.DEVNULL, stderr=err,
-                                env=SUBPROCESS_ENV)
-        assert proc.wait(RUN_TIMEOUT) == 0, (tmp_path / "stderr_final.txt").read_text()
+        proc = subprocess.run(cli(*command), cwd=REPO_ROOT, stdout=subprocess.DEVNULL, stderr=err,
+                              env=SUBPROCESS_ENV, timeout=RUN_TIMEOUT)
+    assert proc.returncode == 0, (tmp_path / "stderr_final.txt").read_text()
     results = read_results(out)
     custom_ids = [r["custom_id"] for r in results]
     assert len(custom_ids) == len(set(custom_ids)) == num_lines, f"seed {seed}"

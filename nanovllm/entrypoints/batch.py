@@ -380,12 +380,12 @@ def run_batch(job: BatchJob) -> BatchSummary:
     check_job(job)
     defaults = resolve_sampling_defaults(job.sampling_defaults)
     with JobOutput(job) as output:
-        output.start()
-        requests = _requests(pending_lines(job.input, output.done), defaults)
-        if job.data_parallel == 1:
-            _run_one_engine(job, requests, output.record)
-        else:
-            _run_data_parallel(job, requests, output.record)
+        if output.start() > len(output.done):  # a finished job is not started again
+            requests = _requests(pending_lines(job.input, output.done), defaults)
+            if job.data_parallel == 1:
+                _run_one_engine(job, requests, output.record)
+            else:
+                _run_data_parallel(job, requests, output.record)
         output.finish()
     return output.summary()
 
