@@ -21,7 +21,6 @@ This module knows nothing of the CLI; Ray is imported only when it is used.
 """
 import functools
 import logging
-import math
 import os
 from typing import Any
 
@@ -76,40 +75,42 @@ class NanoVLLMPredictor:
 
 # --- `nanovllm batch --ray` ---
 
+def chunk_size(num_pending: int, replicas: int, max_in_flight: int) -> int:
+    """Lines per chunk: BLOCKS_PER_REPLICA chunks (or more) per replica, none over max_in_flight."""
+    return max(1, min(max_in_flight, num_pending // (replicas * BLOCKS_PER_REPLICA)))
+
+
 def _index_input(path: str, done: DoneLines, chunk_lines: int) -> tuple[int, list[tuple[int, int]]]:
-    """(number of lines, (first line, byte offset) of each chunk of `chunk_lines` lines that has
-    a line still to do), in one pass over the input."""
-    chunks, offset, number = [], 0, 0
-    chunk_start: tuple[int, int] | None = None
-    chunk_pending = False
+    """(number of lines, (first line, byte offset) of each chunk), in one pass over the input. A
+    chunk starts at a line still to do and holds the next `chunk_lines` such lines (done lines
+    between them are skipped when it is read), so every chunk but the last is full."""
+    chunks, offset, number, pending = [], 0, 0, 0
     with open(path, "rb") as f:
         for number, raw in enumerate(f, start=1):
-            if (number - 1) % chunk_lines == 0:
-                if chunk_start is not None and chunk_pending:
-                    chunks.append(chunk_start)
-                chunk_start, chunk_pending = (number, offset), False
-            chunk_pending = chunk_pending or number not in done
+            if number not in done:
+                if pending % chunk_lines == 0:
+                    chunks.append((number, offset))
+                pending += 1
             offset += len(raw)
-    if chunk_start is not None and chunk_pending:
-        chunks.append(chunk_start)
     return number, chunks
 
 
 def _read_chunks(batch: dict[str, np.ndarray], path: str, chunks: list[tuple[int, int]], chunk_lines: int,
                  done: DoneLines) -> dict[str, np.ndarray]:
-    """A Ray Data map over chunk indices: the lines still to do of each chunk, with their numbers."""
+    """A Ray Data map over chunk indices: the `chunk_lines` lines still to do from each chunk's
+    start, with their numbers."""
     numbers, texts = [], []
     with open(path, "rb") as f:
         for index in batch["id"]:
-            first, offset = chunks[int(index)]
+            number, offset = chunks[int(index)]
             f.seek(offset)
-            for number in range(first, first + chunk_lines):
-                raw = f.readline()
-                if not raw:
-                    break
+            taken = 0
+            while taken < chunk_lines and (raw := f.readline()):
                 if number not in done:
                     numbers.append(number)
                     texts.append(raw.rstrip(b"\n").rstrip(b"\r"))
+                    taken += 1
+                number += 1
     text_column = np.empty(len(texts), dtype=object)
     text_column[:] = texts
     return {"line": np.array(numbers, dtype=np.int64), "text": text_column}
@@ -131,9 +132,7 @@ def run_ray_batch(job: BatchJob, replicas: int = 1, address: str | None = None,
     started_ray = False
     try:
         with JobOutput(job) as output:
-            num_pending = output.start() - len(output.done)
-            chunk_lines = max(1, min(job.resolved_max_in_flight(),
-                                     math.ceil(num_pending / (replicas * BLOCKS_PER_REPLICA))))
+            chunk_lines = chunk_size(output.start() - len(output.done), replicas, job.resolved_max_in_flight())
             _, chunks = _index_input(job.input, output.done, chunk_lines)
             if chunks:
                 if not ray.is_initialized():
