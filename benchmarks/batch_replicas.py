@@ -4,8 +4,9 @@ A random-weight Qwen3-shaped checkpoint (a few million parameters, so the model'
 the host, sets the pace) and a fixed-seed JSONL input of short prompts, greedy, run through
 `run_ray_batch` (what `nanovllm batch --ray` runs) on a local Ray started once. Each layout is
 warmed up with a small job first (the actors' processes, imports, the engine's start-up), then
-timed over whole jobs: wall time from the call to the last result on disk (actor start-up
-included, as a user waits for it), lines per second and generated tokens per second. Layouts:
+timed over whole jobs: wall time from the call to the last result on disk (Ray Data's planning
+and the actors' start-up included, as a user waits for them), and the steady rate: lines per
+second from the first result batch's arrival to the last (start-up excluded). Layouts:
 1 replica with 1 CPU, 1 replica with every CPU (one engine, more torch threads), and 2 replicas
 with 1 CPU each (Ray gives each actor OMP_NUM_THREADS equal to its CPUs). Prints a table, then
 one JSON line.
@@ -27,7 +28,7 @@ from datetime import date
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from nanovllm.entrypoints.batch import BatchJob  # noqa: E402
+from nanovllm.entrypoints.batch import BatchJob, JobOutput  # noqa: E402
 from nanovllm.integrations.ray import run_ray_batch  # noqa: E402
 from nanovllm.testing.synthetic import build_checkpoint  # noqa: E402
 
@@ -57,12 +58,37 @@ def cpu_model() -> str:
         return platform.processor() or platform.machine()
 
 
-def run_job(model: str, inp: str, out: str, replicas: int, cpus: float) -> tuple[float, int]:
-    """One whole job: (seconds, completion tokens)."""
+class Arrivals:
+    """When result batches reach the output (JobOutput.record, timestamped while in the `with`)."""
+
+    def __enter__(self) -> "Arrivals":
+        self.times: list[tuple[float, int]] = []  # (when, lines)
+        self.record = JobOutput.record
+
+        def timed(output, finished):
+            self.record(output, finished)
+            self.times.append((time.perf_counter(), len(finished)))
+        JobOutput.record = timed
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        JobOutput.record = self.record
+
+    def steady_lines_per_s(self) -> float:
+        """Lines after the first batch over the time from the first batch to the last."""
+        (first, first_lines), (last, _) = self.times[0], self.times[-1]
+        lines = sum(n for _, n in self.times) - first_lines
+        return lines / (last - first) if last > first else float("nan")
+
+
+def run_job(model: str, inp: str, out: str, replicas: int, cpus: float) -> tuple[float, float, int]:
+    """One whole job: (seconds, steady lines per second, completion tokens)."""
     job = BatchJob(model, inp, out, ENGINE, {"temperature": 0.0}, progress=False, overwrite=True)
-    start = time.perf_counter()
-    summary = run_ray_batch(job, replicas=replicas, cpus_per_replica=cpus)
-    return time.perf_counter() - start, summary.num_tokens
+    with Arrivals() as arrivals:
+        start = time.perf_counter()
+        summary = run_ray_batch(job, replicas=replicas, cpus_per_replica=cpus)
+        elapsed = time.perf_counter() - start
+    return elapsed, arrivals.steady_lines_per_s(), summary.num_tokens
 
 
 def main() -> None:
@@ -73,10 +99,11 @@ def main() -> None:
     args = parser.parse_args()
     import ray
 
-    logging.basicConfig(level=logging.WARNING)
+    logging.getLogger("nanovllm").setLevel(logging.WARNING)
     cores = len(os.sched_getaffinity(0))
     layouts = [(1, 1.0), (1, float(cores)), (2, 1.0)] if cores >= 2 else [(1, 1.0)]
-    ray.init(num_cpus=cores, include_dashboard=False, logging_level=logging.WARNING)
+    ray.init(num_cpus=cores, include_dashboard=False, logging_level=logging.WARNING, log_to_driver=False)
+    ray.data.DataContext.get_current().enable_progress_bars = False
     rows = []
     with tempfile.TemporaryDirectory() as folder:
         model = build_checkpoint(os.path.join(folder, "model"), "qwen3", seed=SEED, **MODEL)
@@ -85,21 +112,24 @@ def main() -> None:
         for replicas, cpus in layouts:
             write_input(warm, WARMUP_LINES_PER_REPLICA * replicas, 4)
             run_job(model, warm, os.path.join(folder, "warm-out.jsonl"), replicas, cpus)
-            times, tokens = [], 0
+            times, rates, tokens = [], [], 0
             for _ in range(args.repeats):
-                elapsed, tokens = run_job(model, inp, os.path.join(folder, "out.jsonl"), replicas, cpus)
+                elapsed, rate, tokens = run_job(model, inp, os.path.join(folder, "out.jsonl"), replicas, cpus)
                 times.append(elapsed)
-            best, median = min(times), statistics.median(times)
-            rows.append({"replicas": replicas, "cpus_per_replica": cpus, "best_s": round(best, 2),
+                rates.append(rate)
+            median = statistics.median(times)
+            rows.append({"replicas": replicas, "cpus_per_replica": cpus, "best_s": round(min(times), 2),
                          "median_s": round(median, 2), "lines_per_s": round(args.lines / median, 1),
-                         "tokens_per_s": round(tokens / median, 1)})
+                         "tokens_per_s": round(tokens / median, 1),
+                         "steady_lines_per_s": round(statistics.median(rates), 1)})
     ray.shutdown()
     print(f"nanovllm batch --ray: {args.lines} lines x {args.max_tokens} tokens, greedy, model {MODEL}, engine "
           f"{ENGINE}, {args.repeats} timed jobs per layout after a warm-up job; {cores} cores, {cpu_model()}")
-    print(f"{'replicas':>9}{'cpus each':>11}{'best s':>9}{'median s':>10}{'lines/s':>9}{'tok/s':>9}")
+    print(f"{'replicas':>9}{'cpus each':>11}{'best s':>9}{'median s':>10}{'lines/s':>9}{'tok/s':>9}"
+          f"{'steady lines/s':>16}")
     for row in rows:
         print(f"{row['replicas']:>9}{row['cpus_per_replica']:>11.0f}{row['best_s']:>9.2f}{row['median_s']:>10.2f}"
-              f"{row['lines_per_s']:>9.1f}{row['tokens_per_s']:>9.1f}")
+              f"{row['lines_per_s']:>9.1f}{row['tokens_per_s']:>9.1f}{row['steady_lines_per_s']:>16.1f}")
     print(json.dumps({"benchmark": "batch_replicas", "device": "cpu", "cpu": cpu_model(), "cores": cores,
                       "lines": args.lines, "max_tokens": args.max_tokens, "repeats": args.repeats, "model": MODEL,
                       "engine": ENGINE, "results": rows, "date": date.today().isoformat()}))
