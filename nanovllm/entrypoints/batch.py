@@ -149,8 +149,8 @@ class EngineBatcher:
         except ValueError as exc:  # the engine's checks: prompt too long, token ids outside the vocabulary, ...
             param = "messages" if request.messages is not None else "prompt"
             return _error(LineError(request.line, request.custom_id, str(exc), param), tag)
-        except Exception as exc:  # noqa: BLE001 - a check the engine lacks: this request's fault alone
-            # (a request is built and checked in full before it is queued, so the engine is as it was)
+        except Exception as exc:  # a check the engine lacks: this request's fault alone (a request is
+            # built and checked in full before it is queued, so the engine is as it was)
             return _error(LineError(request.line, request.custom_id, "the engine could not take this request "
                                     f"({type(exc).__name__}: {exc})"), tag)
         self._requests[request_id] = (request, tag)
@@ -190,7 +190,7 @@ class EngineBatcher:
         """One engine step: the results it finished, and the requests it failed on."""
         try:
             request_ids = self.llm.step().request_ids
-        except Exception as exc:  # noqa: BLE001 - the engine's state is unknown: every request is a suspect
+        except Exception as exc:  # the engine's state is unknown: every request in it is a suspect
             return [], self._lose_engine(exc)
         finished, faults = [], []
         for request_id in request_ids:
@@ -254,8 +254,8 @@ class EngineBatcher:
 
 
 class _Progress:
-    """The progress bar (requests done, rate, ETA) with generated tokens per second. It appears
-    with the first result, so engine start-up counts in neither rate."""
+    """The progress bar: lines done / total, lines per second, ETA, generated tokens per second and
+    error lines. It appears with the first result, so engine start-up counts in neither rate."""
 
     def __init__(self, total: int, done: int, enabled: bool):
         self.total, self.done, self.enabled = total, done, enabled
