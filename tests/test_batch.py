@@ -349,3 +349,14 @@ def test_sigkill_at_random_points_then_resume_is_exact(reference, job_input, qwe
     custom_ids = [r["custom_id"] for r in results]
     assert len(custom_ids) == len(set(custom_ids)) == num_lines, f"seed {seed}"
     assert by_line(results) == reference, f"seed {seed}"
+
+
+def test_progress_shows_lines_done_of_total_and_rates(job_input, qwen3_tiny, tmp_path, capsys):
+    """The bar on stderr: lines done / total, lines per second, tokens per second, error lines."""
+    out = tmp_path / "out.jsonl"
+    run_batch(BatchJob(qwen3_tiny, job_input, str(out), JOB_ENGINE, GREEDY, progress=True))
+    total = count_lines(job_input)
+    last = capsys.readouterr().err.replace("\r", "\n").splitlines()
+    bar = [line for line in last if line.startswith("batch:")][-1]
+    assert f" {total}/{total} " in bar and ("line/s" in bar or "s/line" in bar) and "tok/s=" in bar, bar
+    assert f"errors={len(BAD_LINES)}" in bar, bar
