@@ -598,7 +598,8 @@ def add_job_flags(parser: argparse.ArgumentParser) -> None:
                        help="engine processes on this machine: one per GPU (times --tensor-parallel-size), or a "
                             "share of the CPU threads each (default: %(default)s)")
     group.add_argument("--progress", action=argparse.BooleanOptionalAction, default=True,
-                       help="a progress bar on stderr (default: on)")
+                       help="a progress bar on stderr: lines done / total, lines/s, ETA, tokens/s, error lines "
+                            "(default: on)")
     ray = parser.add_argument_group("ray", "Ray Data scale-out (pip install nanovllm[ray])")
     ray.add_argument("--ray", action="store_true", help="run the engines as Ray actors through Ray Data")
     ray.add_argument("--replicas", type=int, default=1, metavar="N", help="engine actors (default: %(default)s)")
