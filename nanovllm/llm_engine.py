@@ -222,9 +222,7 @@ class LLMEngine:
         if params.stop_strings and self.tokenizer is None:
             raise ValueError(f"stop={list(params.stop_strings)!r} needs a tokenizer to find the strings in the text, "
                              "but this engine has none (skip_tokenizer_init=True); use stop_token_ids instead")
-        bad = next((t for t in params.stop_token_ids if t >= vocab_size), None)
-        if bad is not None:
-            raise ValueError(f"stop_token_ids has {bad}, outside the vocabulary; ids must be in [0, {vocab_size})")
+        params.check_vocabulary(vocab_size)
         max_len = self.config.max_model_len
         if len(token_ids) > max_len:
             raise ValueError(f"prompt length {len(token_ids)} is longer than max_model_len={max_len}")

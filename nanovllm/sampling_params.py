@@ -8,7 +8,9 @@ could skip every check; a changed copy is a new one (`dataclasses.replace(params
 checked again. Lists given for `stop` and `stop_token_ids` are kept as tuples, so the caller's
 own list cannot change them afterwards either.
 """
+import math
 from dataclasses import FrozenInstanceError, dataclass, fields
+from functools import cached_property
 
 from nanovllm.utils.validation import is_int, is_number, require
 
@@ -16,6 +18,8 @@ from nanovllm.utils.validation import is_int, is_number, require
 # the OpenAI API allows and what the sampler is sized for.
 MAX_ABS_PENALTY = 2.0
 MAX_LOGPROBS = 20
+# OpenAI's range for a logit_bias value: -100 bans a token in effect, 100 all but forces it.
+MAX_ABS_LOGIT_BIAS = 100.0
 # What torch.Generator.manual_seed accepts (an int64 or a uint64); sample i of a request is
 # seeded with seed + i, so all n of them must fall in this range.
 MIN_SEED, MAX_SEED = -2**63, 2**64 - 1
@@ -59,6 +63,8 @@ class SamplingParams:
     presence_penalty: float = 0.0  # in [-2, 2] (0 = off): subtracted from tokens already generated
     frequency_penalty: float = 0.0  # in [-2, 2] (0 = off): subtracted per occurrence of tokens already generated
     skip_special_tokens: bool = True  # leave special tokens out of the text
+    # token id -> a value in [-100, 100] added to its logit before anything else (OpenAI's logit_bias)
+    logit_bias: dict[int, float] | None = None
 
     def __post_init__(self) -> None:
         require(is_int(self.n) and self.n >= 1, "n", self.n, "an integer >= 1")
@@ -90,13 +96,19 @@ class SamplingParams:
             value = getattr(self, name)
             require(is_number(value) and abs(value) <= MAX_ABS_PENALTY, name, value,
                     f"a number in [-{MAX_ABS_PENALTY}, {MAX_ABS_PENALTY}] (0 = off)")
+        bias = self.logit_bias
+        require(bias is None or (isinstance(bias, dict) and all(
+            is_int(t) and t >= 0 and is_number(b) and math.isfinite(b) and abs(b) <= MAX_ABS_LOGIT_BIAS
+            for t, b in bias.items())), "logit_bias", bias,
+            f"None or a dict of token ids >= 0 to numbers in [-{MAX_ABS_LOGIT_BIAS}, {MAX_ABS_LOGIT_BIAS}]")
         for name in ("include_stop_str_in_output", "ignore_eos", "skip_special_tokens"):
             require(isinstance(getattr(self, name), bool), name, getattr(self, name), "True or False")
         # The one place a field is stored after __init__: the checked values in the form they are
         # kept in (tuples, which the caller cannot change later; a float temperature). Written as a
         # frozen dataclass's own __init__ writes its fields, past the __setattr__ that refuses changes.
         for name, value in (("stop", tuple(stop or ())), ("stop_token_ids", tuple(ids or ())),
-                            ("temperature", float(self.temperature))):
+                            ("temperature", float(self.temperature)),
+                            ("logit_bias", None if not bias else FrozenDict({t: float(b) for t, b in bias.items()}))):
             object.__setattr__(self, name, value)
 
     @property
@@ -107,6 +119,25 @@ class SamplingParams:
     def greedy(self) -> bool:
         return self.temperature == 0.0
 
+    def check_vocabulary(self, vocab_size: int) -> None:
+        """Refuse token ids outside a model's vocabulary (ValueError naming the field), once the
+        engine knows it."""
+        for name, ids in (("stop_token_ids", self.stop_token_ids), ("logit_bias", self.logit_bias or ())):
+            bad = next((t for t in ids if t >= vocab_size), None)
+            if bad is not None:
+                raise ValueError(f"{name} has token id {bad}, outside the vocabulary; ids must be in [0, {vocab_size})")
+
+    @cached_property
+    def processors(self) -> tuple[str, ...]:
+        """The logits processors this request needs, by name, in the sampling pipeline's order
+        (layers/logits_processors.py; temperature is not one: every row has it). A greedy request
+        needs none of those that only shape a draw. The one source of every fast-path decision."""
+        sampled = not self.greedy
+        needed = (("logit_bias", bool(self.logit_bias)), ("min_tokens", self.min_tokens > 0),
+                  ("penalties", self.has_penalties), ("min_p", sampled and self.min_p > 0),
+                  ("top_k_top_p", sampled and (self.top_k > 0 or self.top_p < 1)))
+        return tuple(name for name, on in needed if on)
+
     @property
     def needs_only_temperature(self) -> bool:
         """True when sampling this request needs nothing beyond its temperature (the fast path)."""
@@ -114,11 +145,26 @@ class SamplingParams:
 
     @property
     def needs_only_temperature_and_seed(self) -> bool:
-        """True when its temperature and seed are all it needs: the Triton sampler's fast path,
-        which draws a seeded row's noise in the kernel."""
-        return (self.top_k <= 0 and self.top_p == 1.0 and self.min_p == 0.0 and self.min_tokens == 0
-                and self.logprobs is None and not self.has_penalties)
+        """True when its temperature and seed are all it needs: no processor, no logprobs (the
+        Triton sampler's fast path, which draws a seeded row's noise in the kernel)."""
+        return not self.processors and self.logprobs is None
 
     @property
     def has_penalties(self) -> bool:
         return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+
+
+class FrozenDict(dict):
+    """A dict that refuses changes once made (SamplingParams' logit_bias), and still pickles."""
+
+    def _refuse(self, *args, **kwargs):
+        raise TypeError("this mapping is part of a SamplingParams, which cannot be changed after it is made; "
+                        "make a new SamplingParams instead")
+
+    __setitem__ = __delitem__ = clear = pop = popitem = setdefault = update = __ior__ = _refuse
+
+    def __hash__(self) -> int:
+        return hash(tuple(sorted(self.items())))
+
+    def __reduce__(self):
+        return FrozenDict, (dict(self),)

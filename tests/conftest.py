@@ -3,18 +3,36 @@
 Each fixture returns the checkpoint directory as a str. All use GQA with 3 query heads per KV head.
 The greedy reference and prompt helpers live in tests/helpers.py.
 """
+import ctypes
 import os
 
-import torch
+import pytest
 
-if not torch.cuda.is_available():
+
+def _cuda_device_count() -> int:
+    """CUDA devices as the driver counts them, asked without importing torch (which a test of
+    plain-Python engine logic never needs): 0 when there is no driver or no device."""
+    try:
+        cuda = ctypes.CDLL("libcuda.so.1")
+    except OSError:
+        return 0
+    count = ctypes.c_int(0)
+    if cuda.cuInit(0) != 0 or cuda.cuDeviceGetCount(ctypes.byref(count)) != 0:
+        return 0
+    return count.value
+
+
+if os.environ.get("CUDA_VISIBLE_DEVICES", None) in ("", "-1") or _cuda_device_count() == 0:
     # Before anything imports triton (transformers does): without a GPU, Triton kernels run on
     # CPU tensors in the interpreter, which is how CI tests them.
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-import pytest  # noqa: E402
 
-from nanovllm.testing.synthetic import build_checkpoint  # noqa: E402
+def build_checkpoint(path: str, arch: str = "qwen3", **overrides) -> str:
+    """nanovllm.testing.synthetic's builder, imported when a test first asks for a checkpoint, so
+    collecting or running torch-free tests loads no torch."""
+    from nanovllm.testing.synthetic import build_checkpoint as build
+    return build(path, arch, **overrides)
 
 
 @pytest.fixture(scope="session")

@@ -83,3 +83,27 @@ def test_nothing_in_the_engine_imports_the_testing_helpers():
              if "testing" not in p.relative_to(PACKAGE).parts
              and any(within(m, ("nanovllm.testing",)) for m in imports_of(p))]
     assert not users
+
+
+def test_conftest_and_the_attention_oracle_stand_apart():
+    """conftest imports no torch at module level (tests of plain-Python logic load none), and the
+    attention oracle shares no code with the backends it checks: it imports only the interface
+    and the metadata type, and calls no SDPA."""
+    tests = Path(__file__).resolve().parent
+    assert not {"torch", "nanovllm.testing.synthetic"} & imports_of_top_level(tests / "conftest.py")
+    oracle = tests / "reference_attention.py"
+    nanovllm_imports = {name for name in imports_of(oracle) if name.startswith("nanovllm")}
+    assert nanovllm_imports <= {"nanovllm.attention.base", "nanovllm.attention.base.AttentionBackend",
+                                "nanovllm.utils.context", "nanovllm.utils.context.AttentionMetadata"}
+    assert "scaled_dot_product_attention" not in oracle.read_text()
+
+
+def imports_of_top_level(path: Path) -> set[str]:
+    """The modules a file imports outside any function (what importing it loads at once)."""
+    found = set()
+    for node in ast.parse(path.read_text(), str(path)).body:
+        if isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            found.add(node.module or "")
+    return found

@@ -10,7 +10,9 @@ import torch
 
 from helpers import _hf_model, greedy, hf_greedy, random_prompts, spanning_stop_string
 from nanovllm import LLM, SamplingParams
-from nanovllm.layers.sampler import (Sampler, SamplingTensors, apply_min_p, apply_penalties, apply_top_k_top_p)
+from nanovllm.layers.logits_processors import (SamplingTensors, TopKTopP, apply_min_p, apply_penalties,
+                                               apply_top_k_top_p)
+from nanovllm.layers.sampler import Sampler
 
 BLOCK = 16
 MAX_TOKENS = 16
@@ -24,9 +26,7 @@ def llm(qwen3_tiny):
 
 
 def tensors(batch: int, temperature: float, **kwargs) -> SamplingTensors:
-    fields = dict(temperatures=torch.full((batch,), temperature), all_greedy=temperature == 0, top_k=None,
-                  top_p=None, min_p=None, penalties=None, banned=None, generators=[], num_logprobs=-1)
-    return SamplingTensors(**{**fields, **kwargs})
+    return SamplingTensors(torch.full((batch,), temperature), all_greedy=temperature == 0, **kwargs)
 
 
 # --- 1. masks against a plain-Python reference, and the sampled distribution ---
@@ -91,9 +91,10 @@ def test_temperature_sampling_matches_softmax():
 def test_top_k_and_top_p_sampling_stay_inside_the_mask():
     torch.manual_seed(5)
     logits = torch.tensor([[3.0, 2.9, 2.8, 0.0, -1.0, 1.0]]).repeat(3000, 1)
-    out = Sampler()(logits, tensors(3000, 1.0, top_k=torch.full((3000,), 2, dtype=torch.int64)))
+    top_k = TopKTopP(torch.full((3000,), 2, dtype=torch.int64), None)
+    out = Sampler()(logits, tensors(3000, 1.0, after_temperature=(top_k,)))
     assert set(out.token_ids) == {0, 1}
-    out = Sampler()(logits, tensors(3000, 1.0, top_p=torch.full((3000,), 0.5)))
+    out = Sampler()(logits, tensors(3000, 1.0, after_temperature=(TopKTopP(None, torch.full((3000,), 0.5)),)))
     assert set(out.token_ids) <= reference_top_k_top_p(logits[0].tolist(), 6, 0.5)
 
 

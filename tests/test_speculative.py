@@ -20,7 +20,7 @@ from nanovllm.engine.scheduler import Scheduler
 from nanovllm.engine.sequence import Sequence
 from nanovllm.engine.stop_checker import StopChecker
 from nanovllm.layers.rejection_sampler import RejectionSampler
-from nanovllm.layers.sampler import SamplingTensors
+from nanovllm.layers.logits_processors import SamplingTensors
 from nanovllm.testing.synthetic import build_checkpoint
 
 BLOCK = 16
@@ -127,8 +127,7 @@ SAMPLES = 60_000
 
 
 def _tensors(rows: int) -> SamplingTensors:
-    return SamplingTensors(torch.ones(rows), all_greedy=False, top_k=None, top_p=None, min_p=None, penalties=None,
-                           banned=None, generators=[], num_logprobs=-1)
+    return SamplingTensors(torch.ones(rows), all_greedy=False)
 
 
 def _verify_many(p_logits: torch.Tensor, proposed: list[int], q: torch.Tensor | None) -> list[list[int]]:
@@ -180,8 +179,7 @@ def test_rejection_sampling_keeps_the_target_distribution(with_draft_model):
 
 def test_rejection_sampler_greedy_rows_accept_while_the_argmax_agrees():
     logits = torch.tensor([[0.0, 5.0, 1.0], [3.0, 0.0, 1.0], [0.0, 0.0, 9.0]])
-    t = SamplingTensors(torch.zeros(3), all_greedy=True, top_k=None, top_p=None, min_p=None, penalties=None,
-                        banned=None, generators=[], num_logprobs=-1)
+    t = SamplingTensors(torch.zeros(3), all_greedy=True)
     verdicts = RejectionSampler()(logits, torch.tensor([1, 2, -1]), None, t)
     assert verdicts.accepted == [True, False, False] and verdicts.tokens == [1, 0, 2]
 

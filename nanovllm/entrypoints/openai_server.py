@@ -1,10 +1,12 @@
 """The OpenAI-compatible HTTP server: FastAPI routes over an `EngineClient`, served by uvicorn.
 
 Owns the routes (`/v1/completions`, `/v1/chat/completions`, `/v1/models`, `/health`,
-`/metrics`), the API-key check, turning engine outputs into OpenAI's responses and SSE chunks,
+`/metrics`), the API-key check, turning prompts into token ids off the event loop (and refusing
+what does not fit the context), turning engine outputs into OpenAI's responses and SSE chunks,
 aborting requests whose client went away, and a graceful exit on SIGTERM/SIGINT. Request
-shapes and error JSON come from `protocol.py`; the engine is reached only through the engine
-client held in `app.state` (started and stopped by the app's lifespan).
+shapes and error JSON come from `protocol.py`; connection and body limits, request ids and the
+last-resort 500 from `http_guard.py`; the engine is reached only through the engine client held
+in `app.state` (started and stopped by the app's lifespan).
 """
 import asyncio
 import hmac
@@ -12,23 +14,27 @@ import json
 import logging
 import signal
 import socket
-import uuid
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import AsyncIterator, Awaitable, Callable
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
+from dataclasses import replace
 
 import uvicorn
 from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from jinja2.exceptions import TemplateError
+from jinja2.exceptions import TemplateError, TemplateSyntaxError
 from prometheus_client import CONTENT_TYPE_LATEST
 from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
+from uvicorn.protocols.http.auto import AutoHTTPProtocol
 
 from nanovllm import LLM
 from nanovllm.engine.request import RequestOutput
 from nanovllm.entrypoints.engine_loop import EngineClient, EngineDeadError, QueueFullError, Submission
+from nanovllm.entrypoints.http_guard import (RequestGuard, connection_cap, guarded_protocol, install_log_limits,
+                                             internal_error_message)
 from nanovllm.entrypoints.metrics import ServerMetrics
 from nanovllm.entrypoints.protocol import (APIError, AssistantMessage, ChatCompletionChoice, ChatCompletionChunk,
                                            ChatCompletionRequest, ChatCompletionResponse, ChatCompletionStreamChoice,
@@ -57,20 +63,27 @@ def build_app(settings: ServerSettings) -> FastAPI:
                               app.state.metrics)
         await client.start()
         app.state.engine_client = client
+        # Prompts are tokenized (and chat templates rendered) in a thread of their own, so a long
+        # one never stalls the event loop (other streams) or the engine thread (every step).
+        app.state.prompt_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="nanovllm-tokenize")
         try:
-            # A tokenizer of the server's own for chat templates and logprob strings: the engine's
-            # stays with the engine thread (a fast tokenizer is not to be shared across threads).
-            app.state.tokenizer = AutoTokenizer.from_pretrained(settings.model, use_fast=True,
-                                                                trust_remote_code=False)
+            # Tokenizers of the server's own, one per thread that uses it (a fast tokenizer is not
+            # to be shared across threads; the engine's stays with the engine thread): this one for
+            # logprob strings on the event loop, `prompt_tokenizer` in the prompt thread.
+            app.state.tokenizer, app.state.prompt_tokenizer = (
+                AutoTokenizer.from_pretrained(settings.model, use_fast=True, trust_remote_code=False)
+                for _ in range(2))
             logger.info("engine ready: serving %r as model %r", settings.model, settings.model_name)
             yield
         finally:
+            app.state.prompt_pool.shutdown(wait=False, cancel_futures=True)
             await client.shutdown()
             logger.info("engine stopped")
 
     app = FastAPI(title="nanovllm OpenAI-compatible server", lifespan=lifespan)
     app.state.settings = settings
     app.state.metrics = ServerMetrics()
+    app.add_middleware(RequestGuard, max_request_bytes=settings.max_request_bytes, body_timeout=settings.body_timeout)
     app.add_exception_handler(APIError, _api_error_handler)
     app.add_exception_handler(RequestValidationError, _validation_error_handler)
     app.add_exception_handler(StarletteHTTPException, _http_error_handler)
@@ -109,13 +122,17 @@ async def _http_error_handler(request: Request, exc: StarletteHTTPException) -> 
 
 
 async def _engine_dead_handler(request: Request, exc: EngineDeadError) -> JSONResponse:
-    return await _api_error_handler(request, APIError(503, str(exc), type="server_error"))
+    # The cause (an exception's text) is for the log, which has it; the client learns the state.
+    return await _api_error_handler(request, APIError(503, "the engine is not running; retry later",
+                                                      type="server_error", code="engine_not_running"))
 
 
 async def _internal_error_handler(request: Request, exc: Exception) -> JSONResponse:
-    # A bug, not a bad request: the client gets OpenAI's error shape, the log gets the traceback
-    # (Starlette re-raises it to the server after this response).
-    return await _api_error_handler(request, APIError(500, f"internal error: {exc!r}", type="server_error"))
+    # A last resort (RequestGuard answers a route's own bugs, with their traceback in the log): the
+    # client gets OpenAI's error shape and the request id, never the exception's text.
+    request_id = getattr(request.state, "request_id", "unknown")
+    return await _api_error_handler(request, APIError(500, internal_error_message(request_id), type="server_error",
+                                                      code="internal_error"))
 
 
 @_plain_router.get("/health")
@@ -143,6 +160,37 @@ def _check_model(request: Request, model: str | None) -> None:
     if model is not None and model != name:
         raise APIError(404, f"the model {model!r} does not exist; this server serves {name!r}", param="model",
                        code="model_not_found")
+
+
+async def _in_prompt_thread(request: Request, work: Callable, *args):
+    """Run work(prompt_tokenizer, *args) in the prompt thread (tokenizing and chat templates)."""
+    state = request.app.state
+    return await asyncio.get_running_loop().run_in_executor(state.prompt_pool, work, state.prompt_tokenizer, *args)
+
+
+def _encode(tokenizer: PreTrainedTokenizerBase, prompts: list[str | list[int]]) -> list[list[int]]:
+    return [tokenizer.encode(p) if isinstance(p, str) else p for p in prompts]  # as LLMEngine encodes a str
+
+
+def _fit_context(request: Request, params: SamplingParams, prompts: list[list[int]], requested: int | None,
+                 default: int, prompt_field: str, max_tokens_field: str) -> SamplingParams:
+    """`params` with max_tokens for these prompts: the one `requested`, refused (400) when prompt
+    and completion outgrow the context, as vLLM; else `default`, cut to what the context leaves."""
+    max_len = request.app.state.engine_client.config.max_model_len
+    noun = "prompt" if prompt_field == "prompt" else "messages"
+    for i, prompt in enumerate(prompts):
+        which = f" {i}" if len(prompts) > 1 else ""
+        if len(prompt) >= max_len:
+            raise APIError(400, f"This model's maximum context length is {max_len} tokens. However, the {noun}{which} "
+                                f"has {len(prompt)} tokens, which leaves no room for a completion. Please reduce the "
+                                f"length of the {noun}.", param=prompt_field, code="context_length_exceeded")
+        if requested is not None and len(prompt) + requested > max_len:
+            raise APIError(400, f"This model's maximum context length is {max_len} tokens. However, you requested "
+                                f"{len(prompt) + requested} tokens ({len(prompt)} in the {noun}{which}, {requested} "
+                                f"for the completion). Please reduce the length of the {noun} or completion.",
+                           param=max_tokens_field, code="context_length_exceeded")
+    max_tokens = requested if requested is not None else min(default, max_len - max(map(len, prompts)))
+    return params if max_tokens == params.max_tokens else replace(params, max_tokens=max_tokens)
 
 
 async def _submit(request: Request, prompts: list, params: SamplingParams, request_id: str, fields: set[str],
@@ -241,13 +289,16 @@ _COMPLETION_FIELDS = set(CompletionRequest.model_fields)
 @_v1_router.post("/completions", response_model=None)
 async def create_completion(body: CompletionRequest, request: Request) -> Response:
     _check_model(request, body.model)
+    prompts = body.prompts()
+    requested = body.max_tokens if "max_tokens" in body.model_fields_set else None
     try:
         params = body.to_sampling_params()
+        prompt_ids = await _in_prompt_thread(request, _encode, prompts)
+        params = _fit_context(request, params, prompt_ids, requested, params.max_tokens, "prompt", "max_tokens")
     except ValueError as exc:
         raise request_error(exc, _COMPLETION_FIELDS) from None
-    prompts = body.prompts()
-    request_id = f"cmpl-{uuid.uuid4().hex}"
-    submission = await _submit(request, prompts, params, request_id, _COMPLETION_FIELDS, "prompt")
+    request_id = f"cmpl-{request.state.request_id}"
+    submission = await _submit(request, prompt_ids, params, request_id, _COMPLETION_FIELDS, "prompt")
     state = request.app.state
     if body.stream:
         return _sse_response(_completion_events(state, body, params, prompts, submission, request_id))
@@ -337,8 +388,12 @@ def _chat_prompt(tokenizer: PreTrainedTokenizerBase, body: ChatCompletionRequest
     try:
         text = tokenizer.apply_chat_template(body.conversation(), tokenize=False,
                                              add_generation_prompt=body.add_generation_prompt)
-    except TemplateError as exc:
-        raise APIError(400, f"messages: the chat template refused them: {exc}", param="messages") from None
+    except TemplateSyntaxError as exc:  # the model's template is broken: the server's fault, not the client's
+        logger.error("the chat template does not compile: %s", exc)
+        raise APIError(500, "this model's chat template is broken; the server's log has the details",
+                       type="server_error", code="chat_template_error") from None
+    except TemplateError as exc:  # the template's own refusal (raise_exception) or a missing field
+        raise APIError(400, f"messages: the chat template refused them: {exc.message}", param="messages") from None
     return tokenizer.encode(text, add_special_tokens=False)  # the template holds the special tokens
 
 
@@ -346,15 +401,18 @@ def _chat_prompt(tokenizer: PreTrainedTokenizerBase, body: ChatCompletionRequest
 async def create_chat_completion(body: ChatCompletionRequest, request: Request) -> Response:
     _check_model(request, body.model)
     state = request.app.state
-    prompt = _chat_prompt(state.tokenizer, body)
     client: EngineClient = state.engine_client
-    # With no max_tokens, the answer may fill what the context (and the KV cache) has left.
-    room = min(client.config.max_model_len, client.cache_capacity_tokens) - len(prompt)
+    given = next((name for name in ("max_completion_tokens", "max_tokens") if getattr(body, name) is not None),
+                 "max_tokens")
     try:
-        params = body.to_sampling_params(default_max_tokens=max(room, 1))
+        params = body.to_sampling_params(default_max_tokens=client.config.max_model_len)  # checked before any work
+        prompt = await _in_prompt_thread(request, _chat_prompt, body)
+        # With no max_tokens, the answer may fill what the context (and the KV cache) has left.
+        room = min(client.config.max_model_len, client.cache_capacity_tokens) - len(prompt)
+        params = _fit_context(request, params, [prompt], getattr(body, given), max(room, 1), "messages", given)
     except ValueError as exc:
         raise request_error(exc, _CHAT_FIELDS, "messages") from None
-    request_id = f"chatcmpl-{uuid.uuid4().hex}"
+    request_id = f"chatcmpl-{request.state.request_id}"
     submission = await _submit(request, [prompt], params, request_id, _CHAT_FIELDS, "messages")
     if body.stream:
         return _sse_response(_chat_events(state, body, params, submission, request_id))
@@ -429,6 +487,16 @@ def listening_socket(host: str, port: int) -> socket.socket:
     return sock
 
 
+def uvicorn_config(app: FastAPI, shutdown_timeout: float = DEFAULT_SHUTDOWN_TIMEOUT, log_level: str = "info",
+                   max_connections: int | None = None) -> uvicorn.Config:
+    """uvicorn's settings for `app` (from build_app): its HTTP protocol guarded by the connection
+    cap (`max_connections`, default the app's setting) and the header timeout."""
+    settings: ServerSettings = app.state.settings
+    install_log_limits()
+    protocol = guarded_protocol(AutoHTTPProtocol, max_connections or settings.max_connections, settings.header_timeout)
+    return uvicorn.Config(app, http=protocol, log_level=log_level, timeout_graceful_shutdown=shutdown_timeout)
+
+
 def serve(settings: ServerSettings, host: str = DEFAULT_HOST, port: int = DEFAULT_PORT,
           shutdown_timeout: float = DEFAULT_SHUTDOWN_TIMEOUT, log_level: str = "info") -> int:
     """Run the server until SIGTERM/SIGINT; then stop accepting, give in-flight requests
@@ -437,8 +505,8 @@ def serve(settings: ServerSettings, host: str = DEFAULT_HOST, port: int = DEFAUL
     bound_host, bound_port = sock.getsockname()[:2]
     url_host = f"[{bound_host}]" if ":" in bound_host else bound_host
     logger.info("listening on http://%s:%d (requests wait until the engine is ready)", url_host, bound_port)
-    config = uvicorn.Config(build_app(settings), log_level=log_level, timeout_graceful_shutdown=shutdown_timeout)
-    server = uvicorn.Server(config)
+    server = uvicorn.Server(uvicorn_config(build_app(settings), shutdown_timeout, log_level,
+                                          connection_cap(settings.max_connections)))
     # uvicorn handles the signal (graceful shutdown), then re-raises it to the handlers it found
     # in place. These take it quietly, so a requested shutdown ends with exit status 0.
     received: list[int] = []

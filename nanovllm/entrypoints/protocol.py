@@ -3,21 +3,53 @@
 Owns what a request may look like (types, required fields, which roles exist) and how a bad
 one is reported: `APIError` becomes OpenAI's `{"error": {"message", "type", "param", "code"}}`.
 Value ranges (temperature >= 0, top_p in (0, 1], ...) are declared once, in `SamplingParams`,
-whose `ValueError` names the field; `request_error()` turns it into a 400 with that `param`. It
-does not know the engine, HTTP routing or tokenization.
+whose `ValueError` names the field; `request_error()` turns it into a 400 with that `param`.
+What this module bounds itself is what must never reach SamplingParams or the engine at all:
+integers past what a tensor holds (`top_k=2**63`), strings that are not valid Unicode (a lone
+surrogate, which JSON's `"\ud800"` makes), and lists longer than any real request needs. It does
+not know the engine, HTTP routing or tokenization.
 """
 import re
 import time
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_serializer, field_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_serializer, field_validator
 
-from nanovllm.sampling_params import SamplingParams
+from nanovllm.sampling_params import MAX_LOGPROBS, MAX_SEED, MIN_SEED, SamplingParams
 
 # OpenAI's default for /v1/completions; chat completions default to what the context has left.
 DEFAULT_COMPLETION_MAX_TOKENS = 16
 # Roles the chat template is given; others are refused (a template would render them blindly).
 CHAT_ROLES = ("system", "developer", "user", "assistant")
+# Counts, token ids and top_k fit an int32 (what the sampler's and scheduler's tensors hold);
+# the engine bounds them further (top_k and token ids to the vocabulary, n to the queue).
+MAX_COUNT = 2**31 - 1
+# Stop strings and stop token ids a request may give: each is checked on every generated token,
+# so thousands of them would slow every step of the batch (OpenAI allows 4).
+MAX_STOP = 64
+# Characters of one stop string: text is held back from a stream until it cannot begin one.
+MAX_STOP_CHARS = 1024
+# logit_bias entries a request may give: each is one element of the sampler's bias, every step.
+MAX_LOGIT_BIAS_ENTRIES = 1024
+
+
+def _valid_unicode(text: str) -> str:
+    """JSON's \\uD800-\\uDFFF escapes parse into lone surrogates, which are not text: no tokenizer
+    takes them and no UTF-8 encoder writes them. Refused here (not replaced), so nothing the client
+    did not mean is generated from."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise ValueError(f"must be valid Unicode, but it holds a lone surrogate ({text[exc.start]!r} at character "
+                         f"{exc.start}); a \\uD800-\\uDBFF escape must be followed by a \\uDC00-\\uDFFF one") from None
+    return text
+
+
+# Every string field of a request: valid Unicode.
+Text = Annotated[str, AfterValidator(_valid_unicode)]
+Count = Annotated[int, Field(ge=0, le=MAX_COUNT)]
+TokenId = Annotated[int, Field(ge=0, le=MAX_COUNT)]
+StopString = Annotated[Text, Field(max_length=MAX_STOP_CHARS)]
 
 
 class APIError(Exception):
@@ -25,6 +57,9 @@ class APIError(Exception):
 
     def __init__(self, status: int, message: str, param: str | None = None, type: str = "invalid_request_error",
                  code: str | int | None = None, headers: dict[str, str] | None = None):
+        # A message quoting the client's input could hold a lone surrogate, which JSON encoders
+        # (UTF-8) refuse: escaped, so reporting an error can never fail itself.
+        message = message.encode("utf-8", "backslashreplace").decode("utf-8")
         super().__init__(message)
         self.status, self.message, self.param, self.type = status, message, param, type
         self.code = status if code is None else code
@@ -65,8 +100,10 @@ def _loc_to_param(loc: tuple) -> str | None:
 
 
 def validation_error(errors: list[dict]) -> APIError:
-    """A 400 for pydantic's (or FastAPI's) first complaint, naming the field it is about."""
-    error = errors[0]
+    """A 400 for pydantic's (or FastAPI's) first complaint, naming the field it is about. For a
+    union (`stop`: a string or a list of them) the complaint about the member the value was
+    meant as wins over "not a string" from the members it plainly is not."""
+    error = next((e for e in errors if not e["type"].endswith("_type")), errors[0])
     if error["type"] == "json_invalid":
         detail = error.get("ctx", {}).get("error", "")
         return APIError(400, f"the request body is not valid JSON: {detail}")
@@ -104,17 +141,17 @@ class StreamOptions(Strict):
 
 class SamplingFields(Strict):
     """The sampling knobs both endpoints share, with vLLM's extensions; None means the default."""
-    model: str | None = None
-    n: int = 1
+    model: Text | None = None
+    n: Annotated[int, Field(ge=1, le=MAX_COUNT)] = 1
     temperature: float | None = None
     top_p: float | None = None
-    top_k: int | None = None
+    top_k: Annotated[int, Field(ge=-1, le=MAX_COUNT)] | None = None
     min_p: float | None = None
-    seed: int | None = None
-    stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = None
+    seed: Annotated[int, Field(ge=MIN_SEED, le=MAX_SEED)] | None = None
+    stop: StopString | Annotated[list[StopString], Field(max_length=MAX_STOP)] | None = None
+    stop_token_ids: Annotated[list[TokenId], Field(max_length=MAX_STOP)] | None = None
     include_stop_str_in_output: bool = False
-    min_tokens: int = 0
+    min_tokens: Count = 0
     ignore_eos: bool = False
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
@@ -122,20 +159,26 @@ class SamplingFields(Strict):
     skip_special_tokens: bool = True
     stream: bool = False
     stream_options: StreamOptions | None = None
-    user: str | None = None  # accepted and ignored, as OpenAI's
-    logit_bias: dict[str, float] | None = None  # refused unless empty: the sampler has no bias
+    user: Text | None = None  # accepted and ignored, as OpenAI's
+    # OpenAI's logit_bias: token ids (as JSON object keys, so strings) -> a value in [-100, 100]
+    logit_bias: Annotated[dict[Text, float], Field(max_length=MAX_LOGIT_BIAS_ENTRIES)] | None = None
 
     def sampling_params(self, max_tokens: int, logprobs: int | None) -> SamplingParams:
         """SamplingParams for this request (its checks raise ValueError naming the field)."""
+        logit_bias = None
         if self.logit_bias:
-            raise ValueError("logit_bias is not supported by this server; leave it out or empty")
+            bad = next((key for key in self.logit_bias if not (key.isascii() and key.isdigit())), None)
+            if bad is not None:
+                raise ValueError(f"logit_bias has the key {bad!r:.40}; its keys must be token ids written as "
+                                 "decimal strings, e.g. {\"50256\": -100}")
+            logit_bias = {int(key): value for key, value in self.logit_bias.items()}
         given = {name: getattr(self, name) for name in (
             "temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty")}
         return SamplingParams(
             n=self.n, seed=self.seed, stop=self.stop, stop_token_ids=self.stop_token_ids,
             include_stop_str_in_output=self.include_stop_str_in_output, min_tokens=self.min_tokens,
             max_tokens=max_tokens, ignore_eos=self.ignore_eos, logprobs=logprobs,
-            skip_special_tokens=self.skip_special_tokens,
+            skip_special_tokens=self.skip_special_tokens, logit_bias=logit_bias,
             **{name: value for name, value in given.items() if value is not None})
 
     @property
@@ -144,25 +187,38 @@ class SamplingFields(Strict):
 
 
 class CompletionRequest(SamplingFields):
-    prompt: Any  # str, list of str, token ids or a list of token-id lists; checked below
-    max_tokens: int | None = DEFAULT_COMPLETION_MAX_TOKENS
-    logprobs: int | None = None
+    # str, list of str, token ids or a list of token-id lists; checked below (the schema says so to clients)
+    prompt: Any = Field(json_schema_extra={"anyOf": [
+        {"type": "string", "minLength": 1},
+        {"type": "array", "minItems": 1, "items": {"type": "string", "minLength": 1}},
+        {"type": "array", "minItems": 1, "items": {"type": "integer", "minimum": 0, "maximum": MAX_COUNT}},
+        {"type": "array", "minItems": 1, "items": {"type": "array", "minItems": 1, "items": {
+            "type": "integer", "minimum": 0, "maximum": MAX_COUNT}}}]})
+    max_tokens: Annotated[int, Field(ge=1, le=MAX_COUNT)] | None = DEFAULT_COMPLETION_MAX_TOKENS
+    logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
     echo: bool = False
-    suffix: str | None = None  # refused: no fill-in-the-middle
-    best_of: int | None = None  # refused unless equal to n
+    suffix: Text | None = None  # refused: no fill-in-the-middle
+    best_of: Annotated[int, Field(ge=1, le=MAX_COUNT)] | None = None  # refused unless equal to n
 
     @field_validator("prompt", mode="before")
     @classmethod
     def _check_prompt(cls, prompt: Any) -> Any:
         def is_ids(x) -> bool:
-            return isinstance(x, list) and bool(x) and all(isinstance(t, int) and not isinstance(t, bool) for t in x)
+            return isinstance(x, list) and bool(x) and all(
+                isinstance(t, int) and not isinstance(t, bool) and 0 <= t <= MAX_COUNT for t in x)
         if isinstance(prompt, str) and prompt:
+            return _valid_unicode(prompt)
+        if isinstance(prompt, list) and prompt and all(isinstance(p, str) and p for p in prompt):
+            for i, p in enumerate(prompt):
+                try:
+                    _valid_unicode(p)
+                except ValueError as exc:
+                    raise ValueError(f"prompt {i} {exc}") from None
             return prompt
-        if isinstance(prompt, list) and prompt and (
-                is_ids(prompt) or all(isinstance(p, str) and p for p in prompt) or all(is_ids(p) for p in prompt)):
+        if isinstance(prompt, list) and prompt and (is_ids(prompt) or all(is_ids(p) for p in prompt)):
             return prompt
         raise ValueError("must be a non-empty string, a list of non-empty strings, a non-empty list of token ids "
-                         "or a list of such lists")
+                         f"(each in [0, {MAX_COUNT}]) or a list of such lists")
 
     def prompts(self) -> list[str | list[int]]:
         """The prompts of this request, one engine request each."""
@@ -182,13 +238,13 @@ class CompletionRequest(SamplingFields):
 
 class TextPart(Strict):
     type: Literal["text"]
-    text: str
+    text: Text
 
 
 class ChatMessage(Strict):
     role: Literal[CHAT_ROLES]
-    content: str | list[TextPart]
-    name: str | None = None
+    content: Text | list[TextPart]
+    name: Text | None = None
 
     def text(self) -> str:
         return self.content if isinstance(self.content, str) else "".join(part.text for part in self.content)
@@ -196,10 +252,11 @@ class ChatMessage(Strict):
 
 class ChatCompletionRequest(SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_tokens: int | None = None
-    max_completion_tokens: int | None = None  # OpenAI's newer name for max_tokens; wins when both are given
+    max_tokens: Annotated[int, Field(ge=1, le=MAX_COUNT)] | None = None
+    # OpenAI's newer name for max_tokens; wins when both are given
+    max_completion_tokens: Annotated[int, Field(ge=1, le=MAX_COUNT)] | None = None
     logprobs: bool = False
-    top_logprobs: int | None = None
+    top_logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
     add_generation_prompt: bool = True  # vLLM's extension: end the prompt with the assistant header
     tools: list[dict] | None = None  # refused: no tool calling
 

@@ -1,8 +1,10 @@
 """What a server is told at start-up, and the defaults of `nanovllm serve`.
 
 A module of its own so the CLI can build its flags from `ServerSettings` without importing the
-web stack. It knows nothing of how the server uses them.
+web stack. It knows nothing of how the server uses them; docs/reliability.md lists every limit
+here with what a client sees when it is hit.
 """
+import math
 import os
 from dataclasses import dataclass, field
 
@@ -14,6 +16,18 @@ DEFAULT_MAX_QUEUE_LEN = 1024
 RETRY_AFTER_SECONDS = 1
 # Seconds in-flight requests get to finish after SIGTERM/SIGINT before they are aborted.
 DEFAULT_SHUTDOWN_TIMEOUT = 30.0
+# Bytes of one request body: a prompt of the longest usual context (128k tokens, ~4 bytes each
+# as text, ~7 as JSON token ids) fits with room to spare; a 100 MB body does not.
+DEFAULT_MAX_REQUEST_BYTES = 4 * 1024 * 1024
+# Open connections at once: a full queue (DEFAULT_MAX_QUEUE_LEN) and a full batch streaming,
+# each on a connection of its own, plus idle keep-alive ones; well under a typical fd limit.
+DEFAULT_MAX_CONNECTIONS = 2048
+# Seconds a client has to send a request's headers, from connecting (or from the end of its
+# previous response): far longer than any real client needs, short enough to drop a slow-loris.
+DEFAULT_HEADER_TIMEOUT = 10.0
+# Seconds a client has to send a request's whole body once its headers are in: DEFAULT_MAX_REQUEST_BYTES
+# at a slow 1 Mbit/s.
+DEFAULT_BODY_TIMEOUT = 40.0
 API_KEY_ENV = "NANOVLLM_API_KEY"
 
 
@@ -22,21 +36,45 @@ class ServerSettings:
     model: str  # checkpoint directory
     engine_kwargs: dict = field(default_factory=dict)  # Config fields for LLM(model, **engine_kwargs)
     served_model_name: str | None = None  # the name clients pass as "model"; default: MODEL as given
-    api_key: str | None = None  # required as "Authorization: Bearer KEY" on /v1/*; default: $NANOVLLM_API_KEY
+    # required as "Authorization: Bearer KEY" on /v1/*; default: $NANOVLLM_API_KEY (an empty key is refused)
+    api_key: str | None = None
     max_queue_len: int = DEFAULT_MAX_QUEUE_LEN  # sequences that may wait for their first token; more get 503
+    max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES  # largest request body in bytes; a larger one gets 413
+    max_connections: int = DEFAULT_MAX_CONNECTIONS  # open connections at once; one more is answered 503 and closed
+    # seconds a client has to send a request's headers (from connecting, or after its previous response)
+    header_timeout: float = DEFAULT_HEADER_TIMEOUT
+    body_timeout: float = DEFAULT_BODY_TIMEOUT  # seconds a client has to send a whole request body; then 408
 
     @property
     def model_name(self) -> str:
-        return self.served_model_name or self.model
+        return self.model if self.served_model_name is None else self.served_model_name
 
     def check(self) -> None:
         """Refuse settings a server cannot work with (ValueError naming the field)."""
-        if not isinstance(self.max_queue_len, int) or self.max_queue_len < 1:
-            raise ValueError(f"max_queue_len={self.max_queue_len!r} is not allowed; it must be an integer >= 1")
+        for name in ("max_queue_len", "max_request_bytes", "max_connections"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"{name}={value!r} is not allowed; it must be an integer >= 1")
+        for name in ("header_timeout", "body_timeout"):
+            value = getattr(self, name)
+            if not isinstance(value, (int, float)) or isinstance(value, bool) or not (math.isfinite(value)
+                                                                                       and value > 0):
+                raise ValueError(f"{name}={value!r} is not allowed; it must be a finite number of seconds > 0")
+        if self.api_key is not None and (not isinstance(self.api_key, str) or not self.api_key.strip()
+                                         or self.api_key != self.api_key.strip()):
+            raise ValueError(f"api_key={self.api_key!r} is not allowed (from --api-key or ${API_KEY_ENV}): an empty "
+                             "key would let every client in, and spaces around one cannot be sent in a header. Give "
+                             f"a non-empty key, or leave both --api-key and ${API_KEY_ENV} unset to serve without one")
+        if self.served_model_name is not None and (not isinstance(self.served_model_name, str)
+                                                   or not self.served_model_name.strip()):
+            raise ValueError(f"served_model_name={self.served_model_name!r} is not allowed; it must be a non-empty "
+                             "name, or left out to serve MODEL under the name it was given as")
         if self.engine_kwargs.get("skip_tokenizer_init"):
             raise ValueError("skip_tokenizer_init=True is not allowed when serving: the OpenAI API takes and "
                              "returns text, which needs the tokenizer")
 
 
 def api_key_from_env() -> str | None:
-    return os.environ.get(API_KEY_ENV) or None
+    """$NANOVLLM_API_KEY; None when unset. Set but empty is returned as "" for check() to refuse:
+    an empty variable is more often a missing secret than a wish to serve without a key."""
+    return os.environ.get(API_KEY_ENV)

@@ -9,9 +9,11 @@ residual max(p_j - q_j, 0) (renormalised) and the rest is dropped; when all d ar
 bonus token is drawn from p_d. A prompt-lookup proposal is a deterministic draft: q_j is 1 on x_j.
 Greedy rows (temperature 0) reduce to: accept while x_j is the argmax, then take the argmax.
 
-p is the sampler's own distribution (temperature, min_p, top_k, top_p, applied as
-layers/sampler.py does); rows with penalties, min_tokens bans or logprobs are never speculated
-on (the runner samples those with the Sampler). This module never sees a sequence: it gets
+p is the sampler's own distribution: the same pipeline of logits processors
+(layers/logits_processors.py) the Sampler applies, and greedy rows take the argmax of its
+adjusted logits. Rows whose processors depend on the tokens before each proposed one (penalties,
+min_tokens bans) or that want logprobs are never speculated on (the runner samples those with the
+Sampler: engine/scheduler.py, may_speculate). This module never sees a sequence: it gets
 tensors and returns, per row, whether its proposed token is accepted and the token to emit if
 the sequence's run stops at that row.
 """
@@ -20,22 +22,12 @@ from typing import NamedTuple
 import torch
 from torch import nn
 
-from nanovllm.layers.sampler import SamplingTensors, apply_min_p, apply_top_k_top_p, scale_by_temperature
+from nanovllm.layers.logits_processors import SamplingTensors
 
 
 class Verdicts(NamedTuple):
     accepted: list[bool]  # per row: its proposed token is accepted (False on each sequence's last row)
     tokens: list[int]  # per row: the token emitted if the run of accepted tokens ends at this row
-
-
-def sampling_probs(logits: torch.Tensor, t: SamplingTensors) -> torch.Tensor:
-    """[rows, vocab] float32 probabilities each sampled row draws from (greedy rows: meaningless)."""
-    logits = scale_by_temperature(logits.float(), t.temperatures)
-    if t.min_p is not None:
-        logits = apply_min_p(logits, t.min_p)
-    if t.top_k is not None or t.top_p is not None:
-        logits = apply_top_k_top_p(logits, t.top_k, t.top_p)
-    return torch.softmax(logits, dim=-1)
 
 
 def draw(weights: torch.Tensor, t: SamplingTensors) -> torch.Tensor:
@@ -62,13 +54,13 @@ class RejectionSampler(nn.Module):
         """logits: [rows, vocab] target logits; proposed: [rows] int64, the proposed token each row
         judges, -1 on each sequence's last row; draft_probs: [rows, vocab] the draft's q per row
         (rows without a proposal: anything), or None for deterministic drafts; t: one entry per row."""
-        logits = logits.float()
+        logits = t.adjust(logits)
         has_proposal = proposed >= 0
         index = proposed.clamp_min(0).unsqueeze(1)  # [rows, 1]
         best = logits.argmax(dim=-1)
         accepted, tokens = best == proposed, best
         if not t.all_greedy:
-            p = sampling_probs(logits, t)
+            p = torch.softmax(t.filter(logits), dim=-1)
             p_x = p.gather(1, index).squeeze(1)
             if draft_probs is None:  # q is 1 on the proposed token: accept with p(x), else draw from p without x
                 q_x = torch.ones_like(p_x)

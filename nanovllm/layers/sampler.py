@@ -1,49 +1,27 @@
 """Turns each sequence's last logits into its next token, in one batched pass on the device.
 
 Split in two (as mini-sglang): `prepare_sampling` (runner/sampling_inputs.py) gathers each
-row's parameters on the host into `SamplingTensors`, `Sampler` does the work on the device and
-never sees a sequence. Each row has its own parameters, applied in vLLM's order: penalties
-(repetition over prompt and output, presence and frequency over the output), min_tokens bans,
-then for sampled rows temperature, min_p, top_k, top_p. Greedy rows (temperature 0) take the
-argmax and never see the random draw. A row with a seed draws its noise from its own
-generator, so its tokens do not depend on what else is in the batch. Logprobs are the model's
-raw log-softmax, before any of that processing.
+row's parameters on the host into `SamplingTensors`, the batch's pipeline of logits processors
+(layers/logits_processors.py: bias, bans, penalties, then temperature, then min_p, top_k, top_p),
+and `Sampler` does the work on the device and never sees a sequence. Greedy rows (temperature 0)
+take the argmax of the adjusted logits and never see the random draw. A row with a seed draws
+its noise from its own generator, so its tokens do not depend on what else is in the batch.
+Logprobs are the model's raw log-softmax, before any of that processing.
 
 With Triton kernels chosen (`enable_triton`, by the model runner) the draw is
 kernels/sampling.py's race, its noise Philox keyed per row (SamplingTensors.philox: a seeded row's
 seed and the index of the token it draws, so its stream is its own; for the others a fresh key per
 step). A batch that needs nothing but temperatures is one kernel over the logits as the LM head
-wrote them; otherwise the filters run in torch first and the same kernel races the filtered
-logits, so a seeded row draws the same token on either path.
+wrote them; otherwise the pipeline runs in torch first and the same kernel races its
+result, so a seeded row draws the same token on either path.
 """
 from typing import Callable, NamedTuple
 
 import torch
 from torch import nn
 
+from nanovllm.layers.logits_processors import SamplingTensors, divide_by_temperature
 from nanovllm.utils.compile import compilable
-
-
-class SamplingTensors(NamedTuple):
-    temperatures: torch.Tensor  # [batch] float32, 0 = greedy
-    all_greedy: bool
-    # Only present when some row needs them (the common case skips the work entirely).
-    top_k: torch.Tensor | None  # [batch] int64, vocab size = off
-    top_p: torch.Tensor | None  # [batch] float32, 1 = off
-    min_p: torch.Tensor | None  # [batch] float32, 0 = off
-    penalties: tuple[torch.Tensor, ...] | None  # repetition, presence, frequency [batch]; prompt mask, output counts [batch, vocab]
-    banned: tuple[torch.Tensor, torch.Tensor] | None  # (rows, token ids) that min_tokens forbids
-    generators: list[tuple[int, torch.Generator]]  # (row, generator) for seeded rows
-    num_logprobs: int  # the largest top-N asked for; -1 = no row wants logprobs
-    # [2, batch] int64: each row's Philox key (row 0) and counter (row 1), for the Triton race; None
-    # on the torch path, whose seeded rows use `generators`.
-    philox: torch.Tensor | None = None
-
-    @property
-    def needs_only_temperature(self) -> bool:
-        """No filter, penalty, ban or logprobs: the race over the raw logits is all there is."""
-        return (self.top_k is None and self.top_p is None and self.min_p is None and self.penalties is None
-                and self.banned is None and self.num_logprobs < 0)
 
 
 class TokenLogprobs(NamedTuple):
@@ -57,42 +35,9 @@ class SamplerOutput(NamedTuple):
     logprobs: list[TokenLogprobs | None]
 
 
-def apply_penalties(logits: torch.Tensor, repetition: torch.Tensor, presence: torch.Tensor, frequency: torch.Tensor,
-                    prompt_mask: torch.Tensor, output_counts: torch.Tensor) -> torch.Tensor:
-    """vLLM's penalties. logits, prompt_mask, output_counts: [batch, vocab]; penalties: [batch]."""
-    seen = prompt_mask | (output_counts > 0)
-    rep = repetition.unsqueeze(1)
-    logits = torch.where(seen, torch.where(logits > 0, logits / rep, logits * rep), logits)
-    logits = logits - frequency.unsqueeze(1) * output_counts
-    return logits - presence.unsqueeze(1) * (output_counts > 0).float()
-
-
-def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
-    """Drop tokens whose probability is below min_p times the most likely token's."""
-    probs = torch.softmax(logits, dim=-1)
-    threshold = probs.amax(dim=-1, keepdim=True) * min_p.unsqueeze(1)
-    return logits.masked_fill(probs < threshold, float("-inf"))
-
-
-def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | None) -> torch.Tensor:
-    """Keep each row's top_k most likely tokens, then the smallest set whose probability reaches
-    top_p (the most likely token always stays)."""
-    sorted_logits, order = logits.sort(dim=-1, descending=True)
-    if top_k is not None:
-        kth = sorted_logits.gather(1, (top_k - 1).clamp(0, logits.size(1) - 1).unsqueeze(1))
-        sorted_logits = sorted_logits.masked_fill(sorted_logits < kth, float("-inf"))
-    if top_p is not None:
-        probs = torch.softmax(sorted_logits, dim=-1)
-        mass_before = probs.cumsum(dim=-1) - probs  # probability of the more likely tokens
-        # top_p = 1 keeps everything, even where float rounding takes the running sum to 1.
-        drop = (mass_before >= top_p.unsqueeze(1)) & (top_p < 1).unsqueeze(1)
-        sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
-    return torch.full_like(logits, float("-inf")).scatter_(1, order, sorted_logits)
-
-
-@compilable
-def scale_by_temperature(logits: torch.Tensor, temperatures: torch.Tensor) -> torch.Tensor:
-    return logits / torch.where(temperatures > 0, temperatures, 1.0).unsqueeze(1)
+# The pipeline's temperature step, compiled with the engine's compile mode (the torch path only:
+# the Triton path must compile nothing after start-up).
+scale_by_temperature = compilable(divide_by_temperature)
 
 
 @compilable
@@ -127,51 +72,33 @@ class Sampler(nn.Module):
         # logits: [batch, vocab]
         if self.race_kernel is not None:
             return self._draw_triton(logits, t)
-        raw_logits, logits = self._penalised(logits, t)
-        tokens = logits.argmax(dim=-1)
+        raw_logits = logits.float()
+        adjusted = t.adjust(raw_logits)
+        tokens = adjusted.argmax(dim=-1)
         if not t.all_greedy:
-            tokens = torch.where(t.temperatures > 0, self._sample(logits, t), tokens)
+            tokens = torch.where(t.temperatures > 0, self._race(t.filter(adjusted, scale_by_temperature), t), tokens)
         return tokens, self._logprobs(raw_logits, tokens, t.num_logprobs)
 
     def _draw_triton(self, logits: torch.Tensor, t: SamplingTensors) -> tuple[torch.Tensor, list]:
         seeds, counters = t.philox
         if t.needs_only_temperature:  # the common case: one pass over the logits in their own dtype
             return self.race_kernel(logits, t.temperatures, seeds, counters), [None] * logits.size(0)
-        # Filters in torch as above (no torch.compile: nothing may compile after start-up), then
-        # the kernel races the filtered logits: already scaled for sampled rows (temperature 1
-        # divides exactly), raw for greedy ones (temperature 0: argmax).
-        raw_logits, logits = self._penalised(logits, t)
+        # The pipeline in torch as above (eager: nothing may compile after start-up), then the
+        # kernel races the result: already scaled for sampled rows (temperature 1 divides
+        # exactly), the adjusted logits for greedy ones (temperature 0: argmax).
+        raw_logits = logits.float()
+        logits = t.adjust(raw_logits)
         temperatures = t.temperatures
         if not t.all_greedy:
             sampled = t.temperatures > 0
-            scaled = logits / torch.where(sampled, t.temperatures, 1.0).unsqueeze(1)
-            if t.min_p is not None:
-                scaled = apply_min_p(scaled, t.min_p)
-            if t.top_k is not None or t.top_p is not None:
-                scaled = apply_top_k_top_p(scaled, t.top_k, t.top_p)
-            logits = torch.where(sampled.unsqueeze(1), scaled, logits)
+            logits = torch.where(sampled.unsqueeze(1), t.filter(logits), logits)
             temperatures = sampled.float()
         tokens = self.race_kernel(logits, temperatures, seeds, counters)
         return tokens, self._logprobs(raw_logits, tokens, t.num_logprobs)
 
     @staticmethod
-    def _penalised(logits: torch.Tensor, t: SamplingTensors) -> tuple[torch.Tensor, torch.Tensor]:
-        """The logits in float32 (logprobs are taken from these), and the same after the penalties
-        and min_tokens bans (what the argmax and the draw see)."""
-        raw_logits = logits = logits.float()
-        if t.penalties is not None:
-            logits = apply_penalties(logits, *t.penalties)
-        if t.banned is not None:
-            logits = logits.index_put((t.banned[0], t.banned[1]), torch.full((), float("-inf"), device=logits.device))
-        return raw_logits, logits
-
-    @staticmethod
-    def _sample(logits: torch.Tensor, t: SamplingTensors) -> torch.Tensor:
-        logits = scale_by_temperature(logits, t.temperatures)
-        if t.min_p is not None:
-            logits = apply_min_p(logits, t.min_p)
-        if t.top_k is not None or t.top_p is not None:
-            logits = apply_top_k_top_p(logits, t.top_k, t.top_p)
+    def _race(logits: torch.Tensor, t: SamplingTensors) -> torch.Tensor:
+        """One token per row drawn from softmax(logits); seeded rows draw from their own generator."""
         noise = torch.empty_like(logits).exponential_()
         for row, generator in t.generators:  # seeded rows draw from their own generator
             noise[row].exponential_(generator=generator)

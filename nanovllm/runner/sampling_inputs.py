@@ -1,28 +1,18 @@
 """Builds the sampler's input from the sequences that sample in a step: `SamplingTensors`.
 
-The host side of sampling (as mini-sglang's `prepare`): each row's parameters gathered into
-small tensors, only those some row needs (the common temperature-only case is one copy), the
-prompt and output token counts for penalties, the tokens min_tokens forbids, and each seeded
-row's own generator (made on the sampling device at its first use), or with `philox` (the
-Triton sampler) each row's Philox key and counter instead. The device side is
+The host side of sampling (as mini-sglang's `prepare`): the batch's pipeline of logits
+processors (layers/logits_processors.py), built from the rows' parameters and tokens only when
+some row needs one (the common temperature-only case is one copy), with the tokens min_tokens
+forbids as engine/stop_checker.py decides them; and each seeded row's own generator (made on the
+sampling device at its first use), or with `philox` (the Triton sampler) each row's Philox key
+and counter instead. The device side is
 `layers/sampler.py`, which knows nothing of sequences.
 """
 import torch
 
 from nanovllm.engine.sequence import Sequence
 from nanovllm.engine.stop_checker import banned_token_ids
-from nanovllm.layers.sampler import SamplingTensors
-
-
-def _token_matrix(rows: list[list[int]], vocab_size: int, device: torch.device) -> torch.Tensor:
-    """[batch, vocab] float32 counts of each token id per row."""
-    width = max(1, max(map(len, rows)))
-    # Pad with an extra column (vocab_size) that is dropped after counting.
-    ids = torch.tensor([r + [vocab_size] * (width - len(r)) for r in rows], dtype=torch.int64)
-    counts = torch.zeros(len(rows), vocab_size + 1, dtype=torch.float32)
-    counts.scatter_add_(1, ids, torch.ones_like(ids, dtype=torch.float32))
-    return counts[:, :vocab_size].to(device, non_blocking=True)
-
+from nanovllm.layers.logits_processors import RowsView, SamplingTensors
 
 INT64_SPAN = 1 << 64  # seeds run over int64 and uint64 (SamplingParams); a key is their 64 bits
 
@@ -55,27 +45,13 @@ def prepare_sampling(seqs: list[Sequence], vocab_size: int, eos: int, device: to
     def column(values: list, dtype: torch.dtype) -> torch.Tensor:  # from pinned memory, without blocking
         return torch.tensor(values, dtype=dtype, pin_memory=device.type == "cuda").to(device, non_blocking=True)
 
-    temperatures = [p.temperature for p in params]
+    temperatures = [0.0 if p.greedy else p.temperature for p in params]
     keys = column(philox_keys(seqs), torch.int64) if philox else None  # [2, batch]
     # The common case, one small copy (two with Philox keys), and the Triton sampler's single pass.
     if all(p.needs_only_temperature_and_seed if philox else p.needs_only_temperature for p in params):
-        return SamplingTensors(column(temperatures, torch.float32), all_greedy=not any(temperatures), top_k=None,
-                               top_p=None, min_p=None, penalties=None, banned=None, generators=[], num_logprobs=-1,
-                               philox=keys)
-    sampled = [p for p in params if not p.greedy]
-    top_k = [p.top_k if p.top_k > 0 else vocab_size for p in params]
-    penalties = None
-    if any(p.has_penalties for p in params):
-        penalties = (column([p.repetition_penalty for p in params], torch.float32),
-                     column([p.presence_penalty for p in params], torch.float32),
-                     column([p.frequency_penalty for p in params], torch.float32),
-                     _token_matrix([s.prompt_token_ids for s in seqs], vocab_size, device) > 0,
-                     _token_matrix([s.completion_token_ids for s in seqs], vocab_size, device))
-    banned_rows, banned_ids = [], []
-    for row, seq in enumerate(seqs):  # min_tokens, as the stop checker applies it
-        banned = banned_token_ids(seq, eos)
-        banned_rows += [row] * len(banned)
-        banned_ids += banned
+        return SamplingTensors(column(temperatures, torch.float32), all_greedy=not any(temperatures), philox=keys)
+    before, after = SamplingTensors.pipeline(RowsView(seqs, params, lambda seq: banned_token_ids(seq, eos), column,
+                                                      device, vocab_size))
     generators = []
     for row, seq in enumerate(seqs if not philox else []):  # Philox keys replace generators
         if seq.sampling_params.seed is not None and not seq.sampling_params.greedy:
@@ -84,13 +60,10 @@ def prepare_sampling(seqs: list[Sequence], vocab_size: int, eos: int, device: to
             generators.append((row, seq.generator))
     return SamplingTensors(
         temperatures=column(temperatures, torch.float32),
-        all_greedy=not sampled,
-        top_k=column(top_k, torch.int64) if any(p.top_k > 0 for p in sampled) else None,
-        top_p=column([p.top_p for p in params], torch.float32) if any(p.top_p < 1 for p in sampled) else None,
-        min_p=column([p.min_p for p in params], torch.float32) if any(p.min_p > 0 for p in sampled) else None,
-        penalties=penalties,
-        banned=(column(banned_rows, torch.int64), column(banned_ids, torch.int64)) if banned_rows else None,
-        generators=generators,
+        all_greedy=all(p.greedy for p in params),
+        before_temperature=before,
+        after_temperature=after,
+        generators=tuple(generators),
         num_logprobs=max((p.logprobs for p in params if p.logprobs is not None), default=-1),
         philox=keys,
     )

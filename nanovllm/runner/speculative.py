@@ -29,7 +29,7 @@ from nanovllm.engine.ngram_proposer import NgramProposer
 from nanovllm.engine.scheduler import RECOMPUTE
 from nanovllm.engine.sequence import Sequence
 from nanovllm.layers.attention import Attention
-from nanovllm.layers.rejection_sampler import RejectionSampler, draw, sampling_probs
+from nanovllm.layers.rejection_sampler import RejectionSampler, draw
 from nanovllm.layers.sampler import TokenLogprobs
 from nanovllm.models.registry import MODELS
 from nanovllm.runner.model_runner import MemoryReserve, ModelRunner, StepLogits, kv_block_bytes
@@ -155,10 +155,11 @@ class SpeculativeRunner:
                                [seq.block_table for seq in seqs])
             logits = self.draft.forward(step).logits.float()  # [live, vocab]
             t = prepare_sampling(seqs, vocab, eos, device)
-            chosen = logits.argmax(dim=-1)
+            adjusted = t.adjust(logits)
+            chosen = adjusted.argmax(dim=-1)
             if not t.all_greedy:
                 any_sampled = True
-                q = sampling_probs(logits, t)
+                q = torch.softmax(t.filter(adjusted), dim=-1)
                 chosen = torch.where(t.temperatures > 0, draw(q, t), chosen)
                 for k, r in enumerate(live):
                     if group[r].temperature > 0:  # a greedy row's verification needs no q

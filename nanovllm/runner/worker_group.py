@@ -5,12 +5,15 @@ Owns the workers' lives and turning a worker's failure (an exception, its death,
 silence) into a prompt, clear TensorParallelError on rank 0. Nothing is fixed that two engines
 on one host could share: the rendezvous store listens on a port the OS picks (port 0 on
 127.0.0.1), and steps travel through one multiprocessing Pipe per worker, so no shared-memory
-name exists to collide. The protocol itself (message kinds, the worker's side) is `worker.py`.
+name exists to collide. Every rank runs on this host (multi-node is out of scope), so the store
+listens on loopback alone: nothing on the network can reach it. The protocol itself (message
+kinds, the worker's side) is `worker.py`.
 """
 import logging
 import multiprocessing as mp
 import pickle
 import signal
+import socket
 import threading
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -35,6 +38,20 @@ WORKER_START_TIMEOUT_S = 300.0
 WORKER_JOIN_TIMEOUT_S = 10.0
 # After an error on rank 0, how long to wait for a worker to report the failure behind it.
 FAILURE_GRACE_S = 2.0
+
+
+def loopback_listener() -> socket.socket:
+    """A listening socket for the rendezvous store on 127.0.0.1 and a port the OS picks (free, and
+    held from now on, so engines never collide). Given to the store, since a TCPStore binds every
+    interface when it opens its own socket, whatever host it is told."""
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    try:
+        sock.bind((LOOPBACK, 0))
+        sock.listen(socket.SOMAXCONN)
+    except BaseException:
+        sock.close()
+        raise
+    return sock
 
 
 class TensorParallelError(RuntimeError):
@@ -81,9 +98,15 @@ class WorkerGroup:
         self._watcher: threading.Thread | None = None
         self._stop_watcher: Connection | None = None  # closing it wakes the watcher
         self._saved_threads: int | None = None
-        # Port 0: the OS picks a free port and holds it from now on, so engines never collide.
-        self.store = dist.TCPStore(LOOPBACK, 0, self.world_size, is_master=True, wait_for_workers=False,
-                                   timeout=PROCESS_GROUP_TIMEOUT)
+        listener = loopback_listener()
+        try:
+            self.store = dist.TCPStore(LOOPBACK, listener.getsockname()[1], self.world_size, is_master=True,
+                                       wait_for_workers=False, timeout=PROCESS_GROUP_TIMEOUT,
+                                       master_listen_fd=listener.fileno())
+        except BaseException:
+            listener.close()
+            raise
+        listener.detach()  # the store owns the socket now, and closes it when it is freed
         try:
             self._start(config)
         except BaseException:
