@@ -77,7 +77,7 @@ def test_poison_lines_become_error_lines_and_the_rest_is_unchanged(clean, qwen3_
     assert summary.num_errors == len(POISON_LINES)
     check_results(out, clean_results, POISON_LINES)
     messages = {r["custom_id"]: r["error"]["message"] for r in read_results(out) if r["error"]}
-    assert "top_k=9223372036854775808 is not allowed" in messages["huge-top-k"]
+    assert "top_k" in messages["huge-top-k"] and str(2 ** 63) in messages["huge-top-k"]
     assert "lone surrogate" in messages["surrogate"] and "lone surrogate" in messages["chat-surrogate"]
     before = out.read_bytes()
     # Running the same command again finds every line done: it succeeds and writes nothing.
