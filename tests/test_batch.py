@@ -18,7 +18,7 @@ from nanovllm import LLM, SamplingParams
 from nanovllm.config import Config
 from nanovllm.entrypoints.batch import BatchJob, run_batch
 from nanovllm.entrypoints.batch_lines import BatchRequest, LineError, parse_line, resolve_sampling_defaults
-from nanovllm.entrypoints.batch_log import DoneLines, ResultLog, count_lines, pending_lines
+from nanovllm.entrypoints.batch_log import DoneLines, ResultLog, pending_lines, stamp_input
 from nanovllm.entrypoints.cli import main
 from batching import (BAD_LINES, GREEDY, JOB_ENGINE, JOB_FLAGS, SUBPROCESS_ENV, by_line, read_results,
                       request_lines, write_lines)
@@ -99,8 +99,15 @@ def test_log_repairs_a_torn_last_line(tmp_path):
         log.append(3, json.dumps({"custom_id": "x3", "line": 3, "error": None}))
     assert [r["line"] for r in read_results(path)] == [2, 1, 4, 3]
     inputs = write_lines(tmp_path / "in.jsonl", [f"l{i}" for i in range(1, 7)])
-    assert count_lines(inputs) == 6
-    assert [(n, raw) for n, raw in pending_lines(inputs, log.done)] == [(5, b"l5"), (6, b"l6")]
+    stamp = stamp_input(inputs)
+    assert stamp.num_lines == 6 and stamp.size == os.path.getsize(inputs)
+    with open(inputs, "ab") as f:  # a last line without a newline counts, and changes the stamp
+        f.write(b"l7")
+    assert stamp_input(inputs).num_lines == 7 and stamp_input(inputs) != stamp
+    seen = []
+    assert stamp_input(inputs, lambda number, raw: seen.append((number, raw))) == stamp_input(inputs)
+    assert seen[-2:] == [(6, b"l6"), (7, b"l7")]
+    assert [(n, raw) for n, raw in pending_lines(inputs, log.done)] == [(5, b"l5"), (6, b"l6"), (7, b"l7")]
 
 
 RESULT_1 = '{"custom_id": "a", "line": 1, "error": null}'
@@ -172,7 +179,7 @@ def reference(qwen3_tiny, job_input, tmp_path_factory) -> dict[int, dict]:
     """An uninterrupted in-process run, greedy: results by input line."""
     out = tmp_path_factory.mktemp("reference") / "out.jsonl"
     summary = run_batch(BatchJob(qwen3_tiny, job_input, str(out), JOB_ENGINE, GREEDY, progress=False))
-    assert summary.num_lines == count_lines(job_input) and summary.num_resumed == 0
+    assert summary.num_lines == stamp_input(job_input).num_lines and summary.num_resumed == 0
     return by_line(read_results(out))
 
 
@@ -355,7 +362,7 @@ def test_progress_shows_lines_done_of_total_and_rates(job_input, qwen3_tiny, tmp
     """The bar on stderr: lines done / total, lines per second, tokens per second, error lines."""
     out = tmp_path / "out.jsonl"
     run_batch(BatchJob(qwen3_tiny, job_input, str(out), JOB_ENGINE, GREEDY, progress=True))
-    total = count_lines(job_input)
+    total = stamp_input(job_input).num_lines
     last = capsys.readouterr().err.replace("\r", "\n").splitlines()
     bar = [line for line in last if line.startswith("batch:")][-1]
     assert f" {total}/{total} " in bar and ("line/s" in bar or "s/line" in bar) and "tok/s=" in bar, bar

@@ -23,7 +23,7 @@ from typing import Callable, Iterator, NamedTuple
 DEFAULT_FLUSH_INTERVAL = 0.5
 # ... or sooner, once this many lines wait: bounds what a burst of finished requests holds.
 MAX_PENDING_LINES = 4096
-READ_CHUNK_BYTES = 1 << 20  # for counting input lines
+READ_CHUNK_BYTES = 1 << 20  # for stamping the input
 # Every result line starts so (json.dumps keeps key order and custom_id is the first key): a torn
 # last line is one only if it starts with (a part of) it; any other unfinished last line is not ours.
 RESULT_PREFIX = b'{"custom_id": '
@@ -102,16 +102,6 @@ class DoneLines:
             self._above.remove(self.watermark)
             self.watermark += 1
         return True
-
-
-def count_lines(path: str) -> int:
-    """Lines in a file, counted as iterating it does: a last line without a newline counts."""
-    count, last = 0, b"\n"
-    with open(path, "rb") as f:
-        while chunk := f.read(READ_CHUNK_BYTES):
-            count += chunk.count(b"\n")
-            last = chunk[-1:]
-    return count + (last != b"\n")
 
 
 def pending_lines(path: str, done: DoneLines) -> Iterator[InputLine]:
