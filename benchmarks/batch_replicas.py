@@ -4,14 +4,15 @@ A random-weight Qwen3-shaped checkpoint (a few million parameters, so the model'
 the host, sets the pace) and a fixed-seed JSONL input of short prompts, greedy, run through
 `run_ray_batch` (what `nanovllm batch --ray` runs) on a local Ray started once. Each layout is
 warmed up with a small job first (the actors' processes, imports, the engine's start-up), then
-timed over whole jobs: wall time from the call to the last result on disk (Ray Data's planning
+the layouts take turns, `--repeats` rounds (so a machine that gets busier mid-run slows every
+layout alike), each job timed whole: wall time from the call to the last result on disk (Ray Data's planning
 and the actors' start-up included, as a user waits for them), and the steady rate: lines per
 second from the first result batch's arrival to the last (start-up excluded). Layouts:
 1 replica with 1 CPU, 1 replica with every CPU (one engine, more torch threads), and 2 replicas
 with 1 CPU each (Ray gives each actor OMP_NUM_THREADS equal to its CPUs). Prints a table, then
 one JSON line.
 
-Usage: python benchmarks/batch_replicas.py [--lines 384] [--max-tokens 24] [--repeats 2]
+Usage: python benchmarks/batch_replicas.py [--lines 512] [--max-tokens 32] [--repeats 3]
 """
 import argparse
 import json
@@ -93,9 +94,9 @@ def run_job(model: str, inp: str, out: str, replicas: int, cpus: float) -> tuple
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--lines", type=int, default=384)
-    parser.add_argument("--max-tokens", type=int, default=24)
-    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--lines", type=int, default=512)
+    parser.add_argument("--max-tokens", type=int, default=32)
+    parser.add_argument("--repeats", type=int, default=3)
     args = parser.parse_args()
     import ray
 
@@ -112,11 +113,12 @@ def main() -> None:
         for replicas, cpus in layouts:
             write_input(warm, WARMUP_LINES_PER_REPLICA * replicas, 4)
             run_job(model, warm, os.path.join(folder, "warm-out.jsonl"), replicas, cpus)
-            times, rates, tokens = [], [], 0
-            for _ in range(args.repeats):
-                elapsed, rate, tokens = run_job(model, inp, os.path.join(folder, "out.jsonl"), replicas, cpus)
-                times.append(elapsed)
-                rates.append(rate)
+        runs: dict[tuple[int, float], list[tuple[float, float, int]]] = {layout: [] for layout in layouts}
+        for _ in range(args.repeats):
+            for replicas, cpus in layouts:
+                runs[replicas, cpus].append(run_job(model, inp, os.path.join(folder, "out.jsonl"), replicas, cpus))
+        for (replicas, cpus), timed in runs.items():
+            times, rates, tokens = [t for t, _, _ in timed], [r for _, r, _ in timed], timed[0][2]
             median = statistics.median(times)
             rows.append({"replicas": replicas, "cpus_per_replica": cpus, "best_s": round(min(times), 2),
                          "median_s": round(median, 2), "lines_per_s": round(args.lines / median, 1),
