@@ -46,6 +46,7 @@ import sys
 import time
 from datetime import datetime, timezone
 from functools import partial
+from pathlib import Path
 from typing import Callable, NamedTuple
 
 import torch
@@ -56,6 +57,7 @@ from nanovllm import LLM, SamplingParams
 from nanovllm.config import KV_CACHE_DTYPES
 from nanovllm.engine.scheduler import SCHEDULING_POLICIES
 from nanovllm.speculative_config import SPECULATIVE_METHODS
+from nanovllm.utils.paths import cache_dir
 from nanovllm.testing.synthetic import (GPT2_CONFIG, LLAMA_3_2_1B_CONFIG, QWEN3_30B_A3B_CONFIG, build_checkpoint,
                                         build_qwen3_0_6b, build_shaped)
 
@@ -116,6 +118,12 @@ def synthetic_model(kind: str, on_cpu: bool) -> SyntheticModel:
         partial(build_shaped, arch="qwen3_moe", config_fields={**QWEN3_30B_A3B_CONFIG, "num_hidden_layers": layers}),
         note=f"Qwen3-30B-A3B scaled down to {layers} of its {total} layers ({'CPU' if on_cpu else 'checkpoint size'}); "
              "every layer has the real shapes, so throughput is that of the shallower model")
+
+
+def default_workdir() -> Path:
+    """Where --synthetic checkpoints are built: the user's cache (nanovllm/utils/paths.py), not
+    whatever directory the benchmark runs from."""
+    return cache_dir() / "checkpoints"
 
 
 def synthetic_checkpoint(model: SyntheticModel, workdir: str) -> str:
@@ -212,7 +220,8 @@ def parse_args() -> argparse.Namespace:
     source.add_argument("--synthetic", choices=SYNTHETIC_KINDS, help="build (once) and use a random-weight checkpoint "
                         f"(default when {NANO_VLLM_CHECKPOINT} does not exist: {DEFAULT_SYNTHETIC_CUDA} on CUDA, "
                         f"{DEFAULT_SYNTHETIC_CPU} on CPU)")
-    parser.add_argument("--workdir", default="./checkpoints/", help="where --synthetic checkpoints are cached")
+    parser.add_argument("--workdir", default=str(default_workdir()),
+                        help="where --synthetic checkpoints are cached (default: %(default)s)")
     parser.add_argument("--num-seqs", type=int, help=f"default {GPU_NUM_SEQS} on CUDA, {CPU_NUM_SEQS} on CPU")
     parser.add_argument("--min-len", type=int, help=f"shortest input/output; default {GPU_MIN_LEN} on CUDA, "
                         f"{CPU_MIN_LEN} on CPU")

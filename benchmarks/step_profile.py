@@ -219,7 +219,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     source.add_argument("--model", help="local checkpoint directory (default: as bench.py)")
     source.add_argument("--synthetic", choices=list(bench.SYNTHETIC_KINDS),
                         help="a random-weight checkpoint (built once)")
-    parser.add_argument("--workdir", default="./checkpoints/", help="where --synthetic checkpoints are cached")
+    parser.add_argument("--workdir", default=str(bench.default_workdir()),
+                        help="where --synthetic checkpoints are cached (default: %(default)s)")
     parser.add_argument("--num-seqs", type=int, default=bench.GPU_NUM_SEQS)
     parser.add_argument("--min-len", type=int, default=bench.GPU_MIN_LEN)
     parser.add_argument("--max-len", type=int, default=bench.GPU_MAX_LEN)

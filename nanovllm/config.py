@@ -9,11 +9,18 @@ runner, which needs the backends' imports. It does not know how the model runs.
 import copy
 import importlib.util
 import json
+import logging
 import os
 from dataclasses import dataclass, field, fields
+from typing import Literal
 
 import torch
 from transformers import AutoConfig, PretrainedConfig, PreTrainedTokenizerBase
+
+try:  # transformers 5's configs validate their fields through huggingface_hub's strict dataclasses
+    from huggingface_hub.errors import StrictDataclassError
+except ImportError:  # an older huggingface_hub: its configs raise ValueError and TypeError alone
+    StrictDataclassError = ValueError
 
 from nanovllm.attention.kv_quant import FP8_DTYPES
 from nanovllm.engine.scheduler import DEFAULT_SCHEDULING_POLICY, PREEMPTION_MODES, RECOMPUTE, SCHEDULING_POLICIES
@@ -25,6 +32,10 @@ from nanovllm.utils.validation import is_int, is_number, require
 
 from nanovllm.models.registry import MODELS, architecture_of
 
+logger = logging.getLogger("nanovllm")
+
+# Each vocabulary is written once, here, and a field takes it as its Literal type: the checks below
+# and the CLI's choices (entrypoints/cli_args.py) both read it.
 DEVICES = ("auto", "cuda", "cpu")
 ATTENTION_BACKENDS = ("auto", "flash_attn", "triton", "torch")
 COMPILE_MODES = ("auto", "on", "off")
@@ -32,6 +43,18 @@ FUSED_KERNELS = ("auto", "triton", "torch")
 ASYNC_SCHEDULING_MODES = ("auto", "on", "off")
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 KV_CACHE_DTYPES = ("auto", *FP8_DTYPES)
+Device = Literal[DEVICES]
+AttentionBackend = Literal[ATTENTION_BACKENDS]
+CompileMode = Literal[COMPILE_MODES]
+FusedKernels = Literal[FUSED_KERNELS]
+AsyncScheduling = Literal[ASYNC_SCHEDULING_MODES]
+DtypeName = Literal[("auto", *DTYPES)]
+KvCacheDtype = Literal[KV_CACHE_DTYPES]
+SchedulingPolicy = Literal[SCHEDULING_POLICIES]
+PreemptionMode = Literal[PREEMPTION_MODES]
+# The metadata of a field the command line takes but leaves out of --help (entrypoints/cli_args.py):
+# knobs for tests and tuning, and settings a command that reads and prints text has no use for.
+CLI_HIDDEN = {"cli_hidden": True}
 # The smallest paged-KV block the backends accept: Triton's tl.dot needs tiles of at least this.
 MIN_BLOCK_SIZE = MIN_DOT_SIZE
 # kvcache_block_size when none is given, per device. CUDA: nano-vllm's 256, a page size flash-attn
@@ -58,16 +81,16 @@ class Config:
     # 256 on CUDA, which flash-attn can page; 32 on CPU). Always an int once the Config is made.
     kvcache_block_size: int | None = None
     num_kvcache_blocks: int = -1  # -1: size the KV cache from memory; > 0: exactly this many blocks
-    device: str = "auto"  # "auto" = cuda when available, else cpu
+    device: Device = "auto"  # "auto" = cuda when available, else cpu
     # "auto" = the checkpoint's dtype on CUDA, float32 on CPU; or "float32", "float16", "bfloat16"
     # or a torch.dtype. Always the torch.dtype once the Config is made.
-    dtype: torch.dtype | str = "auto"
+    dtype: torch.dtype | DtypeName = "auto"
     # The KV cache's element type: "auto" = the model's dtype; "fp8_e4m3" or "fp8_e5m2" store K and
     # V in one byte with a float32 scale per (layer, KV head): twice the tokens of a 16-bit cache
     # (4x on CPU's float32) at a small accuracy cost (README). Scales come from the checkpoint's
     # `self_attn.k_scale`/`v_scale` tensors when it has them, else from the start-up warm-up.
-    kv_cache_dtype: str = "auto"
-    attention_backend: str = "auto"  # "auto" = flash_attn on CUDA when installed, else triton on CUDA, else torch
+    kv_cache_dtype: KvCacheDtype = "auto"
+    attention_backend: AttentionBackend = "auto"  # "auto" = flash_attn on CUDA when installed, else triton on CUDA, else torch
     enable_prefix_caching: bool = True  # reuse the KV blocks of a prompt prefix already computed
     # On CPU there is no device to measure, so the KV cache gets this fixed budget (as vLLM's
     # VLLM_CPU_KVCACHE_SPACE), per tensor-parallel rank; it is capped by what max_num_seqs sequences
@@ -75,24 +98,24 @@ class Config:
     cpu_kvcache_space_gib: float = 4.0
     # True: no tokenizer is loaded (as vLLM's option): prompts are token ids, outputs carry token ids
     # and empty text, and end-of-text is the checkpoint config's eos_token_id.
-    skip_tokenizer_init: bool = False
+    skip_tokenizer_init: bool = field(default=False, metadata=CLI_HIDDEN)
     # A tensor-parallel worker that sends no heartbeat for this long (its process stopped or wedged)
     # is reported and killed, instead of blocking rank 0 until the process group's 30-minute timeout.
-    tensor_parallel_heartbeat_timeout_s: float = 30.0
+    tensor_parallel_heartbeat_timeout_s: float = field(default=30.0, metadata=CLI_HIDDEN)
     # torch.compile of the small hot layer functions (RMSNorm, rotary embedding, SiLU-and-mul, the
     # sampler's temperature and draw): "on", "off", or "auto" = on for CUDA, off for CPU, where the
     # float32 path is the HF oracle and a cold compile costs more than short runs gain
     # (benchmarks/compiled_layers.py). Resolved to "on" or "off" when the Config is made.
-    compile_mode: str = "auto"
+    compile_mode: CompileMode = "auto"
     # "mixed": each step gives every running sequence its next token, then fills the rest of
     # max_num_batched_tokens with prefill chunks, in one forward pass (no prefill stalls the
     # decodes). "prefill_first": nano-vllm's policy, a step is all prefill while any can be
     # scheduled, else all decode. The default measured better on bench.py (docs/BENCHMARKS.md).
-    scheduling_policy: str = DEFAULT_SCHEDULING_POLICY
+    scheduling_policy: SchedulingPolicy = DEFAULT_SCHEDULING_POLICY
     # What preemption does with a sequence's K/V when blocks run out: "recompute" frees them (the
     # tokens are computed again later); "swap" copies them to host memory and back (a sequence
     # still in its prompt, or one that finds the swap space full, is recomputed instead).
-    preemption_mode: str = RECOMPUTE
+    preemption_mode: PreemptionMode = RECOMPUTE
     # GiB of host memory per tensor-parallel rank for swapped-out K/V (pinned on CUDA); only with
     # preemption_mode="swap". Capped by what max_num_seqs sequences of max_model_len need.
     swap_space: float = 4.0
@@ -102,7 +125,7 @@ class Config:
     # TRITON_INTERPRET=1 (tests). On Llama, Qwen2/3 and Qwen3-MoE the Triton path calls no
     # torch.compile'd function, whatever compile_mode says; GPT-2's LayerNorm and GELU stay torch's.
     # Resolved to "triton" or "torch" when the Config is made.
-    fused_kernels: str = "auto"
+    fused_kernels: FusedKernels = "auto"
     # Speculative decoding (README, "Speculative decoding"): None (off), {"method": "ngram",
     # "num_speculative_tokens": k, "prompt_lookup_min": a, "prompt_lookup_max": b} or
     # {"method": "draft_model", "model": PATH, "num_speculative_tokens": k}. Output is exactly
@@ -115,7 +138,7 @@ class Config:
     # CPU only. True: keep freed activation memory for reuse instead of glibc returning it to the
     # OS after each op and faulting it in again (utils/cpu.py keep_freed_memory); the process keeps
     # its peak heap. No effect with another allocator preloaded (tcmalloc) or off glibc.
-    cpu_malloc_tuning: bool = True
+    cpu_malloc_tuning: bool = field(default=True, metadata=CLI_HIDDEN)
     # Overlap the host's work with the device's (as vLLM's async scheduling and SGLang's overlap
     # scheduler): the next step is scheduled and launched while the device runs this one, so the
     # scheduling, input building, stop checks and detokenising of ~0.55 ms a step hide behind it.
@@ -123,7 +146,7 @@ class Config:
     # forward pass blocks the host anyway, so it gains nothing there; "on" still runs it, for
     # tests). Outputs are the same token for token. Not with tensor parallelism or speculative
     # decoding. Resolved to "on" or "off" when the Config is made.
-    async_scheduling: str = "auto"
+    async_scheduling: AsyncScheduling = "auto"
     # Read from the checkpoint, not settings:
     hf_config: PretrainedConfig = field(init=False, repr=False)
     tokenizer: PreTrainedTokenizerBase | None = field(init=False, repr=False, compare=False)  # None: skipped
@@ -144,7 +167,11 @@ class Config:
     def __post_init__(self) -> None:
         self._check_fields()
         self.hf_config = self._load_hf_config()
-        self.max_model_len = min(self.max_model_len, self.hf_config.max_position_embeddings)
+        positions = self.hf_config.max_position_embeddings
+        if self.max_model_len > positions:  # said, not silent: a longer prompt is refused for it
+            name = self.hf_config.attribute_map.get("max_position_embeddings", "max_position_embeddings")
+            logger.info("max_model_len=%d capped to %d: the checkpoint's %s", self.max_model_len, positions, name)
+            self.max_model_len = positions
         self.device = self._resolve_device()
         if self.kvcache_block_size is None:
             self.kvcache_block_size = DEFAULT_BLOCK_SIZE[self.device]
@@ -272,12 +299,20 @@ class Config:
             raise ValueError(f"{path} holds a JSON {type(raw).__name__}, not an object; config.json must be "
                              "the checkpoint's transformers config, a JSON object")
         architecture = architecture_of(raw.get("architectures"), self.model)
+        model_class = MODELS[architecture]
+        try:  # sizes, epsilons and head counts as written, before transformers builds anything of them
+            model_class.check_raw_config(raw)
+        except ValueError as error:
+            raise ValueError(f"{path}: {error}") from None
         # A local directory and no trust_remote_code: nothing from the checkpoint is executed.
         try:
             hf_config = AutoConfig.from_pretrained(self.model, trust_remote_code=False)
-        except (ValueError, KeyError, TypeError) as error:  # fields transformers cannot make a config of
+        except (ValueError, KeyError, TypeError, StrictDataclassError) as error:  # fields it cannot make a config of
             raise ValueError(f"{path} is not a config transformers can read: {error}") from error
-        MODELS[architecture].adapt_config(hf_config)  # refuses what the model cannot run, before any work
+        try:  # refuses what the model cannot run, before any work
+            model_class.adapt_config(hf_config)
+        except ValueError as error:
+            raise ValueError(f"{path}: {error}") from None
         return hf_config
 
     def _resolve_device(self) -> str:

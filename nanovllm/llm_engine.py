@@ -8,6 +8,14 @@ requests made by add_request() are read with pop_output(). So calls may interlea
 thread (a generate() inside a stream() loop, two streams read in turn) and each gets exactly
 what it would get alone.
 
+A fault fails its request alone, by construction: whatever raises while one request is built,
+scheduled, sampled, stop-checked or turned into output fails that request (its samples finish
+with finish_reason "abort", its blocks are freed, its final output carries "error", a message
+for its caller; the traceback goes to the log under its request id), and every other request
+goes on as if it had never been there. A fault that belongs to no one request (the batched
+model pass) fails the requests of that step, and the engine serves the next ones as before.
+Bad input is not a fault: it is refused with a ValueError before anything is queued.
+
 The engine is single-threaded: a call from a second thread while one thread is inside it is
 refused with a RuntimeError (a server drives it from one engine loop). Its only exit hook
 (weakref.finalize) holds the model runner, not the engine, so a dropped engine is freed by the
@@ -29,20 +37,24 @@ from nanovllm.engine.block_manager import BlockManager
 from nanovllm.engine.detokenizer import Detokenizer
 from nanovllm.engine.request import Request, RequestOutput
 from nanovllm.engine.scheduler import ScheduledBatch, Scheduler, SchedulerStats
-from nanovllm.engine.sequence import Sequence
+from nanovllm.engine.sequence import Sequence, SequenceStatus
 from nanovllm.engine.stop_checker import StopChecker
 from nanovllm.layers.sampler import SamplerOutput
 from nanovllm.runner.pending_tokens import PendingTokens
 from nanovllm.runner.tensor_parallel import create_model_runner
 from nanovllm.sampling_params import SamplingParams
 from nanovllm.utils.math_utils import cdiv
-from nanovllm.utils.validation import is_int
+from nanovllm.utils.validation import first_surrogate, is_int, shown
 
 Prompt = str | list[int]
 
 logger = logging.getLogger("nanovllm")
 
 EXITED_MESSAGE = "this engine has exited (exit() was called); create a new LLM to generate again"
+# What the caller of a failed request is told: no exception text, which may hold paths or data.
+FAILED_MESSAGE = ("request {request_id} failed: an internal error while {phase}; it was aborted and the engine "
+                  "goes on serving (the server log has the details under this request id)")
+MODEL_PASS = "running the model over its step"
 
 
 class StreamOutput(NamedTuple):
@@ -208,7 +220,7 @@ class LLMEngine:
             if self.tokenizer is None:
                 raise ValueError(f"prompt={prompt!r:.80} is a string, but this engine has no tokenizer "
                                  "(skip_tokenizer_init=True); give each prompt as a list of token ids")
-            token_ids = self.tokenizer.encode(prompt)
+            token_ids = self._encode(prompt, "prompt")
         elif isinstance(prompt, (list, tuple)) and all(is_int(t) for t in prompt):
             token_ids = list(prompt)
         else:
@@ -246,6 +258,38 @@ class LLMEngine:
             seqs.append(seq)
         return Request(index, token_ids, params, seqs, request_id, inbox)
 
+    def _encode(self, text: str, name: str, **kwargs) -> list[int]:
+        """Tokenize a caller's text: lone surrogates (JSON's "\\ud800", which no UTF-8 text holds)
+        are refused, not replaced, and any tokenizer error is a ValueError naming the field."""
+        bad = first_surrogate(text)
+        if bad is not None:
+            raise ValueError(f"{name} has a lone surrogate (U+{ord(text[bad]):04X}) at index {bad}; {name} must be "
+                             "valid Unicode text")
+        try:
+            return self.tokenizer.encode(text, **kwargs)
+        except Exception as exc:
+            raise ValueError(f"{name}={shown(text)} could not be tokenized; {name} must be text the tokenizer "
+                             "accepts") from exc
+
+    def _build_request(self, index: int, prompt: Prompt, params: SamplingParams, inbox: dict[str, None],
+                       deltas: bool = False, request_id: str | None = None, priority: int = 0) -> Request:
+        """_make_request, where a fault other than bad input (a ValueError, which refuses the
+        call) fails this request alone: it is submitted already failed, and its caller gets its
+        error output."""
+        try:
+            return self._make_request(index, prompt, params, inbox, deltas, request_id, priority)
+        except ValueError:
+            raise
+        except Exception as exc:
+            token_ids = list(prompt) if isinstance(prompt, (list, tuple)) else []
+            seqs = [Sequence(next(self._seq_ids), token_ids, params, self.config.kvcache_block_size, priority=priority)
+                    for _ in range(params.n)]
+            for seq in seqs:
+                seq.status, seq.finish_reason = SequenceStatus.FINISHED, "abort"
+            request = Request(index, token_ids, params, seqs, request_id, inbox)
+            request.fault = exc
+            return request
+
     def _make_requests(self, prompts: list[Prompt], sampling_params: SamplingParams | list[SamplingParams],
                        inbox: dict[str, None], deltas: bool = False, priority: list[int] | None = None
                        ) -> list[Request]:
@@ -263,7 +307,7 @@ class LLMEngine:
         elif not isinstance(priority, (list, tuple)) or len(priority) != len(prompts):
             raise ValueError(f"priority={priority!r:.80} is not allowed; give a list of one int per prompt "
                              f"({len(prompts)}), or None for all 0")
-        return [self._make_request(i, p, sp, inbox, deltas, priority=pr)
+        return [self._build_request(i, p, sp, inbox, deltas, priority=pr)
                 for i, (p, sp, pr) in enumerate(zip(prompts, sampling_params, priority))]
 
     def _new_request_id(self) -> str:
@@ -282,6 +326,9 @@ class LLMEngine:
             first, *others = request.seqs
             for seq in request.seqs:
                 seq.request_id = request.request_id
+            if request.fault is not None:  # building it raised: it is failed, never queued
+                self._fail_request(request, "building it (tokenization, detokenizer)", request.fault)
+                continue
             self.scheduler.add(first)
             if self.config.enable_prefix_caching:  # the other samples follow once the prompt is cached
                 first.pending_siblings = others
@@ -334,8 +381,8 @@ class LLMEngine:
                 raise ValueError(f"request_id={request_id!r} is not allowed; it must be None or a non-empty str")
             if request_id in self._requests:
                 raise ValueError(f"request_id={request_id!r} is already a live request; request ids must be unique")
-            request = self._make_request(0, prompt, sampling_params, self._news, deltas=True, request_id=request_id,
-                                         priority=priority)
+            request = self._build_request(0, prompt, sampling_params, self._news, deltas=True, request_id=request_id,
+                                          priority=priority)
             self._submit([request])
             return request.request_id
 
@@ -362,7 +409,7 @@ class LLMEngine:
                 raise ValueError(f"request_id={request_id!r} is not a live request made by add_request() "
                                  "(unknown, or finished and already popped)")
             self._news.pop(request_id, None)
-            output = request.pop(self.tokenizer)
+            output = self._pop(request)
             if output.finished:
                 self._unregister(request)
             return output
@@ -380,30 +427,61 @@ class LLMEngine:
             return self._step()
 
     def _step(self) -> StepOutput:
+        """One step, which never raises for a request's fault. A fault the step's parts could not
+        pin on a sequence or a batch (a bug in the bookkeeping itself) fails every live request,
+        as nothing else is known to be sound, and leaves the engine empty and usable."""
+        try:
+            return self._run_step()
+        except Exception as exc:
+            seqs = [seq for request in self._requests.values() for seq in request.seqs]
+            if self._in_flight is not None:
+                seqs += self._in_flight.batch.seqs
+                self._in_flight = None
+            queued = [*self.scheduler.running, *self.scheduler.waiting, *self.scheduler.swapped]
+            self._fail_seqs(exc, seqs + queued, "stepping the engine")
+            return self._no_tokens(True)
+
+    def _run_step(self) -> StepOutput:
         self._free_deferred()
         start = perf_counter()
         overlap = self.async_scheduling and not self._num_plain_only
         if self._in_flight is not None and not overlap:
             return self._drain()  # a plain step must find every token on the host
-        batch = self.scheduler.schedule()
+        batch = self.scheduler.schedule()  # a sequence's own fault fails it alone (scheduler.fail)
         if not batch.seqs:  # idle, or everything was preempted (the next step prefills again)
             if batch.has_copies:  # a swap-out's K/V must reach host memory before its blocks are reused
-                self.model_runner.run([], True, batch.swap_out, batch.swap_in)
+                try:
+                    self.model_runner.run([], True, batch.swap_out, batch.swap_in)
+                except Exception as exc:
+                    self._fail_step(exc, [batch])
             return self._drain()
         num_tokens = batch.num_tokens  # before postprocess clears the scheduled counts
         if not overlap:
-            out = self.model_runner.run(batch.seqs, batch.is_prefill, batch.swap_out, batch.swap_in)
+            try:
+                out = self.model_runner.run(batch.seqs, batch.is_prefill, batch.swap_out, batch.swap_in)
+            except Exception as exc:
+                self._fail_step(exc, [batch])
+                return self._no_tokens(batch.is_prefill)
+            self._fail_rows(batch, out.failed)
             if self.speculative:  # each sequence's accepted proposals and one more token
                 advanced = self.scheduler.postprocess_speculative(batch, out.token_ids, out.num_proposed)
             else:
                 advanced = self.scheduler.postprocess(batch, out.token_ids)
             return self._report(batch, out, advanced, num_tokens, start)
-        tokens = self.model_runner.launch(batch.seqs, batch.is_prefill, batch.swap_out, batch.swap_in)
+        try:
+            tokens = self.model_runner.launch(batch.seqs, batch.is_prefill, batch.swap_out, batch.swap_in)
+        except Exception as exc:
+            in_flight, self._in_flight = self._in_flight, None
+            self._fail_step(exc, [batch] + ([in_flight.batch] if in_flight is not None else []))
+            return self._no_tokens(batch.is_prefill)
         # The overlapped loop: while the device runs this step, resolve the one before (its tokens,
         # stop checks, outputs), then advance this one with placeholders so the next can be scheduled.
         previous, self._in_flight = self._in_flight, InFlightStep(batch, tokens, num_tokens, start)
-        step = StepOutput([], [], 0, batch.is_prefill, list(self._news)) if previous is None else \
-            self._resolve(previous)
+        # Faults found by now (this step's scheduling, the previous step's sampling and stop checks)
+        # are settled before `advance`, so a failed sequence gets no placeholder.
+        step = self._no_tokens(batch.is_prefill) if previous is None else self._resolve(previous, batch)
+        if self._in_flight is None:  # the previous step's tokens never came: this one failed with it
+            return step
         self.scheduler.advance(batch, tokens.sample_indices)
         return step
 
@@ -411,11 +489,20 @@ class LLMEngine:
         """Resolve the step in flight, if any (async scheduling), so no placeholder is left."""
         in_flight, self._in_flight = self._in_flight, None
         if in_flight is None:
-            return StepOutput([], [], 0, True, list(self._news))
+            return self._no_tokens(True)
         return self._resolve(in_flight)
 
-    def _resolve(self, step: InFlightStep) -> StepOutput:
-        out = step.tokens.result()
+    def _resolve(self, step: InFlightStep, next_batch: ScheduledBatch | None = None) -> StepOutput:
+        """An in-flight step's tokens, stop checks and news. If its tokens never come (the device
+        pass failed), it fails, and so does `next_batch`, launched after it (its placeholders
+        read those tokens)."""
+        try:
+            out = step.tokens.result()
+        except Exception as exc:
+            self._in_flight = None
+            self._fail_step(exc, [step.batch] + ([next_batch] if next_batch is not None else []))
+            return self._no_tokens(step.batch.is_prefill)
+        self._fail_rows(step.batch, out.failed)
         advanced = self.scheduler.resolve(step.batch, out.token_ids, step.tokens.sample_indices)
         return self._report(step.batch, out, advanced, step.num_tokens, step.start)
 
@@ -443,7 +530,88 @@ class LLMEngine:
             self._prefill_tps = tps
         else:
             self._decode_tps = tps
+        self._settle_faults()
         return StepOutput(advanced, finished, num_tokens, batch.is_prefill, list(self._news))
+
+    def _no_tokens(self, is_prefill: bool) -> StepOutput:
+        """A step's output when no tokens came back (nothing ran, or its pass failed): the faults
+        settled, the requests with news listed."""
+        self._settle_faults()
+        return StepOutput([], [], 0, is_prefill, list(self._news))
+
+    # --- failing requests alone ---
+
+    def _fail_request(self, request: Request, phase: str, error: Exception | None) -> None:
+        """Fail one request: its unfinished samples finish with "abort" (blocks freed at once), its
+        final output carries `error`, its caller is told. `error` is logged with its traceback
+        under the request id (None: the caller logged it already)."""
+        if request.error is None:
+            request.error = FAILED_MESSAGE.format(request_id=request.request_id, phase=phase)
+            if error is not None:
+                logger.error("request %s failed while %s; aborting it alone", request.request_id, phase,
+                             exc_info=error)
+        unfinished = [seq for seq in request.seqs if not seq.is_finished]
+        if unfinished:
+            self.scheduler.abort(unfinished)
+        request.inbox[request.request_id] = None
+
+    def _settle_faults(self) -> None:
+        """Fail the requests of the sequences the scheduler failed alone (their other samples too)."""
+        if not self.scheduler.faults:
+            return
+        for fault in self.scheduler.take_faults():
+            request = self._requests.get(fault.seq.request_id)
+            if request is not None:  # a bare sequence (a benchmark's) is finished already
+                self._fail_request(request, fault.phase, fault.error)
+        self.scheduler.drop_finished()
+
+    def _fail_rows(self, batch: ScheduledBatch, failed: dict[int, Exception] | None) -> None:
+        """The sequences whose sampling inputs raised sampled nothing: they fail alone."""
+        for i, error in (failed or {}).items():
+            self.scheduler.fail(batch.seqs[i], error, "building its sampling inputs")
+
+    def _fail_step(self, error: Exception, batches: list[ScheduledBatch]) -> None:
+        """A step's device work failed: no one request is to blame, so every request of these
+        batches fails, and so does every sequence swapped out by them (its copy may not have
+        been made)."""
+        seqs = [seq for batch in batches for seq in batch.seqs]
+        host_blocks = {h for batch in batches for h in batch.swap_out.dst}
+        if host_blocks:
+            seqs += [seq for seq in self.scheduler.swapped if host_blocks.intersection(seq.host_block_table)]
+        self._fail_seqs(error, seqs, MODEL_PASS)
+
+    def _fail_seqs(self, error: Exception, seqs: list[Sequence], phase: str) -> None:
+        """Fail the requests these sequences belong to (bare sequences are aborted), logging the
+        error once. Blocks only they hold leave the prefix cache first: their K/V may never have
+        been written."""
+        seqs = [seq for seq in seqs if not seq.is_finished]  # one that finished normally keeps its output
+        requests = {seq.request_id: self._requests.get(seq.request_id) for seq in seqs}
+        logger.error("a fault while %s fails %d request(s): %s", phase, len(requests),
+                     ", ".join(map(str, list(requests)[:20])), exc_info=error)
+        self.block_manager.unpublish(seqs)
+        for request in requests.values():
+            if request is not None:
+                self._fail_request(request, phase, None)
+        self.scheduler.abort([seq for seq in seqs if not seq.is_finished])
+        self._settle_faults()  # sequences failed alone before this: their requests fail too
+
+    def _pop(self, request: Request) -> RequestOutput:
+        """request.pop(); if building the output raises, the request fails alone and its error
+        output is built instead (without the detokenizer)."""
+        try:
+            return request.pop(self.tokenizer)
+        except Exception as exc:
+            self._fail_request(request, "building its output (detokenization)", exc)
+            request.inbox.pop(request.request_id, None)  # this very pop reports it
+            return request.pop(self.tokenizer)
+
+    def _final(self, request: Request) -> dict:
+        """request.final_output(), failing the request alone if building it raises."""
+        try:
+            return request.final_output(self.tokenizer)
+        except Exception as exc:
+            self._fail_request(request, "building its output (detokenization)", exc)
+            return request.final_output(self.tokenizer)
 
     def _count_inter_token_latency(self, advanced: list[Sequence], computed_prompts: bool) -> None:
         """The time since each advanced sequence's previous token, counted apart as well when a
@@ -504,13 +672,14 @@ class LLMEngine:
             unfinished = {r.request_id: r for r in requests}
             while unfinished:
                 for request_id in self._next_news(inbox):
-                    if unfinished[request_id].finished:
+                    request = unfinished.get(request_id)
+                    if request is not None and request.finished:
                         del unfinished[request_id]
                         pbar.update(1)
                 if use_tqdm:
                     pbar.set_postfix({"Prefill": f"{int(self._prefill_tps)}tok/s",
                                       "Decode": f"{int(self._decode_tps)}tok/s"})
-            return [r.final_output(self.tokenizer) for r in requests]
+            return [self._final(r) for r in requests]
         finally:
             pbar.close()
             self._forget(requests)
@@ -525,7 +694,10 @@ class LLMEngine:
         """One output dict per prompt, in input order: "text", "token_ids", "finish_reason",
         "stop_reason", "prompt_token_ids", "num_cached_tokens", "logprobs" when asked, and for
         n > 1 every sample under "outputs" (the top-level fields are sample 0's). `priority`:
-        one int per prompt, lower first (see add_request); None gives all 0."""
+        one int per prompt, lower first (see add_request); None gives all 0. A request the
+        engine failed (a fault in its own work, see the module docstring) is among them with
+        finish_reason "abort" and "error", a message naming its request id; the others are
+        exactly what they would be without it. Bad input raises ValueError before any work."""
         with self._entered():
             inbox: dict[str, None] = {}
             requests = self._make_requests(prompts, sampling_params, inbox, priority=priority)
@@ -548,12 +720,14 @@ class LLMEngine:
             with self._entered():
                 self._submit(requests)
             mine = {r.request_id: r for r in requests}
-            num_unfinished = len(requests)
-            while num_unfinished:
+            unfinished = set(mine)
+            while unfinished:
                 with self._entered():
-                    outputs = [mine[request_id].pop(self.tokenizer) for request_id in self._next_news(inbox)]
+                    outputs = [self._pop(mine[request_id]) for request_id in self._next_news(inbox)
+                               if request_id in unfinished]
                 for out in outputs:
-                    num_unfinished -= out.finished
+                    if out.finished:
+                        unfinished.discard(out.request_id)
                     index = mine[out.request_id].index
                     for s in out.samples:
                         yield StreamOutput(index, s.index, s.text, s.token_ids, s.finished, s.finish_reason)
@@ -578,12 +752,17 @@ class LLMEngine:
                         for m in conversation):
                     raise ValueError(f"conversation {conversation!r:.80} is not allowed; "
                                      "it must be a list of {'role': str, 'content': str} dicts")
+                for m in conversation:
+                    bad = first_surrogate(m["role"] + m["content"])
+                    if bad is not None:
+                        raise ValueError(f"messages has a lone surrogate in {m!r:.80}; messages must be valid "
+                                         "Unicode text")
             if not getattr(self.tokenizer, "chat_template", None):
                 raise ValueError(f"the tokenizer of {self.config.model!r} has no chat_template; use generate()")
             texts = [self.tokenizer.apply_chat_template(c, tokenize=False, add_generation_prompt=add_generation_prompt,
                                                         **template_kwargs) for c in conversations]
             # The template already holds any special tokens, so none are added again.
-            prompts = [self.tokenizer.encode(text, add_special_tokens=False) for text in texts]
+            prompts = [self._encode(text, "messages", add_special_tokens=False) for text in texts]
             inbox: dict[str, None] = {}
             requests = self._make_requests(prompts, sampling_params or SamplingParams(), inbox)
             return self._run_to_end(requests, inbox, use_tqdm)

@@ -3,6 +3,13 @@
 temperature 0 means greedy (argmax); nano-vllm forbids it, vLLM users expect it. The order
 the sampler applies them in (as vLLM): penalties, temperature, min_p, top_k, top_p.
 
+Every field is bounded here (docs/reliability.md has the table): counts to named caps, floats
+finite and in range, strings valid Unicode, so nothing a caller can pass overflows a tensor or
+turns the logits into NaN. What depends on the model (top_k and stop_token_ids against the
+vocabulary, max_tokens against the KV cache) is checked again when the engine builds the request.
+A temperature below SAMPLING_EPS is stored as 0: greedy, as vLLM treats it (dividing by
+1e-38 overflows float32).
+
 A SamplingParams is immutable: it is checked once, when it is made, so a later assignment
 could skip every check; a changed copy is a new one (`dataclasses.replace(params, top_k=5)`),
 checked again. Lists given for `stop` and `stop_token_ids` are kept as tuples, so the caller's
@@ -12,7 +19,7 @@ import math
 from dataclasses import FrozenInstanceError, dataclass, fields
 from functools import cached_property
 
-from nanovllm.utils.validation import is_int, is_number, require
+from nanovllm.utils.validation import first_surrogate, is_int, is_number, require
 
 # vLLM's limits: penalties beyond +-2 make no useful distribution; 20 top logprobs is what
 # the OpenAI API allows and what the sampler is sized for.
@@ -20,6 +27,25 @@ MAX_ABS_PENALTY = 2.0
 MAX_LOGPROBS = 20
 # OpenAI's range for a logit_bias value: -100 bans a token in effect, 100 all but forces it.
 MAX_ABS_LOGIT_BIAS = 100.0
+# repetition_penalty divides (or multiplies) a seen token's logit: beyond these a logit is scaled
+# by over 100x one way or 2x the other, which no use needs, and the float32 logits stay finite.
+MIN_REPETITION_PENALTY, MAX_REPETITION_PENALTY = 0.01, 2.0
+# Below this a temperature is greedy (vLLM's _SAMPLING_EPS): logits / 1e-38 overflow float32.
+SAMPLING_EPS = 1e-5
+# Past it every token is equally likely anyway; it keeps 1 / temperature a normal float32.
+MAX_TEMPERATURE = 1e4
+# Samples per prompt: each is a sequence with its own blocks; more than any client needs.
+MAX_N = 128
+# max_tokens: past every model's context (the engine caps by the context anyway), and small
+# enough that every token count stays exact in float32 (the penalties count tokens in float32).
+MAX_TOKENS_CAP = 1 << 24
+# top_k and token ids travel as int64 tensors; the engine also refuses ids and a top_k past the
+# vocabulary. This bound holds for a SamplingParams made outside an engine too.
+MAX_TOKEN_ID = 2**31 - 1
+# Stop strings are searched in every new piece of text, each up to its length back: a few dozen
+# short strings cover every real use, and keep the per-token search small.
+MAX_STOP_STRINGS, MAX_STOP_STRING_CHARS = 64, 1024
+MAX_STOP_TOKEN_IDS = 1024  # min_tokens bans every one of them in every step
 # What torch.Generator.manual_seed accepts (an int64 or a uint64); sample i of a request is
 # seeded with seed + i, so all n of them must fall in this range.
 MIN_SEED, MAX_SEED = -2**63, 2**64 - 1
@@ -47,9 +73,9 @@ def _explain_frozen(cls: type) -> type:
 @dataclass(frozen=True)
 class SamplingParams:
     n: int = 1  # samples per prompt; they share the prompt's KV blocks
-    temperature: float = 1.0  # 0 means greedy (argmax)
+    temperature: float = 1.0  # 0 (or below SAMPLING_EPS, stored as 0) means greedy (argmax)
     top_p: float = 1.0  # keep the fewest most likely tokens whose probabilities sum to top_p; in (0, 1]
-    top_k: int = 0  # 0 or -1: off
+    top_k: int = 0  # 0 or -1: off; at most the vocabulary size
     min_p: float = 0.0  # drop tokens less likely than min_p times the most likely one; in [0, 1]
     seed: int | None = None  # per-request seed for reproducible sampling (sample i uses seed + i)
     stop: str | list[str] | tuple[str, ...] | None = None  # strings that end generation; kept as a tuple
@@ -59,7 +85,7 @@ class SamplingParams:
     max_tokens: int = 64  # most tokens to generate
     ignore_eos: bool = False  # keep generating past the end-of-text token
     logprobs: int | None = None  # top-N logprobs per generated token (the chosen token's too)
-    repetition_penalty: float = 1.0  # > 0 (1 = off): penalise tokens already in the prompt or output
+    repetition_penalty: float = 1.0  # in [0.01, 2] (1 = off): penalise tokens already in the prompt or output
     presence_penalty: float = 0.0  # in [-2, 2] (0 = off): subtracted from tokens already generated
     frequency_penalty: float = 0.0  # in [-2, 2] (0 = off): subtracted per occurrence of tokens already generated
     skip_special_tokens: bool = True  # leave special tokens out of the text
@@ -67,12 +93,12 @@ class SamplingParams:
     logit_bias: dict[int, float] | None = None
 
     def __post_init__(self) -> None:
-        require(is_int(self.n) and self.n >= 1, "n", self.n, "an integer >= 1")
-        require(is_number(self.temperature) and self.temperature >= 0, "temperature", self.temperature,
-                "a finite number >= 0 (0 means greedy)")
+        require(is_int(self.n) and 1 <= self.n <= MAX_N, "n", self.n, f"an integer in [1, {MAX_N}]")
+        require(is_number(self.temperature) and 0 <= self.temperature <= MAX_TEMPERATURE, "temperature",
+                self.temperature, f"a finite number in [0, {MAX_TEMPERATURE:g}] (below {SAMPLING_EPS:g} means greedy)")
         require(is_number(self.top_p) and 0 < self.top_p <= 1, "top_p", self.top_p, "in (0, 1]")
-        require(is_int(self.top_k) and (self.top_k >= 0 or self.top_k == -1), "top_k", self.top_k,
-                "an integer >= 1, or 0 or -1 for off")
+        require(is_int(self.top_k) and -1 <= self.top_k <= MAX_TOKEN_ID, "top_k", self.top_k,
+                "an integer >= 1 (at most the vocabulary size), or 0 or -1 for off")
         require(is_number(self.min_p) and 0 <= self.min_p <= 1, "min_p", self.min_p, "in [0, 1]")
         require(self.seed is None or is_int(self.seed), "seed", self.seed, "None or an integer")
         if self.seed is not None and not (MIN_SEED <= self.seed and self.seed + self.n - 1 <= MAX_SEED):
@@ -80,25 +106,34 @@ class SamplingParams:
                              f"torch.Generator takes seeds in [-2**63, 2**64 - 1], so with n={self.n} seed must be in "
                              f"[{MIN_SEED}, {MAX_SEED - self.n + 1}]")
         stop = [self.stop] if isinstance(self.stop, str) else self.stop
-        require(stop is None or (isinstance(stop, (list, tuple)) and all(isinstance(s, str) and s for s in stop)),
-                "stop", self.stop, "None, a non-empty string or a list of non-empty strings")
+        require(stop is None or (isinstance(stop, (list, tuple)) and len(stop) <= MAX_STOP_STRINGS and all(
+            isinstance(s, str) and 0 < len(s) <= MAX_STOP_STRING_CHARS for s in stop)), "stop", self.stop,
+            f"None, a non-empty string or a list of at most {MAX_STOP_STRINGS} non-empty strings of at most "
+            f"{MAX_STOP_STRING_CHARS} characters")
+        for s in stop or ():
+            bad = first_surrogate(s)
+            require(bad is None, "stop", self.stop, f"valid Unicode text (stop string {s!r:.40} has a lone surrogate "
+                    f"at index {bad})")
         ids = self.stop_token_ids
-        require(ids is None or (isinstance(ids, (list, tuple)) and all(is_int(t) and t >= 0 for t in ids)),
-                "stop_token_ids", ids, "None or a list of token ids >= 0")
-        require(is_int(self.max_tokens) and self.max_tokens >= 1, "max_tokens", self.max_tokens, "an integer >= 1")
+        require(ids is None or (isinstance(ids, (list, tuple)) and len(ids) <= MAX_STOP_TOKEN_IDS and all(
+            is_int(t) and 0 <= t <= MAX_TOKEN_ID for t in ids)), "stop_token_ids", ids,
+            f"None or a list of at most {MAX_STOP_TOKEN_IDS} token ids in the vocabulary")
+        require(is_int(self.max_tokens) and 1 <= self.max_tokens <= MAX_TOKENS_CAP, "max_tokens", self.max_tokens,
+                f"an integer in [1, {MAX_TOKENS_CAP}]")
         require(is_int(self.min_tokens) and 0 <= self.min_tokens <= self.max_tokens, "min_tokens", self.min_tokens,
                 f"an integer in [0, max_tokens={self.max_tokens}]")
         require(self.logprobs is None or (is_int(self.logprobs) and 0 <= self.logprobs <= MAX_LOGPROBS),
                 "logprobs", self.logprobs, f"None or an integer in [0, {MAX_LOGPROBS}]")
-        require(is_number(self.repetition_penalty) and self.repetition_penalty > 0, "repetition_penalty",
-                self.repetition_penalty, "a number > 0 (1 = off)")
+        require(is_number(self.repetition_penalty) and
+                MIN_REPETITION_PENALTY <= self.repetition_penalty <= MAX_REPETITION_PENALTY, "repetition_penalty",
+                self.repetition_penalty, f"a number in [{MIN_REPETITION_PENALTY}, {MAX_REPETITION_PENALTY}] (1 = off)")
         for name in ("presence_penalty", "frequency_penalty"):
             value = getattr(self, name)
             require(is_number(value) and abs(value) <= MAX_ABS_PENALTY, name, value,
                     f"a number in [-{MAX_ABS_PENALTY}, {MAX_ABS_PENALTY}] (0 = off)")
         bias = self.logit_bias
         require(bias is None or (isinstance(bias, dict) and all(
-            is_int(t) and t >= 0 and is_number(b) and math.isfinite(b) and abs(b) <= MAX_ABS_LOGIT_BIAS
+            is_int(t) and 0 <= t <= MAX_TOKEN_ID and is_number(b) and math.isfinite(b) and abs(b) <= MAX_ABS_LOGIT_BIAS
             for t, b in bias.items())), "logit_bias", bias,
             f"None or a dict of token ids >= 0 to numbers in [-{MAX_ABS_LOGIT_BIAS}, {MAX_ABS_LOGIT_BIAS}]")
         for name in ("include_stop_str_in_output", "ignore_eos", "skip_special_tokens"):
@@ -107,7 +142,7 @@ class SamplingParams:
         # kept in (tuples, which the caller cannot change later; a float temperature). Written as a
         # frozen dataclass's own __init__ writes its fields, past the __setattr__ that refuses changes.
         for name, value in (("stop", tuple(stop or ())), ("stop_token_ids", tuple(ids or ())),
-                            ("temperature", float(self.temperature)),
+                            ("temperature", 0.0 if self.temperature < SAMPLING_EPS else float(self.temperature)),
                             ("logit_bias", None if not bias else FrozenDict({t: float(b) for t, b in bias.items()}))):
             object.__setattr__(self, name, value)
 
@@ -120,12 +155,15 @@ class SamplingParams:
         return self.temperature == 0.0
 
     def check_vocabulary(self, vocab_size: int) -> None:
-        """Refuse token ids outside a model's vocabulary (ValueError naming the field), once the
-        engine knows it."""
+        """Refuse token ids outside a model's vocabulary and a top_k past it (ValueError naming the
+        field), once the engine knows the vocabulary."""
         for name, ids in (("stop_token_ids", self.stop_token_ids), ("logit_bias", self.logit_bias or ())):
             bad = next((t for t in ids if t >= vocab_size), None)
             if bad is not None:
                 raise ValueError(f"{name} has token id {bad}, outside the vocabulary; ids must be in [0, {vocab_size})")
+        if self.top_k > vocab_size:  # refused, not clamped: a top_k past the vocabulary is a mistake
+            raise ValueError(f"top_k={self.top_k} is larger than the vocabulary ({vocab_size} tokens); top_k must "
+                             f"be in [1, {vocab_size}], or 0 or -1 for off")
 
     @cached_property
     def processors(self) -> tuple[str, ...]:

@@ -19,7 +19,7 @@ try:  # the HTTP client the installed `openai` is built on: httpx2 for openai 3,
 except ImportError:
     import httpx  # noqa: F401 (re-exported for the tests)
 
-from nanovllm.entrypoints.openai_server import build_app, listening_socket, uvicorn_config
+from nanovllm.entrypoints.openai_server import GracefulServer, build_app, listening_socket, uvicorn_config
 from nanovllm.entrypoints.server_settings import ServerSettings
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -50,7 +50,7 @@ def server_thread(model: str, engine_overrides: dict | None = None, shutdown_tim
     settings = ServerSettings(model, {**ENGINE_KWARGS, **(engine_overrides or {})}, **settings_kwargs)
     sock = listening_socket("127.0.0.1", 0)
     app = build_app(settings)
-    server = uvicorn.Server(uvicorn_config(app, shutdown_timeout, log_level="warning"))
+    server = GracefulServer(uvicorn_config(app, shutdown_timeout, log_level="warning"))
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, name="test-server", daemon=True)
     thread.start()
     deadline = time.monotonic() + START_TIMEOUT

@@ -268,7 +268,8 @@ def test_every_config_and_sampling_field_is_a_batch_flag(capsys):
         main(["batch", "--help"])
     assert info.value.code == 0
     out = capsys.readouterr().out
-    names = [f.name for f in dataclasses.fields(Config) if f.init and f.name != "model"]
+    names = [f.name for f in dataclasses.fields(Config)  # but those kept out of --help (config.py, CLI_HIDDEN)
+             if f.init and f.name != "model" and not f.metadata.get("cli_hidden")]
     names += [f.name for f in dataclasses.fields(SamplingParams) if f.init]
     names += ["input", "output", "max_in_flight", "data_parallel", "ray", "replicas", "ray_address"]
     for name in names:

@@ -164,6 +164,7 @@ def test_bench_with_no_arguments_runs_and_says_what_it_chose(bench, tmp_path):
     """A HOME without nano-vllm's checkpoint and no visible GPU (on any machine): the tiny model
     and the CPU workload, said on the first line; the table and the JSON line follow."""
     env = {**os.environ, "HOME": str(tmp_path), "CUDA_VISIBLE_DEVICES": ""}
+    env.pop("XDG_CACHE_HOME", None)
     result = run_script([str(REPO / "bench.py")], cwd=tmp_path, env=env)
     lines = result.stdout.strip().splitlines()
     name = bench.SYNTHETIC[bench.DEFAULT_SYNTHETIC_CPU][1]
@@ -176,7 +177,21 @@ def test_bench_with_no_arguments_runs_and_says_what_it_chose(bench, tmp_path):
     assert run["device"] == "cpu" and run["model"] == name and run["cpu_scaled_workload"] is True
     assert run["num_seqs"] == bench.CPU_NUM_SEQS
     assert run["input_len_range"] == run["output_len_range"] == [bench.CPU_MIN_LEN, bench.CPU_MAX_LEN]
-    assert (tmp_path / "checkpoints").is_dir(), "the synthetic checkpoint is built under ./checkpoints/"
+    built = tmp_path / ".cache" / "nanovllm" / "checkpoints" / bench.SYNTHETIC[bench.DEFAULT_SYNTHETIC_CPU].dirname
+    assert (built / "config.json").is_file(), "the synthetic checkpoint is built under ~/.cache/nanovllm/"
+    assert not (tmp_path / "checkpoints").exists(), "nothing is written to the directory bench.py runs from"
+
+
+def test_bench_checkpoints_go_to_the_xdg_cache(bench, tmp_path, monkeypatch):
+    """--workdir defaults to $XDG_CACHE_HOME/nanovllm/checkpoints when that is an absolute path,
+    else ~/.cache/nanovllm/checkpoints (a relative XDG_CACHE_HOME is ignored, as the spec says)."""
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    monkeypatch.setattr(sys, "argv", ["bench.py"])
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    assert bench.parse_args().workdir == str(tmp_path / "xdg" / "nanovllm" / "checkpoints")
+    for ignored in ("relative/cache", ""):
+        monkeypatch.setenv("XDG_CACHE_HOME", ignored)
+        assert bench.parse_args().workdir == str(tmp_path / "home" / ".cache" / "nanovllm" / "checkpoints")
 
 
 def test_bench_model_choice(bench, tmp_path, monkeypatch):

@@ -1,25 +1,35 @@
-"""The `nanovllm` command through subprocesses (`python -m nanovllm`): --help, wrong flags (exit
-2), a missing model (exit 1, one line), `generate` equal to LLM.generate, `chat` driven through a
-pseudo-terminal (two turns, Ctrl-C, /reset), and `serve` stopped by SIGTERM with requests in
-flight (exit 0). The subprocesses of the simple cases start together, so their start-ups overlap."""
+"""The `nanovllm` command through subprocesses (`python -m nanovllm`): --version, --help (every
+choice listed from Config's own types, internals hidden), wrong flags (exit 2), a missing model
+(exit 1, one line), `generate` equal to LLM.generate, `chat` driven through a pseudo-terminal
+(two turns, Ctrl-C, /reset, slash words as commands), Ctrl-C ending `generate` in one line (exit
+130) and `serve` in order (exit 0), `serve` stopped by SIGTERM with requests in flight (exit 0),
+the `ui` command line, and the INFO line when the checkpoint caps max_model_len. The
+subprocesses of the simple cases start together, so their start-ups overlap."""
 import asyncio
 import dataclasses
 import fcntl
 import json
+import logging
 import os
 import pty
 import select
 import signal
 import subprocess
+import sys
 import termios
 import time
+import tomllib
+import typing
+import urllib.request
 
 import openai
 import pytest
 
+import nanovllm
+import nanovllm.entrypoints.cli as cli_module
 from nanovllm import LLM, SamplingParams
 from nanovllm.config import Config
-from nanovllm.entrypoints.cli import main
+from nanovllm.entrypoints.cli import CHAT_UI_SCRIPT, build_parser, main, ui_command
 from serving import ENGINE_FLAGS, ENGINE_KWARGS, REPO_ROOT, cli, start_cli, wait_for_listening
 
 PROMPTS = ["Hello world! How are", "The cache is split into"]
@@ -32,6 +42,7 @@ def runs(qwen3_tiny):
     """The one-shot commands, started at once; each test reads its own."""
     commands = {
         "help": ["--help"],
+        "version": ["--version"],
         "bad_flags": ["generate", qwen3_tiny, "hi", "--temperature", "hot", "--no-such-flag"],
         "missing": ["generate", os.path.join(qwen3_tiny, "no-such-model"), "hi"],
         "generate": ["generate", qwen3_tiny, *PROMPTS, "--json", "--temperature", "0", "--max-tokens", "6",
@@ -63,17 +74,75 @@ def test_help(runs):
         assert command in out
 
 
+def test_version_is_the_package_version(runs):
+    rc, out, err = finish(runs["version"])
+    assert rc == 0, err
+    with open(os.path.join(REPO_ROOT, "pyproject.toml"), "rb") as f:
+        declared = tomllib.load(f)["project"]["version"]
+    assert out == f"nanovllm {nanovllm.__version__}\n" and nanovllm.__version__ == declared
+
+
+def hidden(field: dataclasses.Field) -> bool:
+    return bool(field.metadata.get("cli_hidden"))
+
+
+def help_text(capsys, *args: str) -> str:
+    with pytest.raises(SystemExit) as info:
+        main([*args, "--help"])
+    assert info.value.code == 0
+    return capsys.readouterr().out
+
+
 @pytest.mark.parametrize("command", ["serve", "generate", "chat"])
 def test_every_config_field_is_a_flag(command, capsys):
-    with pytest.raises(SystemExit) as info:
-        main([command, "--help"])
-    assert info.value.code == 0
-    out = capsys.readouterr().out
-    fields = [f.name for f in dataclasses.fields(Config) if f.init and f.name != "model"]
+    out = help_text(capsys, command)
+    fields = [f.name for f in dataclasses.fields(Config) if f.init and f.name != "model" and not hidden(f)]
     if command != "serve":
         fields += [f.name for f in dataclasses.fields(SamplingParams) if f.init]
     for name in fields:
         assert "--" + name.replace("_", "-") in out, name
+
+
+@pytest.mark.parametrize("command", ["serve", "generate", "chat", "batch"])
+def test_help_lists_every_choice_from_configs_types_and_hides_internals(command, capsys):
+    out = help_text(capsys, command)
+    hints = typing.get_type_hints(Config)
+    literal_fields = 0
+    for f in dataclasses.fields(Config):
+        literals = [arg for arg in (typing.get_args(hints[f.name]) or (hints[f.name],))
+                    if typing.get_origin(arg) is typing.Literal] + \
+            ([hints[f.name]] if typing.get_origin(hints[f.name]) is typing.Literal else [])
+        if f.init and literals:
+            literal_fields += 1
+            choices = ",".join(typing.get_args(literals[0]))
+            assert f"--{f.name.replace('_', '-')} {{{choices}}}" in out, f.name
+    assert literal_fields >= 9  # device, dtype, kv_cache_dtype, attention_backend, policies, modes, ...
+    for shown in ("--dtype {auto,float32,float16,bfloat16}", "--device {auto,cuda,cpu}",
+                  "--kv-cache-dtype {auto,fp8_e4m3,fp8_e5m2}", "--scheduling-policy {mixed,prefill_first}",
+                  "--preemption-mode {recompute,swap}"):
+        assert shown in out
+    internal = [f.name for f in dataclasses.fields(Config) if hidden(f)]
+    assert internal and not any("--" + name.replace("_", "-") in out for name in internal)
+
+
+def test_hidden_flags_are_still_taken_and_choices_checked(qwen3_tiny, capsys):
+    args = build_parser().parse_args(["generate", qwen3_tiny, "hi", "--no-cpu-malloc-tuning",
+                                      "--tensor-parallel-heartbeat-timeout-s", "5", "--kv-cache-dtype", "fp8_e5m2"])
+    assert args.cpu_malloc_tuning is False and args.tensor_parallel_heartbeat_timeout_s == 5.0
+    assert args.kv_cache_dtype == "fp8_e5m2"
+    with pytest.raises(SystemExit) as info:
+        main(["generate", qwen3_tiny, "hi", "--kv-cache-dtype", "fp4"])
+    assert info.value.code == 2 and "invalid choice: 'fp4'" in capsys.readouterr().err
+
+
+def test_max_model_len_capped_by_the_checkpoint_is_logged(gpt2_tiny, caplog):
+    with caplog.at_level(logging.INFO, logger="nanovllm"):
+        assert Config(gpt2_tiny, max_model_len=4096).max_model_len == 128
+    assert "max_model_len=4096 capped to 128: the checkpoint's n_positions" in caplog.text
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="nanovllm"):
+        Config(gpt2_tiny, max_model_len=100)
+    assert "capped" not in caplog.text
 
 
 def test_bench_help_is_bench_py_help(capsys):
@@ -208,6 +277,8 @@ def test_chat_through_a_terminal(qwen3_tiny, offline):
         assert b"[stopped]" in term.read_until(prompt)
         term.send(b"/reset\n")
         term.read_until(b"(conversation cleared)" + prompt)
+        term.send(b"/clear\n")
+        term.read_until(b"(conversation cleared)" + prompt)
         term.send(b"Hello\n")  # as the first turn again: the history is gone
         assert term.read_until(prompt) == b"Hello\r\n" + first + prompt
         term.send(b"\x04")  # Ctrl-D ends the session
@@ -243,3 +314,115 @@ def test_serve_sigterm_finishes_in_flight_requests_and_exits_0(qwen3_tiny, offli
     finally:
         if proc.poll() is None:
             proc.kill()
+
+
+def test_chat_slash_words_are_commands(qwen3_tiny, offline):
+    """/help lists the commands, an unknown /word says so, and neither reaches the model: the
+    next message is answered as the first of a conversation. "//" sends a line starting with "/";
+    /exit quits."""
+    params = SamplingParams(temperature=0, max_tokens=CHAT_MAX_TOKENS)
+    first = offline.chat([{"role": "user", "content": "Hello"}], params, use_tqdm=False)[0]["text"]
+    slashed = offline.chat([{"role": "user", "content": "/etc is"}], params, use_tqdm=False)[0]["text"]
+    prompt = b"\r\n> "
+    term = Terminal(cli("chat", qwen3_tiny, "--temperature", "0", "--max-tokens", str(CHAT_MAX_TOKENS),
+                        *ENGINE_FLAGS))
+    try:
+        assert b"/help lists the commands" in term.read_until(prompt)
+        term.send(b"/help\n")
+        listed = term.read_until(prompt)
+        assert all(word in listed for word in (b"/help", b"/clear", b"/exit"))
+        term.send(b"/nope and more\n")
+        assert term.read_until(prompt) == b"/nope and more\r\nunknown command /nope; /help lists them" + prompt
+        term.send(b"Hello\n")
+        assert term.read_until(prompt) == b"Hello\r\n" + first.encode().replace(b"\n", b"\r\n") + prompt
+        term.send(b"/clear\n")
+        term.read_until(b"(conversation cleared)" + prompt)
+        term.send(b"//etc is\n")  # "//" sends a message that starts with "/"
+        assert term.read_until(prompt) == b"//etc is\r\n" + slashed.encode().replace(b"\n", b"\r\n") + prompt
+        term.send(b"/exit\n")
+        assert term.proc.wait(RUN_TIMEOUT) == 0
+    finally:
+        term.close()
+
+
+def read_stderr_until(proc: subprocess.Popen, marker: str) -> str:
+    lines = []
+    deadline = time.monotonic() + RUN_TIMEOUT
+    while time.monotonic() < deadline:
+        line = proc.stderr.readline()
+        assert line, "exited before " + marker + ":\n" + "".join(lines)
+        lines.append(line)
+        if marker in line:
+            return "".join(lines)
+    raise AssertionError("no " + marker)
+
+
+def test_ctrl_c_during_generate_prints_one_line_and_exits_130(qwen3_tiny):
+    proc = start_cli("generate", qwen3_tiny, "Hello", "--max-tokens", "1000000", "--ignore-eos", *ENGINE_FLAGS)
+    try:
+        read_stderr_until(proc, "start-up")  # the engine is built: it is generating now
+        proc.send_signal(signal.SIGINT)
+        out, err = proc.communicate(timeout=RUN_TIMEOUT)
+        assert proc.returncode == 130
+        assert err.strip() == "nanovllm: interrupted" and out == "", err
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+
+
+def test_ctrl_c_stops_serve_in_order_with_exit_0(qwen3_tiny):
+    proc = start_cli("serve", qwen3_tiny, "--port", "0", *ENGINE_FLAGS)
+    try:
+        url, _ = wait_for_listening(proc)
+        read_stderr_until(proc, "engine ready")
+        with urllib.request.urlopen(url + "/health", timeout=RUN_TIMEOUT) as response:
+            assert response.status == 200
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(RUN_TIMEOUT) == 0
+        err = proc.stderr.read()
+        assert "engine stopped" in err and "Traceback" not in err and "interrupted" not in err, err
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+
+
+def test_ui_runs_streamlit_on_loopback_without_usage_statistics(monkeypatch):
+    monkeypatch.delenv("NANOVLLM_BASE_URL", raising=False)
+    command = ui_command(build_parser().parse_args(["ui"]))
+    assert command.argv[:5] == [sys.executable, "-m", "streamlit", "run", str(CHAT_UI_SCRIPT)]
+    options = dict(zip(command.argv[5::2], command.argv[6::2]))
+    assert options == {"--server.address": "127.0.0.1", "--server.port": "8501",
+                       "--browser.gatherUsageStats": "false", "--server.showEmailPrompt": "false"}
+    assert "NANOVLLM_BASE_URL" not in command.env  # chat_ui.py's own default: serve's address
+    command = ui_command(build_parser().parse_args(["ui", "--server-port", "8123", "--model", "m", "--port", "9000"]))
+    assert command.env["NANOVLLM_BASE_URL"] == "http://127.0.0.1:8123/v1" and command.env["NANOVLLM_MODEL"] == "m"
+    assert command.argv[command.argv.index("--server.port") + 1] == "9000"
+    url = "http://10.0.0.5:8000/v1"
+    assert ui_command(build_parser().parse_args(["ui", "--server-url", url])).env["NANOVLLM_BASE_URL"] == url
+
+
+def test_ui_options_are_streamlits_and_the_command_is_run(monkeypatch):
+    """Each option is one Streamlit knows, and `nanovllm ui` hands the process over to that command."""
+    from streamlit import config as streamlit_config
+
+    argv = ui_command(build_parser().parse_args(["ui"])).argv
+    for option in argv[5::2]:
+        assert option.removeprefix("--") in streamlit_config._config_options_template, option
+
+    class Exec(Exception):
+        pass
+
+    def execve(path, args, env):
+        raise Exec(path, args, env)
+    monkeypatch.setattr(cli_module.os, "execve", execve)
+    with pytest.raises(Exec) as ran:
+        main(["ui", "--model", "m"])
+    assert ran.value.args[1] == argv and ran.value.args[2]["NANOVLLM_MODEL"] == "m"
+
+
+def test_ui_without_streamlit_says_how_to_install_it(monkeypatch, capsys):
+    monkeypatch.setattr(cli_module, "_streamlit_installed", lambda: False)
+    monkeypatch.setattr(cli_module.os, "execve", lambda *args: pytest.fail("ran without streamlit"))
+    assert main(["ui"]) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and 'pip install -e ".[ui]"' in err and "Streamlit" in err

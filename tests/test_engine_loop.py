@@ -1,6 +1,7 @@
 """EngineClient (the engine-loop thread and its asyncio side) with a stand-in engine, no model:
 outputs arrive in order, a refused call queues nothing, the queue limit, a step that raises
-fails the live requests and the ones after it (never leaving a caller waiting), a failed build."""
+fails the live requests with an error output and the loop serves on (only an engine that cannot
+step at all stops it, never leaving a caller waiting), a failed build."""
 import asyncio
 import time
 from types import SimpleNamespace
@@ -9,7 +10,8 @@ import pytest
 
 from nanovllm.engine.request import RequestOutput, SampleDelta
 from nanovllm.llm_engine import EngineStats
-from nanovllm.entrypoints.engine_loop import EngineClient, EngineDeadError, QueueFullError
+from nanovllm.entrypoints.engine_loop import (MAX_CONSECUTIVE_STEP_FAILURES, EngineClient, EngineDeadError,
+                                              QueueFullError)
 from nanovllm.entrypoints.metrics import ServerMetrics
 from nanovllm.sampling_params import SamplingParams
 from serving import metric
@@ -131,17 +133,42 @@ def test_queue_limit():
     run_client(test, max_queue_len=4)
 
 
-def test_a_failing_step_fails_live_requests_and_refuses_new_ones():
+def test_a_failing_step_fails_live_requests_and_the_loop_serves_on():
     async def test(client):
-        running = await client.add(["a"], SamplingParams(max_tokens=60), "r")
-        await client.add([BOOM], SamplingParams(max_tokens=1), "b")
-        with pytest.raises(EngineDeadError, match="blew up"):
-            async for _ in running:
+        running = await client.add(["a"], SamplingParams(n=2, max_tokens=60), "r")
+        boom = await client.add([BOOM], SamplingParams(max_tokens=1), "b")
+        for submission in (running, boom):
+            outputs = [output async for output in submission]
+            last = outputs[-1]
+            assert last.finished and all(s.finish_reason == "abort" for s in last.samples)
+            # A message for the client: its request id, not the exception's text.
+            assert submission.request_ids[0] in last.error and "blew up" not in last.error
+            assert last.final["error"] == last.error
+        assert client.is_serving
+        later = await client.add(["a"], SamplingParams(max_tokens=2), "late")
+        outputs = [output async for output in later]
+        assert outputs[-1].samples[0].finish_reason == "length" and outputs[-1].error is None
+    run_client(test)
+
+
+def test_an_engine_that_cannot_step_stops_the_loop():
+    class Broken(StandInEngine):
+        def step(self):
+            raise RuntimeError("the device is gone")
+
+    async def test(client):
+        for k in range(MAX_CONSECUTIVE_STEP_FAILURES - 1):  # each failure fails its requests; the loop goes on
+            submission = await client.add(["a"], SamplingParams(max_tokens=3), f"r{k}")
+            assert [output.error is not None async for output in submission] == [True]
+            assert client.is_serving
+        last = await client.add(["a"], SamplingParams(max_tokens=3), "last")
+        with pytest.raises(EngineDeadError):
+            async for _ in last:
                 pass
-        assert not client.is_running
+        assert not client.is_serving and not client.is_running
         with pytest.raises(EngineDeadError):
             await client.add(["a"], SamplingParams(max_tokens=1), "late")
-    run_client(test)
+    run_client(test, engine_factory=Broken)
 
 
 def test_a_failed_build_is_raised_by_start():

@@ -372,16 +372,17 @@ def test_full_queue_gets_503_and_nothing_else_fails(qwen3_tiny, offline):
     assert all(n == 4 for _, (_, n) in served)
 
 
-def test_shutdown_cuts_off_what_outlasts_the_grace_period(qwen3_tiny):
-    """A stream that cannot finish within the grace period is cut off when it ends, and the engine
-    stops (SIGTERM's path in a subprocess is tested in test_cli.py)."""
+def test_shutdown_aborts_what_outlasts_the_grace_period(qwen3_tiny):
+    """A stream that cannot finish within the grace period ends with an "abort" chunk (and [DONE],
+    which the client reads as the end), and the engine stops (SIGTERM's path in a subprocess is
+    tested in test_cli.py; the non-streaming side in test_server_faults.py)."""
     with server_thread(qwen3_tiny, shutdown_timeout=0.5) as server:
         client = openai.OpenAI(base_url=server.base_url, api_key="none", max_retries=0, timeout=120)
         stream = client.completions.create(model=server.settings.model_name, prompt=PROMPTS[0], max_tokens=1000,
                                            temperature=0, stream=True, extra_body={"ignore_eos": True})
         chunks = [next(stream)]  # it is generating
         server.uvicorn.should_exit = True
-        with pytest.raises(openai.APIConnectionError):
-            chunks += list(stream)
-        assert all(c.choices[0].finish_reason is None for c in chunks)
+        chunks += list(stream)
+        assert all(c.choices[0].finish_reason is None for c in chunks[:-1])
+        assert chunks[-1].choices[0].finish_reason == "abort"
     assert not server.app.state.engine_client.is_running

@@ -262,6 +262,20 @@ class BlockManager:
             block.ref_count = 0
             self.free_block_queue[block.block_id] = None
 
+    def unpublish(self, seqs: list[Sequence]) -> None:
+        """Take out of the prefix cache the published blocks that only these sequences hold (a
+        failed step's: their K/V may never have been written), so no later request hits them."""
+        holders: dict[int, int] = {}
+        for seq in seqs:
+            for block_id in seq.block_table:
+                holders[block_id] = holders.get(block_id, 0) + 1
+        for block_id, num in holders.items():
+            block = self.blocks[block_id]
+            if block.hash is not None and num == block.ref_count:
+                if self.hash_to_block_id.get(block.hash) == block_id:
+                    del self.hash_to_block_id[block.hash]
+                block.hash, block.token_ids = None, ()
+
     def cache_blocks(self, seq: Sequence, start: int, end: int) -> None:
         """Publish the sequence's full blocks start..end-1, whose K/V are now computed."""
         if not self.enable_prefix_caching:

@@ -5,13 +5,22 @@ Whoever drives a step, each sequence's new tokens land on the sequence itself; `
 hands the caller what is new since the last pop (a RequestOutput), so every caller gets exactly
 its own requests' output. It also builds the final output dict that generate() returns. It
 knows nothing of scheduling or tensors.
+
+A request the engine failed (a fault while building, scheduling, running or finishing it; see
+LLMEngine._fail_request) carries `error`, a message meant for its client: its samples end with
+finish_reason "abort", its final dict gains an "error" key and its text is built without the
+detokenizer (which may be what failed). Normal outputs keep their exact shape.
 """
+import logging
+
 from dataclasses import dataclass
 
 from transformers import PreTrainedTokenizerBase
 
 from nanovllm.engine.sequence import Sequence
 from nanovllm.sampling_params import SamplingParams
+
+logger = logging.getLogger("nanovllm")
 
 
 @dataclass
@@ -35,6 +44,9 @@ class RequestOutput:
     samples: list[SampleDelta]
     finished: bool
     final: dict | None
+    # Set on the final output of a request the engine failed: a message for its client (no
+    # exception text; the server log has the traceback under the request id). None otherwise.
+    error: str | None = None
 
 
 class Request:
@@ -52,6 +64,8 @@ class Request:
         self.num_tokens_handed = [0] * len(seqs)  # completion tokens already popped, per sample
         self.num_logprobs_handed = [0] * len(seqs)
         self.finish_handed = [False] * len(seqs)
+        self.error: str | None = None  # set when the engine failed this request (a client-safe message)
+        self.fault: Exception | None = None  # what building it raised: it fails as soon as it is submitted
 
     @property
     def finished(self) -> bool:
@@ -61,7 +75,10 @@ class Request:
         return True
 
     def pop(self, tokenizer: PreTrainedTokenizerBase | None) -> RequestOutput:
-        """The news since the last pop; once finished, with the final output."""
+        """The news since the last pop; once finished, with the final output (built first, so a
+        fault there leaves nothing handed out and the engine can build the error output instead)."""
+        finished = self.finished
+        final = self.final_output(tokenizer) if finished else None
         samples = []
         for i, seq in enumerate(self.seqs):
             start = seq.num_prompt_tokens + self.num_tokens_handed[i]
@@ -73,36 +90,44 @@ class Request:
             self.finish_handed[i] = seq.is_finished
             logprobs = [lp._asdict() for lp in seq.logprobs[self.num_logprobs_handed[i]:]]
             self.num_logprobs_handed[i] = len(seq.logprobs)
-            text = seq.detokenizer.stream_delta(seq.is_finished) if seq.detokenizer is not None else ""
-            samples.append(SampleDelta(i, new_tokens, text, logprobs, seq.is_finished, seq.finish_reason,
-                                       seq.stop_reason))
-        finished = self.finished
-        final = self.final_output(tokenizer) if finished else None
-        return RequestOutput(self.request_id, self.prompt_token_ids, samples, finished, final)
+            failed = self.error is not None  # its text stays what was streamed: the detokenizer may be what failed
+            text = seq.detokenizer.stream_delta(seq.is_finished) if seq.detokenizer is not None and not failed else ""
+            samples.append(SampleDelta(i, new_tokens, text, logprobs, seq.is_finished,
+                                       "abort" if failed and seq.is_finished else seq.finish_reason,
+                                       None if failed else seq.stop_reason))
+        return RequestOutput(self.request_id, self.prompt_token_ids, samples, finished, final,
+                             self.error if finished else None)
 
     def final_output(self, tokenizer: PreTrainedTokenizerBase | None) -> dict:
         """generate()'s dict for this prompt: sample 0's fields at the top, every sample under
-        "outputs" when n > 1."""
-        samples = [_sample_output(seq, tokenizer) for seq in self.seqs]
+        "outputs" when n > 1; a failed request's has "error" too, and every sample's finish_reason
+        is "abort" (the request failed as a whole)."""
+        samples = [_sample_output(seq, tokenizer, self.error is not None) for seq in self.seqs]
         out = {**samples[0], "prompt_token_ids": self.prompt_token_ids}
         if len(samples) > 1:
             out["outputs"] = samples
+        if self.error is not None:
+            out["error"] = self.error
         return out
 
 
-def _sample_output(seq: Sequence, tokenizer: PreTrainedTokenizerBase | None) -> dict:
+def _sample_output(seq: Sequence, tokenizer: PreTrainedTokenizerBase | None, failed: bool = False) -> dict:
     params = seq.sampling_params
-    if seq.detokenizer is not None:
-        text = seq.detokenizer.final_text()
-    elif tokenizer is None:  # skip_tokenizer_init: token ids only
-        text = ""
-    else:
-        text = tokenizer.decode(seq.completion_token_ids, skip_special_tokens=params.skip_special_tokens)
+    text = ""
+    try:
+        if seq.detokenizer is not None:
+            text = seq.detokenizer.final_text()
+        elif tokenizer is not None:  # None: skip_tokenizer_init, token ids only
+            text = tokenizer.decode(seq.completion_token_ids, skip_special_tokens=params.skip_special_tokens)
+    except Exception:
+        if not failed:
+            raise  # the engine fails the request (LLMEngine._final), which builds this again
+        logger.warning("request %s: its text could not be decoded; its failed output has none", seq.request_id)
     out = {
         "text": text,
         "token_ids": seq.completion_token_ids,
-        "finish_reason": seq.finish_reason,
-        "stop_reason": seq.stop_reason,
+        "finish_reason": "abort" if failed else seq.finish_reason,
+        "stop_reason": None if failed else seq.stop_reason,
         "num_cached_tokens": seq.num_cached_tokens,
     }
     if params.logprobs is not None:

@@ -39,6 +39,11 @@ sequence's kept tokens one at a time through the stop checker (so no stop and no
 overshot), counts only the accepted proposals as computed, and gives back the lookahead blocks
 past the sequence's tokens: the rejected proposals leave nothing behind in the block table or
 the prefix cache.
+
+A fault in the work done for one sequence (its blocks at admission, a swap, its stop check)
+fails that sequence alone: `fail` finishes it with "abort", frees its blocks, takes it out of
+every queue and records a `SequenceFault`, which the engine turns into a failed request (its
+other samples aborted too, its caller told). The step goes on for every other sequence.
 """
 import heapq
 from bisect import insort
@@ -51,6 +56,7 @@ from nanovllm.engine.sequence import Sequence, SequenceStatus
 from nanovllm.engine.stop_checker import StopChecker
 
 FINISHED = SequenceStatus.FINISHED
+WAITING, SWAPPED = SequenceStatus.WAITING, SequenceStatus.SWAPPED
 MIXED, PREFILL_FIRST = "mixed", "prefill_first"
 SCHEDULING_POLICIES = (MIXED, PREFILL_FIRST)
 # Measured on bench.py: docs/BENCHMARKS.md, "Scheduling policies".
@@ -81,6 +87,13 @@ class ScheduledBatch(NamedTuple):
     @property
     def has_copies(self) -> bool:
         return bool(self.swap_out.src or self.swap_in.src)
+
+
+class SequenceFault(NamedTuple):
+    """An exception raised while working for one sequence: the engine fails its request."""
+    seq: Sequence
+    error: Exception
+    phase: str  # what was being done for it ("checking its stop conditions"), for the log and its caller
 
 
 @dataclass
@@ -205,6 +218,7 @@ class Scheduler:
         self.running: list[Sequence] = []  # sorted by sort_key
         self.stats = SchedulerStats()
         self.num_unswept_finished = 0  # finished since the last drop_finished()
+        self.faults: list[SequenceFault] = []  # sequences failed alone, until the engine takes them
 
     @property
     def num_preemptions(self) -> int:
@@ -272,15 +286,21 @@ class Scheduler:
             if seq.num_computed_tokens != len(seq.token_ids) - 1:
                 in_prompt.append(seq)
                 continue
-            while not can_append(seq):
-                victim = running[-1]  # the lowest priority, latest arrival: may be seq itself
-                self._preempt(plan)
-                if victim is seq:
-                    break
-            else:
-                may_append(seq)
-                seq.num_scheduled_tokens = 1
-                decoded.append(seq)
+            try:
+                while not can_append(seq):
+                    victim = running[-1]  # the lowest priority, latest arrival: may be seq itself
+                    self._preempt(plan)
+                    if victim is seq:
+                        break
+                else:
+                    may_append(seq)
+                    seq.num_scheduled_tokens = 1
+                    decoded.append(seq)
+            except Exception as exc:  # a preemption failing fails its victim alone (in _preempt)
+                if running[i - 1] is seq:
+                    del running[i - 1]
+                    i -= 1
+                self.fail(seq, exc, "scheduling its next token (its KV blocks)")
         plan.budget -= len(decoded) - num_before
         assert plan.budget >= 0, "more running sequences than the token budget"
         if self.num_lookahead_tokens:
@@ -317,17 +337,20 @@ class Scheduler:
             head_w, head_s = self.waiting.peek(), self.swapped.peek()
             if head_s is not None and (head_w is None or head_s.sort_key < head_w.sort_key):
                 seq = head_s
-                if bm.swapped_prefix_lost(seq):  # it cannot be swapped in: recompute it instead
+                try:
+                    lost = bm.swapped_prefix_lost(seq)
+                    copies = bm.swap_in(seq) if take_swapped and not lost else None
+                except Exception as exc:
+                    self.fail(seq, exc, "swapping it back in")
+                    continue
+                if lost:  # it cannot be swapped in: recompute it instead
                     self.swapped.pop()
                     bm.deallocate(seq)
                     self.stats.swapped_prefix_lost += 1
                     self.add(seq)
                     plan.requeued = True
                     continue
-                if not take_swapped:
-                    return
-                copies = bm.swap_in(seq)
-                if copies is None:
+                if copies is None:  # not this step's turn (take_swapped), or too few free blocks
                     return
                 self.swapped.pop()
                 plan.swap_in.src.extend(copies.src)
@@ -338,7 +361,12 @@ class Scheduler:
                 if not take_waiting:
                     return
                 seq = head_w
-                if not bm.allocate(seq):
+                try:
+                    allocated = bm.allocate(seq)
+                except Exception as exc:
+                    self.fail(seq, exc, "admitting it (its KV blocks and prefix-cache lookup)")
+                    continue
+                if not allocated:
                     return
                 self.waiting.pop()
             else:
@@ -353,6 +381,12 @@ class Scheduler:
         else free its blocks to recompute it later."""
         seq = self.running.pop()
         plan.preempted = True
+        try:
+            self._preempt_one(seq, plan)
+        except Exception as exc:
+            self.fail(seq, exc, "preempting it")
+
+    def _preempt_one(self, seq: Sequence, plan: _StepPlan) -> None:
         if self.preemption_mode == SWAP and seq.is_decoding:
             copies = self.block_manager.swap_out(seq)
             if copies is not None:
@@ -430,7 +464,11 @@ class Scheduler:
             else:
                 tokens.append(token_ids[i])
             advanced.append(seq)
-            finish = check(seq)
+            try:
+                finish = check(seq)
+            except Exception as exc:
+                self.fail(seq, exc, "checking its stop conditions (stop strings, detokenization)")
+                continue
             if finish is not None:
                 if seq.status != SequenceStatus.RUNNING:  # preempted by the step scheduled meanwhile
                     queued.add(id(seq))
@@ -459,6 +497,9 @@ class Scheduler:
         check = self.stop_checker.check
         advanced = []
         for seq, tokens, proposed in zip(batch.seqs, token_ids, num_proposed):
+            if seq.status is FINISHED:  # failed in this step (its sampling inputs): its tokens are dropped
+                seq.num_scheduled_tokens = seq.num_lookahead_slots = 0
+                continue
             decoding = seq.num_computed_tokens == len(seq.token_ids) - 1
             first_block = seq.num_computed_tokens // bs
             seq.num_computed_tokens += seq.num_scheduled_tokens
@@ -476,7 +517,11 @@ class Scheduler:
             advanced.append(seq)
             for token_id in tokens:
                 seq.append_token(token_id)
-                finish = check(seq)
+                try:
+                    finish = check(seq)
+                except Exception as exc:
+                    self.fail(seq, exc, "checking its stop conditions (stop strings, detokenization)")
+                    break
                 if finish is not None:
                     self.finish(seq, finish.finish_reason, finish.stop_reason)
                     break
@@ -508,10 +553,38 @@ class Scheduler:
         for seq in seqs:
             seq.pending_siblings = []
             if not seq.is_finished:
+                _drop_placeholder(seq)
                 self.finish(seq, "abort", None)
         self.waiting.remove(doomed)
         self.swapped.remove(doomed)
         self.drop_finished()
+
+    def fail(self, seq: Sequence, error: Exception, phase: str) -> None:
+        """A fault in the work for this sequence alone: finish it with "abort" now (its blocks
+        freed, out of `waiting` and `swapped`; out of `running` at the next drop_finished) and
+        record it for the engine (`take_faults`), which fails its whole request."""
+        self.faults.append(SequenceFault(seq, error, phase))
+        if seq.is_finished:
+            return
+        status = seq.status
+        seq.pending_siblings = []  # never queued: the engine aborts them with the request
+        _drop_placeholder(seq)
+        self.finish(seq, "abort", None)
+        if status is WAITING:
+            self.waiting.remove({id(seq)})
+        elif status is SWAPPED:
+            self.swapped.remove({id(seq)})
+
+    def take_faults(self) -> list[SequenceFault]:
+        faults, self.faults = self.faults, []
+        return faults
+
+
+def _drop_placeholder(seq: Sequence) -> None:
+    """An aborted sequence gets no more tokens: a placeholder for one still on the device
+    (async scheduling) goes, so its output holds only real token ids."""
+    if seq.token_ids and seq.token_ids[-1] < 0:
+        seq.token_ids.pop()
 
 
 def _sort_key(seq: Sequence) -> tuple[int, int]:

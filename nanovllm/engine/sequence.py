@@ -127,4 +127,4 @@ class Sequence:
     def num_known_tokens(self) -> int:
         """Tokens whose ids the host has: all but a trailing placeholder (async scheduling)."""
         token_ids = self.token_ids
-        return len(token_ids) - (token_ids[-1] < 0)
+        return len(token_ids) - (bool(token_ids) and token_ids[-1] < 0)  # no tokens: a request failed as it was built

@@ -1,8 +1,10 @@
 """Command-line flags generated from a dataclass: one `--flag-name` per field, with the field's
 type, default and help (the comment on or just above the field in its source).
 
-So the CLI cannot drift from `Config` or `SamplingParams`: a new field is a new flag. It knows
-nothing of what the fields mean; choices for a field are passed in by the caller.
+So the CLI cannot drift from `Config` or `SamplingParams`: a new field is a new flag. A field
+typed with a `Literal` (Config's `Device`, `KvCacheDtype`, ...) gets its values as the flag's
+choices, listed in --help; a field whose metadata has "cli_hidden" (config.py, CLI_HIDDEN) is
+still a flag but is left out of --help. It knows nothing of what the fields mean.
 """
 import argparse
 import ast
@@ -14,9 +16,18 @@ import textwrap
 import tokenize
 import types
 import typing
-from typing import Any
+from typing import Any, Callable, Literal, NamedTuple
 
 SCALARS = (bool, int, float, str)
+# A field's metadata key: the flag is taken but not listed in --help.
+CLI_HIDDEN_KEY = "cli_hidden"
+
+
+class FlagType(NamedTuple):
+    scalar: Callable  # what parses one value (a scalar type, or json_object)
+    is_list: bool
+    optional: bool  # None is allowed
+    choices: tuple | None  # a Literal's values
 
 
 def json_object(text: str) -> dict:
@@ -57,32 +68,32 @@ def field_comments(cls: type) -> dict[str, str]:
     return result
 
 
-def _flag_type(annotation: Any) -> tuple[type, bool, bool]:
-    """(scalar type, is a list, may be None) of a field annotation such as `int | None`,
-    `str | torch.dtype` (the first scalar wins), `str | list[str] | None` or `dict | None` (a JSON
-    object)."""
+def _flag_type(annotation: Any) -> FlagType:
+    """How to parse a field annotated as `int | None`, `str | torch.dtype` (the first scalar wins),
+    `str | list[str] | None`, `dict | None` (a JSON object) or `Literal[...]` (its values are the
+    choices; `torch.dtype | Literal[...]` too)."""
     args = typing.get_args(annotation) if isinstance(annotation, types.UnionType) or \
         typing.get_origin(annotation) is typing.Union else (annotation,)
     optional = type(None) in args
     if any(arg is dict or typing.get_origin(arg) is dict for arg in args):
-        return json_object, False, optional
+        return FlagType(json_object, False, optional, None)
     for arg in args:
-        if arg in SCALARS:
-            scalar = arg
-            break
-    else:
-        scalar = None
+        if typing.get_origin(arg) is Literal:
+            values = typing.get_args(arg)
+            return FlagType(type(values[0]), False, optional, values)
+    scalar = next((arg for arg in args if arg in SCALARS), None)
     for arg in args:
         if typing.get_origin(arg) in (list, tuple) and typing.get_args(arg)[0] in SCALARS:
-            return (scalar or typing.get_args(arg)[0]), True, optional
+            return FlagType(scalar or typing.get_args(arg)[0], True, optional, None)
     if scalar is None:
         raise TypeError(f"no command-line type for annotation {annotation!r}")
-    return scalar, False, optional
+    return FlagType(scalar, False, optional, None)
 
 
 def add_dataclass_flags(parser: argparse.ArgumentParser | argparse._ArgumentGroup, cls: type,
                         skip: tuple[str, ...] = (), choices: dict[str, tuple] | None = None) -> list[str]:
-    """Add a flag for every init field of `cls` not in `skip`; returns the field names added."""
+    """Add a flag for every init field of `cls` not in `skip`; returns the field names added.
+    `choices` overrides a field's (from its Literal type) or gives one a Literal does not."""
     hints = typing.get_type_hints(cls)
     comments = field_comments(cls)
     choices = choices or {}
@@ -91,21 +102,24 @@ def add_dataclass_flags(parser: argparse.ArgumentParser | argparse._ArgumentGrou
         if not f.init or f.name in skip:
             continue
         default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
-        scalar, is_list, optional = _flag_type(hints[f.name])
+        flag = _flag_type(hints[f.name])
         help_text = comments.get(f.name, f"{cls.__name__}.{f.name}")
         kwargs: dict[str, Any] = {"dest": f.name, "default": default}
-        if scalar is bool and not is_list:
+        if flag.scalar is bool and not flag.is_list:
             kwargs["action"] = argparse.BooleanOptionalAction
         else:
-            kwargs["type"] = scalar
+            kwargs["type"] = flag.scalar
             kwargs["metavar"] = f.name.upper()
-            if is_list:
+            if flag.is_list:
                 kwargs["nargs"] = "+"
-            if f.name in choices:
-                kwargs["choices"] = choices[f.name]
+            allowed = choices.get(f.name, flag.choices)
+            if allowed is not None:
+                kwargs["choices"] = allowed
                 kwargs.pop("metavar")
-        none_note = " (default: none)" if optional and default is None else " (default: %(default)s)"
+        none_note = " (default: none)" if flag.optional and default is None else " (default: %(default)s)"
         kwargs["help"] = help_text.replace("%", "%%") + none_note
+        if f.metadata.get(CLI_HIDDEN_KEY):
+            kwargs["help"] = argparse.SUPPRESS
         parser.add_argument("--" + f.name.replace("_", "-"), **kwargs)
         added.append(f.name)
     return added

@@ -9,6 +9,12 @@ command queue while the engine is idle, so an idle server burns no CPU; while re
 drains the queue between steps. Outputs go back once per step, in one `call_soon_threadsafe`
 that puts each on its request's asyncio.Queue, so no coroutine ever polls. It also feeds the
 engine-side metrics. It knows nothing of HTTP or the OpenAI format.
+
+The thread never dies of one request's fault: the engine fails such a request alone (its final
+output carries `error`), and should `engine.step()` itself raise, the requests live then get a
+failed final output and the loop serves on. Only MAX_CONSECUTIVE_STEP_FAILURES failed steps in a
+row (an engine that cannot step at all) stop it; `is_serving` is False from then on, as it is
+from the start of a shutdown (`begin_shutdown`, which also aborts every live request).
 """
 import asyncio
 import logging
@@ -20,13 +26,20 @@ from typing import AsyncIterator, Callable, NamedTuple
 
 from nanovllm.config import Config
 from nanovllm.llm_engine import LLMEngine
-from nanovllm.engine.request import RequestOutput
+from nanovllm.engine.request import RequestOutput, SampleDelta
 from nanovllm.entrypoints.metrics import ServerMetrics
 from nanovllm.sampling_params import SamplingParams
 
 logger = logging.getLogger("nanovllm")
 
 Prompt = str | list[int]
+
+# engine.step() raising this many times in a row means the engine cannot step at all (each
+# failure already failed every live request): the loop stops, and the server reports unhealthy.
+MAX_CONSECUTIVE_STEP_FAILURES = 3
+STEP_FAILED_MESSAGE = ("request {request_id} failed: an internal error in the engine's step; it was aborted and "
+                       "the server goes on (the server log has the details under this request id)")
+ADD_FAILED_MESSAGE = "an internal error while queueing the request; it was not queued (the server log has details)"
 
 
 class QueueFullError(Exception):
@@ -51,10 +64,15 @@ class _Stop(NamedTuple):
     pass
 
 
+class _AbortAll(NamedTuple):
+    """Abort every live request (a shutdown's grace period is ending)."""
+
+
 @dataclass
 class _Timing:
     """What the loop thread remembers of a live request, for the latency histograms."""
     arrival: float
+    n: int = 1  # its samples, for an error output made without the engine
     last_token: float | None = None  # None until its first token
 
 
@@ -107,6 +125,7 @@ class EngineClient:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
         self._dead: BaseException | None = None
+        self.shutting_down = False  # set by begin_shutdown(): every request is aborted, new ones refused
         self.config: Config | None = None  # the engine's, once started (read-only from here on)
         self.cache_capacity_tokens = 0  # tokens the whole KV cache holds, once started
 
@@ -128,9 +147,20 @@ class EngineClient:
         await asyncio.to_thread(self._thread.join)
         self._thread = None
 
+    def begin_shutdown(self) -> None:
+        """Refuse new requests and abort the live ones now (their final outputs, finish_reason
+        "abort", still arrive): what a shutdown does before its grace period runs out."""
+        self.shutting_down = True
+        self._send(_AbortAll())
+
     @property
     def is_running(self) -> bool:
         return self._thread is not None and self._thread.is_alive() and not self._inbox_closed
+
+    @property
+    def is_serving(self) -> bool:
+        """Whether a new request can be served: the loop runs and no shutdown has begun."""
+        return self.is_running and not self.shutting_down
 
     @property
     def num_queued(self) -> int:
@@ -142,6 +172,8 @@ class EngineClient:
         """Queue the prompts (request ids `{request_id}-{i}`), once the engine has accepted all of
         them. Raises ValueError if it refused one (then none is queued), QueueFullError if the
         queue is full, EngineDeadError if the loop has stopped."""
+        if self.shutting_down:
+            raise EngineDeadError("the server is shutting down")
         weight = len(prompts) * params.n
         if weight > self.max_queue_len:
             raise ValueError(f"n={params.n} samples of {len(prompts)} prompt(s) make {weight} sequences, more than "
@@ -174,7 +206,7 @@ class EngineClient:
         if request_ids:
             self._send(_Abort(list(request_ids)))
 
-    def _send(self, command: "_Add | _Abort | _Stop") -> bool:
+    def _send(self, command: "_Add | _Abort | _AbortAll | _Stop") -> bool:
         """Put a command in the loop's inbox; False if the loop has stopped taking commands."""
         with self._inbox_lock:
             if self._thread is None or self._inbox_closed:
@@ -227,13 +259,14 @@ class EngineClient:
         except BaseException as exc:
             logger.exception("the engine loop stopped on an error; failing every live request")
             self._dead = exc
-            error = EngineDeadError(f"the engine loop stopped: {exc!r}")
+            error = EngineDeadError("the engine loop stopped on an internal error (the server log has details)")
             self._close_inbox([], error)  # first: whoever sees the error finds the client stopped
             self._post(self._deliver, [(request_id, error) for request_id in live])
         finally:
             engine.exit()
 
     def _serve(self, engine: LLMEngine, live: dict[str, _Timing]) -> None:
+        failures = 0  # consecutive steps that raised
         while True:
             # Idle: sleep until a command comes. Busy: take what has come, then step.
             commands = [] if engine.has_unfinished_requests() else [self._inbox.get()]
@@ -252,11 +285,22 @@ class EngineClient:
                 if isinstance(command, _Add):
                     self._accept(engine, command, live)
                 else:
-                    self._abort(engine, command.request_ids, outputs, live)
-            if engine.has_unfinished_requests():
-                step = engine.step()
-                for request_id in step.request_ids:
-                    outputs.append((request_id, engine.pop_output(request_id)))
+                    self._abort(engine, list(live) if isinstance(command, _AbortAll) else command.request_ids,
+                                outputs, live)
+            # A step after an add, even with nothing to run: a request failed as it was built has news.
+            if engine.has_unfinished_requests() or any(isinstance(c, _Add) for c in commands):
+                try:
+                    step = engine.step()
+                    for request_id in step.request_ids:
+                        if request_id in live:  # not one a failed step already ended
+                            outputs.append((request_id, engine.pop_output(request_id)))
+                    failures = 0
+                except Exception as exc:
+                    failures += 1
+                    if failures >= MAX_CONSECUTIVE_STEP_FAILURES:
+                        raise
+                    logger.exception("an engine step failed; failing the %d live request(s), serving on", len(live))
+                    self._fail_live(engine, live, outputs, exc)
             self._observe(engine, outputs, live)
             if outputs:
                 self._post(self._deliver, outputs)
@@ -267,15 +311,37 @@ class EngineClient:
             for request_id, prompt, params in command.requests:
                 engine.add_request(prompt, params, request_id=request_id)
                 added.append(request_id)
-        except ValueError as exc:  # all or none: take back the call's earlier prompts
+        except Exception as exc:  # all or none: take back the call's earlier prompts
+            if not isinstance(exc, ValueError):  # not bad input (that is the caller's 400): a fault
+                logger.exception("queueing request %s failed", command.requests[len(added)][0])
+                exc = RuntimeError(ADD_FAILED_MESSAGE)
             for request_id in added:
                 engine.abort(request_id)
                 engine.pop_output(request_id)
             self._post(_settle, command.accepted, exc)
             return
-        for request_id in added:
-            live[request_id] = _Timing(command.arrival)
+        for request_id, _, params in command.requests:
+            live[request_id] = _Timing(command.arrival, params.n)
         self._post(_settle, command.accepted, None)
+
+    def _fail_live(self, engine: LLMEngine, live: dict[str, _Timing], outputs: list, error: Exception) -> None:
+        """engine.step() raised: every live request ends now, with an error output."""
+        done = {request_id for request_id, output in outputs if output.finished}
+        for request_id in list(live):
+            if request_id in done:
+                continue
+            output = None
+            try:
+                engine.abort(request_id)
+                output = engine.pop_output(request_id)
+            except Exception:
+                logger.exception("request %s could not be aborted; its caller gets an error output", request_id)
+            if output is None or not output.finished:
+                message = STEP_FAILED_MESSAGE.format(request_id=request_id)
+                output = failed_output(request_id, live[request_id].n, message)
+            elif output.error is None:
+                output.error = output.final["error"] = STEP_FAILED_MESSAGE.format(request_id=request_id)
+            outputs.append((request_id, output))
 
     def _abort(self, engine: LLMEngine, request_ids: list[str], outputs: list, live: dict[str, _Timing]) -> None:
         for request_id in request_ids:
@@ -318,6 +384,16 @@ class EngineClient:
                 m.e2e_request_latency.observe(now - timing.arrival)
                 del live[request_id]
         m.observe_engine(engine.stats())
+
+
+def failed_output(request_id: str, n: int, error: str) -> RequestOutput:
+    """A failed request's final output made without the engine: n aborted samples, no tokens."""
+    samples = [SampleDelta(j, [], "", [], True, "abort", None) for j in range(n)]
+    sample = {"text": "", "token_ids": [], "finish_reason": "abort", "stop_reason": None, "num_cached_tokens": 0}
+    final = {**sample, "prompt_token_ids": [], "error": error}
+    if n > 1:
+        final["outputs"] = [dict(sample) for _ in range(n)]
+    return RequestOutput(request_id, [], samples, True, final, error)
 
 
 def _settle(future: asyncio.Future, error: BaseException | None) -> None:

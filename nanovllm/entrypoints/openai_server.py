@@ -137,8 +137,10 @@ async def _internal_error_handler(request: Request, exc: Exception) -> JSONRespo
 
 @_plain_router.get("/health")
 async def health(request: Request) -> Response:
+    """200 while a new request can be served; 503 once the engine loop has stopped or a shutdown
+    has begun (a failed request leaves it healthy: the engine serves on)."""
     client: EngineClient = request.app.state.engine_client
-    return Response(status_code=200 if client.is_running else 503)
+    return Response(status_code=200 if client.is_serving else 503)
 
 
 @_plain_router.get("/metrics")
@@ -241,6 +243,24 @@ def _samples(final: dict) -> list[dict]:
     return final.get("outputs") or [final]
 
 
+def _check_finals(state, finals: list[dict], request_id: str) -> None:
+    """A non-streaming response's outcome when it is not a plain success: a request the engine
+    failed is a 500 with the engine's message (its request id in it), one the shutdown aborted a
+    503; both in OpenAI's error JSON."""
+    error = next((final["error"] for final in finals if "error" in final), None)
+    if error is not None:
+        raise APIError(500, error, type="server_error")
+    aborted = any(s.get("finish_reason") == "abort" for final in finals for s in _samples(final))
+    if aborted and state.engine_client.shutting_down:
+        raise APIError(503, f"the server is shutting down; request {request_id} was aborted before it finished",
+                       type="server_error")
+
+
+def _error_event(error: str) -> str:
+    """The SSE event that ends a stream whose request the engine failed (after its "abort" chunk)."""
+    return _sse(APIError(500, error, type="server_error").body())
+
+
 def _usage(prompt_tokens: int, completion_tokens: int) -> UsageInfo:
     return UsageInfo(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
                      total_tokens=prompt_tokens + completion_tokens)
@@ -316,6 +336,7 @@ async def _completion_response(state, body: CompletionRequest, params: SamplingP
     async for output in submission:
         if output.finished:
             finals[submission.index(output.request_id)] = output.final
+    _check_finals(state, finals, request_id)
     tokenizer = state.tokenizer
     choices = []
     for i, final in enumerate(finals):
@@ -342,8 +363,10 @@ async def _completion_events(state, body: CompletionRequest, params: SamplingPar
     offsets: dict[int, int] = {}  # choice index -> characters sent so far (for logprobs' text_offset)
     prompt_tokens: dict[int, int] = {}
     completion_tokens = 0
+    error = None  # the engine's message, if it failed one of the prompts
     try:
         async for output in submission:
+            error = error or output.error
             i = submission.index(output.request_id)
             prompt_tokens[i] = len(output.prompt_token_ids)
             for sample in output.samples:
@@ -366,7 +389,9 @@ async def _completion_events(state, body: CompletionRequest, params: SamplingPar
                                          finish_reason=sample.finish_reason if sample.finished else None,
                                          stop_reason=sample.stop_reason if sample.finished else None)
                 yield _sse(CompletionResponse(id=request_id, model=model, choices=[chunk]))
-        if body.include_usage:
+        if error is not None:
+            yield _error_event(error)
+        elif body.include_usage:
             usage = _usage(sum(prompt_tokens.values()), completion_tokens)
             yield _sse(CompletionResponse(id=request_id, model=model, choices=[], usage=usage))
     except EngineDeadError as exc:
@@ -428,6 +453,7 @@ async def _final_output(submission: Submission) -> dict:
 
 async def _chat_response(state, params: SamplingParams, submission: Submission, request_id: str) -> Response:
     final = await _final_output(submission)
+    _check_finals(state, [final], request_id)
     choices = []
     for j, sample in enumerate(_samples(final)):
         logprobs = _chat_logprobs(state.tokenizer, sample["logprobs"]) if params.logprobs is not None else None
@@ -447,12 +473,14 @@ async def _chat_events(state, body: ChatCompletionRequest, params: SamplingParam
         return _sse(ChatCompletionChunk(id=request_id, model=model, choices=choices, usage=usage))
 
     prompt_tokens = completion_tokens = 0
+    error = None  # the engine's message, if it failed the request
     try:
         # OpenAI's first chunk of each choice carries the role and no text.
         yield chunk([ChatCompletionStreamChoice(index=j, delta=DeltaMessage(role="assistant", content=""))
                      for j in range(params.n)])
         output: RequestOutput
         async for output in submission:
+            error = error or output.error
             prompt_tokens = len(output.prompt_token_ids)
             for sample in output.samples:
                 completion_tokens += len(sample.token_ids)
@@ -465,7 +493,9 @@ async def _chat_events(state, body: ChatCompletionRequest, params: SamplingParam
                     index=sample.index, delta=DeltaMessage(content=sample.text or None), logprobs=logprobs,
                     finish_reason=sample.finish_reason if sample.finished else None,
                     stop_reason=sample.stop_reason if sample.finished else None)])
-        if body.include_usage:
+        if error is not None:
+            yield _error_event(error)
+        elif body.include_usage:
             yield chunk([], _usage(prompt_tokens, completion_tokens))
     except EngineDeadError as exc:
         yield _sse(APIError(503, str(exc), type="server_error").body())
@@ -497,6 +527,37 @@ def uvicorn_config(app: FastAPI, shutdown_timeout: float = DEFAULT_SHUTDOWN_TIME
     return uvicorn.Config(app, http=protocol, log_level=log_level, timeout_graceful_shutdown=shutdown_timeout)
 
 
+# Before the shutdown grace period ends, what still runs is aborted this many seconds early (at
+# most half the period), so every response ends properly (a last "abort" chunk and [DONE], or a
+# 503) instead of being cancelled mid-way by uvicorn.
+SHUTDOWN_ABORT_MARGIN_S = 1.0
+
+
+class GracefulServer(uvicorn.Server):
+    """uvicorn's server, whose shutdown aborts the requests still running shortly before its
+    grace period (timeout_graceful_shutdown) runs out: they end with finish_reason "abort" while
+    their connections are still served, and nothing is left for uvicorn to cancel."""
+
+    async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
+        grace = self.config.timeout_graceful_shutdown
+        timer = None
+        if grace is not None:
+            delay = grace - min(SHUTDOWN_ABORT_MARGIN_S, grace / 2)
+            timer = asyncio.get_running_loop().call_later(delay, _abort_for_shutdown, self.config.app)
+        try:
+            await super().shutdown(sockets)
+        finally:
+            if timer is not None:
+                timer.cancel()
+
+
+def _abort_for_shutdown(app: FastAPI) -> None:
+    client: EngineClient | None = getattr(app.state, "engine_client", None)
+    if client is not None and client.is_running:
+        logger.info("shutdown grace period ending: aborting the requests still running")
+        client.begin_shutdown()
+
+
 def serve(settings: ServerSettings, host: str = DEFAULT_HOST, port: int = DEFAULT_PORT,
           shutdown_timeout: float = DEFAULT_SHUTDOWN_TIMEOUT, log_level: str = "info") -> int:
     """Run the server until SIGTERM/SIGINT; then stop accepting, give in-flight requests
@@ -505,8 +566,8 @@ def serve(settings: ServerSettings, host: str = DEFAULT_HOST, port: int = DEFAUL
     bound_host, bound_port = sock.getsockname()[:2]
     url_host = f"[{bound_host}]" if ":" in bound_host else bound_host
     logger.info("listening on http://%s:%d (requests wait until the engine is ready)", url_host, bound_port)
-    server = uvicorn.Server(uvicorn_config(build_app(settings), shutdown_timeout, log_level,
-                                          connection_cap(settings.max_connections)))
+    server = GracefulServer(uvicorn_config(build_app(settings), shutdown_timeout, log_level,
+                                           connection_cap(settings.max_connections)))
     # uvicorn handles the signal (graceful shutdown), then re-raises it to the handlers it found
     # in place. These take it quietly, so a requested shutdown ends with exit status 0.
     received: list[int] = []

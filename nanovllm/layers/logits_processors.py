@@ -196,8 +196,22 @@ def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor | None, top_p: t
         mass_before = probs.cumsum(dim=-1) - probs  # probability of the more likely tokens
         # top_p = 1 keeps everything, even where float rounding takes the running sum to 1.
         drop = (mass_before >= top_p.unsqueeze(1)) & (top_p < 1).unsqueeze(1)
+        drop[:, 0] = False  # the most likely token, even when a tiny top_p rounds to 0 in float32
         sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
     return torch.full_like(logits, float("-inf")).scatter_(1, order, sorted_logits)
+
+
+# Logits are kept within +-LOGIT_LIMIT: far inside float32 (3.4e38), so dividing by the smallest
+# temperature (1e-5) or repetition penalty (0.01), or subtracting two logits, stays finite.
+LOGIT_LIMIT = 1e30
+
+
+def finite_logits(logits: torch.Tensor) -> torch.Tensor:
+    """float32 logits with NaN as the least likely value and infinities and beyond-range values
+    clamped to +-LOGIT_LIMIT: what the pipeline and the logprobs start from (not the race
+    kernel's fast path, whose argmax returns an index of the row whatever the values)."""
+    return torch.nan_to_num(logits.float(), nan=-LOGIT_LIMIT, posinf=LOGIT_LIMIT,
+                            neginf=-LOGIT_LIMIT).clamp_(-LOGIT_LIMIT, LOGIT_LIMIT)
 
 
 def divide_by_temperature(logits: torch.Tensor, temperatures: torch.Tensor) -> torch.Tensor:

@@ -14,13 +14,19 @@ seed and the index of the token it draws, so its stream is its own; for the othe
 step). A batch that needs nothing but temperatures is one kernel over the logits as the LM head
 wrote them; otherwise the pipeline runs in torch first and the same kernel races its
 result, so a seeded row draws the same token on either path.
+
+No NaN or infinity reaches a draw or a logprob: SamplingParams bounds every parameter (a
+temperature below 1e-5 is greedy, penalties in range), and the logits go through `finite_logits`
+before any processing, so a model that emits inf or NaN in a row still yields a token id in the
+vocabulary and finite logprobs. (The Triton race alone over raw logits, the temperature-only
+fast path, is not guarded: its argmax returns an index of the row whatever the values.)
 """
 from typing import Callable, NamedTuple
 
 import torch
 from torch import nn
 
-from nanovllm.layers.logits_processors import SamplingTensors, divide_by_temperature
+from nanovllm.layers.logits_processors import SamplingTensors, divide_by_temperature, finite_logits
 from nanovllm.utils.compile import compilable
 
 
@@ -33,6 +39,9 @@ class TokenLogprobs(NamedTuple):
 class SamplerOutput(NamedTuple):
     token_ids: list[int]
     logprobs: list[TokenLogprobs | None]
+    # Sequences (index into the step's) whose sampling inputs raised: no real token; the engine
+    # fails their requests alone. None: every row sampled.
+    failed: dict[int, Exception] | None = None
 
 
 # The pipeline's temperature step, compiled with the engine's compile mode (the torch path only:
@@ -72,7 +81,7 @@ class Sampler(nn.Module):
         # logits: [batch, vocab]
         if self.race_kernel is not None:
             return self._draw_triton(logits, t)
-        raw_logits = logits.float()
+        raw_logits = finite_logits(logits)
         adjusted = t.adjust(raw_logits)
         tokens = adjusted.argmax(dim=-1)
         if not t.all_greedy:
@@ -86,7 +95,7 @@ class Sampler(nn.Module):
         # The pipeline in torch as above (eager: nothing may compile after start-up), then the
         # kernel races the result: already scaled for sampled rows (temperature 1 divides
         # exactly), the adjusted logits for greedy ones (temperature 0: argmax).
-        raw_logits = logits.float()
+        raw_logits = finite_logits(logits)
         logits = t.adjust(raw_logits)
         temperatures = t.temperatures
         if not t.all_greedy:

@@ -19,6 +19,8 @@ from nanovllm.layers.embed_head import ParallelLMHead, PositionEmbedding, VocabP
 from nanovllm.layers.layernorm import LayerNorm
 from nanovllm.layers.linear import ColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from nanovllm.models.base import CausalLM
+from nanovllm.models.config_checks import (MAX_HEADS, MAX_HIDDEN_SIZE, MAX_INTERMEDIATE_SIZE, MAX_LAYERS,
+                                           MAX_POSITIONS, MAX_VOCAB_SIZE, ConfigSpec, sizes_up_to)
 from nanovllm.utils.loader import WeightTarget
 
 # Checkpoint weights stored as Conv1D ([in, out]): transposed to nn.Linear's [out, in] on load.
@@ -98,6 +100,12 @@ class GPT2Model(nn.Module):
 
 class GPT2LMHeadModel(CausalLM):
     tensor_parallel_fields = ("num_attention_heads", "vocab_size", "n_inner")
+    config_spec = ConfigSpec(
+        sizes=sizes_up_to(vocab_size=MAX_VOCAB_SIZE, n_embd=MAX_HIDDEN_SIZE, n_layer=MAX_LAYERS, n_head=MAX_HEADS,
+                          n_positions=MAX_POSITIONS),
+        optional_sizes=sizes_up_to(n_inner=MAX_INTERMEDIATE_SIZE),  # null: 4 * n_embd
+        epsilons=("layer_norm_epsilon",),
+        heads=("n_embd", "n_head", None))  # multi-head attention: no KV head count
 
     def __init__(self, config: PretrainedConfig):
         super().__init__()
@@ -114,9 +122,6 @@ class GPT2LMHeadModel(CausalLM):
         GELU(hf_config.activation_function)  # an unsupported activation is refused here, before any work
         if getattr(hf_config, "add_cross_attention", False):
             raise ValueError("add_cross_attention=True is not supported; only decoder-only GPT-2 is")
-        if hf_config.hidden_size % hf_config.num_attention_heads:
-            raise ValueError(f"n_embd={hf_config.hidden_size} is not divisible by n_head="
-                             f"{hf_config.num_attention_heads}")
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         return self.transformer(input_ids, positions)  # [num_tokens, hidden]

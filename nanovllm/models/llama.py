@@ -24,6 +24,12 @@ def head_dim_of(config: PretrainedConfig) -> int:
     return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
 
 
+def check_even_head_dim(head_dim: int) -> None:
+    if head_dim % 2:  # rotary turns each head's dimensions in pairs
+        raise ValueError(f"head_dim={head_dim} is not allowed; rotary embedding needs an even "
+                         "head_dim (head_dim, or hidden_size / num_attention_heads when it is not given)")
+
+
 class LlamaAttention(nn.Module):
 
     def __init__(self, config: PretrainedConfig, rotary_emb: RotaryEmbedding, *, qkv_bias: bool, o_bias: bool,
@@ -129,8 +135,15 @@ class LlamaForCausalLM(CausalLM):
             self.lm_head.weight = self.model.embed_tokens.weight
 
     @classmethod
+    def check_raw_config(cls, raw: dict) -> None:
+        super().check_raw_config(raw)
+        if raw.get("head_dim") is not None:  # else transformers' default or hidden_size / heads, checked below
+            check_even_head_dim(raw["head_dim"])
+
+    @classmethod
     def adapt_config(cls, hf_config: PretrainedConfig) -> None:
         super().adapt_config(hf_config)
+        check_even_head_dim(hf_config.head_dim)
         rope_config_of(hf_config)  # an unsupported rope type is refused here, before any work
         if getattr(hf_config, "hidden_act", "silu") != "silu":
             raise ValueError(f"hidden_act={hf_config.hidden_act!r} is not supported; only 'silu' is")

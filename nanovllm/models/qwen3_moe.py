@@ -15,6 +15,7 @@ from transformers import PretrainedConfig
 
 from nanovllm.layers.fused_moe import EXPERT_PROJECTIONS, ExpertShard, FusedMoE
 from nanovllm.layers.linear import ReplicatedLinear
+from nanovllm.models.config_checks import MAX_EXPERTS, MAX_INTERMEDIATE_SIZE, MAX_LAYERS, ConfigSpec, sizes_up_to
 from nanovllm.models.qwen3 import Qwen3ForCausalLM
 from nanovllm.utils.loader import WeightTarget
 
@@ -42,16 +43,22 @@ class Qwen3MoeSparseMoeBlock(nn.Module):
 
 
 class Qwen3MoeForCausalLM(Qwen3ForCausalLM):
+    config_spec = ConfigSpec(
+        # num_experts 0 makes every layer dense
+        sizes={**Qwen3ForCausalLM.config_spec.sizes, "num_experts": range(MAX_EXPERTS + 1),
+               **sizes_up_to(num_experts_per_tok=MAX_EXPERTS, moe_intermediate_size=MAX_INTERMEDIATE_SIZE,
+                             decoder_sparse_step=MAX_LAYERS)},
+        optional_sizes=Qwen3ForCausalLM.config_spec.optional_sizes,
+        epsilons=Qwen3ForCausalLM.config_spec.epsilons,
+        heads=Qwen3ForCausalLM.config_spec.heads)
 
     @classmethod
     def adapt_config(cls, hf_config: PretrainedConfig) -> None:
         super().adapt_config(hf_config)
-        step = getattr(hf_config, "decoder_sparse_step", 1)
-        if not isinstance(step, int) or step < 1:
-            raise ValueError(f"decoder_sparse_step={step!r} is not supported; it must be an integer >= 1")
         top_k, num_experts = hf_config.num_experts_per_tok, hf_config.num_experts
         if num_experts > 0 and not 1 <= top_k <= num_experts:
-            raise ValueError(f"num_experts_per_tok={top_k} is not allowed; it must be in 1..num_experts={num_experts}")
+            raise ValueError(f"num_experts_per_tok={top_k} is not allowed; num_experts_per_tok "
+                             f"must be in 1..num_experts={num_experts}")
 
     @classmethod
     def tensor_parallel_sizes(cls, hf_config: PretrainedConfig) -> dict[str, int]:

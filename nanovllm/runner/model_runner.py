@@ -25,11 +25,13 @@ from nanovllm.engine.sequence import Sequence
 from nanovllm.layers.activation import SiluAndMul
 from nanovllm.layers.attention import Attention
 from nanovllm.layers.layernorm import RMSNorm
+from nanovllm.layers.logits_processors import SamplingTensors
 from nanovllm.layers.sampler import Sampler, SamplerOutput
 from nanovllm.models.registry import MODELS
 from nanovllm.runner.decode_inputs import DecodeInputs
 from nanovllm.runner.graph import DecodeGraphs, graph_batch_sizes
 from nanovllm.runner.kernel_warmup import warm_up_kernels
+from nanovllm.runner.memory_check import check_fits, kv_block_bytes
 from nanovllm.runner.kv_scales import calibration_token_ids, checkpoint_kv_scales, describe, observing_kv
 from nanovllm.runner.pending_tokens import PendingTokens, fill_placeholders
 from nanovllm.runner.sampling_inputs import prepare_sampling
@@ -96,11 +98,6 @@ def blocks_in_budget(budget: int, block_bytes: int, max_num_seqs: int, blocks_pe
     return min(max(budget, 0) // block_bytes, max_num_seqs * blocks_per_seq)
 
 
-def kv_block_bytes(num_layers: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
-    """Bytes of one paged KV block: K and V of block_size tokens in every layer."""
-    return 2 * num_layers * block_size * num_kv_heads * head_dim * dtype.itemsize
-
-
 class MemoryReserve(NamedTuple):
     """Room another model sharing this runner's memory budget takes (a speculative draft model):
     its weights, made after this runner measures the device, and the bytes it keeps per KV block
@@ -130,6 +127,8 @@ class ModelRunner:
             torch.set_num_threads(config.cpu_threads)  # process-wide, as OMP_NUM_THREADS would be
             malloc_tuned = config.cpu_malloc_tuning and cpu.keep_freed_memory()
         lap = lap_timer(self.device)
+        # Weights and the smallest KV cache against the memory there is, before any is allocated.
+        check_fits(config, self.device, reserve.fixed_bytes, reserve.per_block_bytes)
         default_dtype = torch.get_default_dtype()
         torch.set_default_dtype(config.dtype)
         try:
@@ -382,11 +381,52 @@ class ModelRunner:
         if self.rank != 0:
             return PendingTokens(0, [], None, [])
         sampled = seqs if len(step.sample_indices) == len(seqs) else [seqs[i] for i in step.sample_indices]
-        tokens, logprobs = None, []
+        tokens, logprobs, failed = None, [], {}
         if sampled:
             logits = step.logits
+            try:
+                inputs = self._sampling_inputs(sampled, logits)
+            except Exception as exc:  # one row's parameters? find which, and sample the others
+                inputs, failed = self._without_failing_rows(sampled, logits, exc)
             with compiling(self.compile):
-                tokens, logprobs = self.sampler.draw(logits, prepare_sampling(
-                    sampled, logits.size(-1), self.config.eos, self.device, philox=self.sampler.uses_philox))
-        self.last_sampled = PendingTokens(len(seqs), step.sample_indices, tokens, logprobs)
+                if not failed:
+                    tokens, logprobs = self.sampler.draw(logits, inputs)
+                else:
+                    tokens, logprobs = self._draw_rows(logits, inputs, len(sampled), failed)
+            failed = {step.sample_indices[row]: error for row, error in failed.items()}
+        self.last_sampled = PendingTokens(len(seqs), step.sample_indices, tokens, logprobs, failed)
         return self.last_sampled
+
+    def _sampling_inputs(self, seqs: list[Sequence], logits: torch.Tensor) -> SamplingTensors:
+        return prepare_sampling(seqs, logits.size(-1), self.config.eos, self.device, philox=self.sampler.uses_philox)
+
+    def _without_failing_rows(self, sampled: list[Sequence], logits: torch.Tensor, error: Exception
+                              ) -> tuple[SamplingTensors | None, dict[int, Exception]]:
+        """After building the sampling inputs raised: the rows whose inputs raise alone (each
+        tried by itself; only on this failure path), and the inputs of the other rows. A fault
+        no single row reproduces is the step's (it raises)."""
+        failed = {}
+        for row, seq in enumerate(sampled):
+            try:
+                self._sampling_inputs([seq], logits)
+            except Exception as exc:
+                failed[row] = exc
+        if not failed:
+            raise error
+        keep = [seq for row, seq in enumerate(sampled) if row not in failed]
+        return (self._sampling_inputs(keep, logits) if keep else None), failed
+
+    def _draw_rows(self, logits: torch.Tensor, inputs: SamplingTensors | None, num_rows: int,
+                   failed: dict[int, Exception]) -> tuple[torch.Tensor, list]:
+        """Sample the rows not in `failed`; a failed row gets token 0 (never used: the engine
+        aborts its sequence before any step reads it) and no logprobs."""
+        tokens = torch.zeros(num_rows, dtype=torch.int64, device=logits.device)
+        logprobs: list = [None] * num_rows
+        keep = [row for row in range(num_rows) if row not in failed]
+        if keep:
+            index = torch.tensor(keep, device=logits.device)
+            kept_tokens, kept_logprobs = self.sampler.draw(logits[index], inputs)
+            tokens[index] = kept_tokens
+            for row, lp in zip(keep, kept_logprobs):
+                logprobs[row] = lp
+        return tokens, logprobs

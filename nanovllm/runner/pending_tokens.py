@@ -18,10 +18,12 @@ class PendingTokens:
     """The tokens of the rows that sampled in a step (`sample_indices`, into the step's sequences)."""
 
     def __init__(self, num_seqs: int, sample_indices: list[int], tokens: torch.Tensor | None,
-                 logprobs: list[TokenLogprobs | None]):
+                 logprobs: list[TokenLogprobs | None], failed: dict[int, Exception] | None = None):
         self.num_seqs = num_seqs
         self.sample_indices = sample_indices
         self.logprobs = logprobs
+        # Sequences (index into the step's) whose sampling inputs raised: their rows hold no real token.
+        self.failed = failed or {}
         self.device_tokens = tokens  # [len(sample_indices)] int64 on the device; None when nothing sampled
         self.ready: torch.cuda.Event | None = None
         self.host_tokens = tokens
@@ -41,11 +43,11 @@ class PendingTokens:
             self.ready.synchronize()
         sampled = self.host_tokens.tolist()
         if len(sampled) == n:
-            return SamplerOutput(sampled, self.logprobs)
+            return SamplerOutput(sampled, self.logprobs, self.failed)
         token_ids, logprobs = [-1] * n, [None] * n
         for j, i in enumerate(self.sample_indices):
             token_ids[i], logprobs[i] = sampled[j], self.logprobs[j]
-        return SamplerOutput(token_ids, logprobs)
+        return SamplerOutput(token_ids, logprobs, self.failed)
 
 
 def fill_placeholders(input_ids: torch.Tensor, token_ids: list[int], previous: PendingTokens | None) -> None:

@@ -31,8 +31,8 @@ from nanovllm.engine.sequence import Sequence
 from nanovllm.layers.attention import Attention
 from nanovllm.layers.rejection_sampler import RejectionSampler, draw
 from nanovllm.layers.sampler import TokenLogprobs
-from nanovllm.models.registry import MODELS
-from nanovllm.runner.model_runner import MemoryReserve, ModelRunner, StepLogits, kv_block_bytes
+from nanovllm.runner.memory_check import kv_block_bytes, model_bytes, model_on_meta
+from nanovllm.runner.model_runner import MemoryReserve, ModelRunner, StepLogits
 from nanovllm.runner.sampling_inputs import prepare_sampling
 from nanovllm.runner.step_inputs import StepMessage
 from nanovllm.speculative_config import DRAFT_MODEL
@@ -44,23 +44,20 @@ class SpeculativeOutput(NamedTuple):
     token_ids: list[list[int]]  # per sequence: its new tokens (accepted proposals, then one more); [] if none
     logprobs: list[TokenLogprobs | None]  # per sequence: only sequences sampled without proposals have them
     num_proposed: list[int]  # per sequence: tokens proposed for it in this step
+    # Sequences (index into the step's) whose sampling inputs raised: no tokens; the engine fails
+    # their requests alone. None: every sequence sampled.
+    failed: dict[int, Exception] | None = None
 
 
 def draft_footprint(config: Config) -> MemoryReserve:
     """The draft model's weights and its bytes per KV block (in its cache's dtype: fp8 when
     kv_cache_dtype asks, as the target's), from a build on the meta device (nothing allocated,
     nothing read), so the target can size its cache leaving room for both."""
-    default_dtype = torch.get_default_dtype()
-    torch.set_default_dtype(config.dtype)
-    try:
-        with torch.device("meta"):
-            model = MODELS[config.architecture](config.hf_config)
-    finally:
-        torch.set_default_dtype(default_dtype)
+    model = model_on_meta(config)
     layers = [m for m in model.modules() if isinstance(m, Attention)]
-    weights = sum(p.numel() * p.element_size() for p in model.parameters())
-    return MemoryReserve(weights, kv_block_bytes(len(layers), config.kvcache_block_size, layers[0].num_kv_heads,
-                                                 layers[0].head_dim, config.kv_cache_torch_dtype))
+    return MemoryReserve(model_bytes(model), kv_block_bytes(len(layers), config.kvcache_block_size,
+                                                            layers[0].num_kv_heads, layers[0].head_dim,
+                                                            config.kv_cache_torch_dtype))
 
 
 class SpeculativeRunner:
@@ -190,15 +187,17 @@ class SpeculativeRunner:
                 plain_rows.append(row)
             row += k + 1
         device = step.logits.device
+        failed = None
         if plain:
             logits = step.logits if not spec else step.logits[torch.tensor(plain_rows, device=device)]
             out = self.target.sample(seqs, StepLogits(logits, plain))
+            failed = out.failed
             for i in plain:
                 token_ids[i], logprobs[i] = [out.token_ids[i]], out.logprobs[i]
         if spec:
             self._verify_proposals(seqs, step.logits[torch.tensor(spec_rows, device=device)], spec, proposals,
                                    token_ids)
-        return SpeculativeOutput(token_ids, logprobs, num_proposed)
+        return SpeculativeOutput(token_ids, logprobs, num_proposed, failed)
 
     def _verify_proposals(self, seqs: list[Sequence], logits: torch.Tensor, spec: list[int],
                           proposals: list[list[int]], token_ids: list[list[int]]) -> None:

@@ -7,7 +7,18 @@ import math
 def require(ok: bool, name: str, value: object, allowed: str) -> None:
     """Refuse `value` for `name` unless `ok`; `allowed` says what would be accepted."""
     if not ok:
-        raise ValueError(f"{name}={value!r} is not allowed; {name} must be {allowed}")
+        raise ValueError(f"{name}={shown(value)} is not allowed; {name} must be {allowed}")
+
+
+# A refused value is quoted up to this many characters: enough to recognise it, and a 10 MB
+# prompt or a 400-digit integer does not become a 10 MB message.
+MAX_SHOWN_CHARS = 120
+
+
+def shown(value: object) -> str:
+    """repr(value), cut to MAX_SHOWN_CHARS."""
+    text = repr(value)
+    return text if len(text) <= MAX_SHOWN_CHARS else text[:MAX_SHOWN_CHARS] + "..."
 
 
 def is_int(value: object) -> bool:
@@ -16,5 +27,20 @@ def is_int(value: object) -> bool:
 
 
 def is_number(value: object) -> bool:
-    """A finite int or float, not a bool."""
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    """A finite int or float, not a bool (an int too large for a float is not one either)."""
+    if not isinstance(value, (int, float)) or isinstance(value, bool):
+        return False
+    try:
+        return math.isfinite(value)
+    except OverflowError:  # an int past float's range, e.g. 10**400
+        return False
+
+
+def first_surrogate(text: str) -> int | None:
+    """The index of the first lone surrogate in `text` (which no UTF-8 text holds, though JSON's
+    "\\ud800" escape makes one), or None when the text is valid Unicode."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        return exc.start
+    return None
