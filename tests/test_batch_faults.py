@@ -12,6 +12,7 @@ import pytest
 from nanovllm.entrypoints import batch as batch_module
 from nanovllm.entrypoints.batch import BatchJob, BatchJobError, EngineBatcher, run_batch
 from nanovllm.entrypoints.cli import main
+from nanovllm.llm_engine import LLMEngine
 from nanovllm.runner.model_runner import ModelRunner
 from batching import GREEDY, JOB_ENGINE, JOB_FLAGS, by_line, read_results, request_lines, write_lines
 
@@ -100,23 +101,50 @@ def _fail_on(failing_prompt, calls: list[int]):
 
 
 def test_a_request_the_engine_fails_on_becomes_an_error_line(clean, qwen3_tiny, tmp_path, monkeypatch):
-    """A fault inside a step (not a bad value: the engine raises while running the request): the
-    job rebuilds the engine and reruns the suspects apart until the one at fault runs alone."""
+    """A fault inside the model pass (not a bad value: the runner raises while running the
+    request): the engine fails that step's requests (or, an older engine, raises from step()), and
+    the job reruns them apart until the one at fault runs alone."""
     lines, clean_results = clean
     fault = json.dumps({"custom_id": "fault", "body": {"prompt": FAULT_PROMPT, "max_tokens": 4}})
     poison = {**POISON_LINES, fault: None}
     inp = write_lines(tmp_path / "in.jsonl", with_poison(lines, [fault, *POISON_LINES]))
     calls: list[int] = []
     monkeypatch.setattr(ModelRunner, "launch", _fail_on(lambda prompt: prompt == FAULT_PROMPT, calls))
+    out = tmp_path / "out.jsonl"
+    summary = run_batch(job(qwen3_tiny, inp, out, max_in_flight=6))
+    assert calls and calls[0] > 1 and calls[-1] == 1  # it failed among others first, then alone
+    assert summary.num_errors == len(poison)
+    check_results(out, clean_results, poison)
+    error = next(r["error"] for r in read_results(out) if r["custom_id"] == "fault")
+    assert error["message"] and error["param"] is None
+
+
+def test_an_engine_whose_step_raises_is_rebuilt_and_the_fault_isolated(clean, qwen3_tiny, tmp_path, monkeypatch):
+    """step() itself raising leaves the engine's state unknown: the job builds a new engine and
+    reruns every request that was in flight, halving them until the one at fault runs alone."""
+    lines, clean_results = clean
+    fault = json.dumps({"custom_id": "fault", "body": {"prompt": FAULT_PROMPT, "max_tokens": 4}})
+    inp = write_lines(tmp_path / "in.jsonl", with_poison(lines, [fault]))
+    step = LLMEngine.step
+    raised: list[int] = []
+
+    def raising_step(self):
+        live = [r for r in self._requests.values() if any(not seq.is_finished for seq in r.seqs)]
+        if any(r.prompt_token_ids == FAULT_PROMPT for r in live):
+            raised.append(len(live))
+            raise RuntimeError("injected fault")
+        return step(self)
+
+    monkeypatch.setattr(LLMEngine, "step", raising_step)
     built = []
     factory = batch_module.engine_factory
     monkeypatch.setattr(batch_module, "engine_factory", lambda *a: lambda: built.append(1) or factory(*a)())
     out = tmp_path / "out.jsonl"
     summary = run_batch(job(qwen3_tiny, inp, out, max_in_flight=6))
-    assert calls and calls[0] > 1 and calls[-1] == 1  # it failed among others first, then alone
-    assert len(built) > 1  # the engine was rebuilt after the failed step
-    assert summary.num_errors == len(poison)
-    check_results(out, clean_results, poison)
+    assert raised[0] > 1 and raised[-1] == 1  # among others first, then alone
+    assert len(built) == 1 + len(raised)  # a new engine after each raise
+    assert summary.num_errors == 1
+    check_results(out, clean_results, {fault: None})
     error = next(r["error"] for r in read_results(out) if r["custom_id"] == "fault")
     assert "RuntimeError: injected fault" in error["message"] and error["param"] is None
 
@@ -182,7 +210,7 @@ def test_an_engine_that_fails_every_request_stops_the_job(qwen3_tiny, tmp_path, 
     calls: list[int] = []
     monkeypatch.setattr(ModelRunner, "launch", _fail_on(lambda prompt: prompt[:-1] == FAULT_PROMPT, calls))
     out = tmp_path / "out.jsonl"
-    with pytest.raises(BatchJobError, match="failed on 9 requests in a row.*RuntimeError: injected fault.*resume"):
+    with pytest.raises(BatchJobError, match="failed on 9 requests in a row, each run alone.*resume"):
         run_batch(job(qwen3_tiny, inp, out, max_in_flight=4))
     assert len(read_results(out)) == batch_module.MAX_FAULTS_WITHOUT_A_RESULT  # kept, resumable
 
