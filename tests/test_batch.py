@@ -1,15 +1,16 @@
 """Batch jobs (`nanovllm batch`): what a line means (parsing, defaults, per-line errors), the
 output log (torn last line repaired, foreign or duplicate results refused), a job's results equal
 LLM.generate/chat greedy, resume after a partial run, the Ray predictor class called directly,
-and a job killed with SIGKILL at random points and restarted ending exactly as an uninterrupted
-run. Scale-out and memory are in test_batch_scale.py."""
+and a job killed with SIGKILL at random points of its progress and restarted ending exactly as
+an uninterrupted run. Scale-out and memory are in test_batch_scale.py."""
 import dataclasses
 import json
 import os
 import random
+import re
 import signal
 import subprocess
-import time
+import sys
 
 import pytest
 
@@ -17,14 +18,13 @@ from nanovllm import LLM, SamplingParams
 from nanovllm.config import Config
 from nanovllm.entrypoints.batch import BatchJob, run_batch
 from nanovllm.entrypoints.batch_lines import BatchRequest, LineError, parse_line, resolve_sampling_defaults
-from nanovllm.entrypoints.batch_log import DoneLines, ResultLog, count_lines, pending_lines
+from nanovllm.entrypoints.batch_log import DoneLines, ResultLog, pending_lines, stamp_input
 from nanovllm.entrypoints.cli import main
 from batching import (BAD_LINES, GREEDY, JOB_ENGINE, JOB_FLAGS, SUBPROCESS_ENV, by_line, read_results,
                       request_lines, write_lines)
 from serving import REPO_ROOT, cli
 
 NUM_KILLS = 3
-KILL_TIMEOUT = 300  # seconds for a killed run to reach its kill point on a busy machine
 RUN_TIMEOUT = 300
 
 
@@ -92,25 +92,46 @@ def test_log_repairs_a_torn_last_line(tmp_path):
     path.write_bytes(("\n".join(whole) + "\n" + torn).encode())
     with ResultLog(str(path), flush_interval=0) as log:
         assert log.torn_bytes == len(torn) and log.num_existing == 3
+        assert not path.read_bytes().endswith(b"\n")  # nothing is cut before the results are matched to the input
+        log.resume(6, {1: "x1", 2: "x2", 4: "x4"})
         assert [n for n in range(1, 6) if n in log.done] == [1, 2, 4]
         assert path.read_bytes().endswith(b"\n")  # cut back to the last whole line at once
         log.append(3, json.dumps({"custom_id": "x3", "line": 3, "error": None}))
     assert [r["line"] for r in read_results(path)] == [2, 1, 4, 3]
     inputs = write_lines(tmp_path / "in.jsonl", [f"l{i}" for i in range(1, 7)])
-    assert count_lines(inputs) == 6
-    assert [(n, raw) for n, raw in pending_lines(inputs, log.done)] == [(5, b"l5"), (6, b"l6")]
+    stamp = stamp_input(inputs)
+    assert stamp.num_lines == 6 and stamp.size == os.path.getsize(inputs)
+    with open(inputs, "ab") as f:  # a last line without a newline counts, and changes the stamp
+        f.write(b"l7")
+    assert stamp_input(inputs).num_lines == 7 and stamp_input(inputs) != stamp
+    seen = []
+    assert stamp_input(inputs, lambda number, raw: seen.append((number, raw))) == stamp_input(inputs)
+    assert seen[-2:] == [(6, b"l6"), (7, b"l7")]
+    assert [(n, raw) for n, raw in pending_lines(inputs, log.done)] == [(5, b"l5"), (6, b"l6"), (7, b"l7")]
+
+
+RESULT_1 = '{"custom_id": "a", "line": 1, "error": null}'
 
 
 @pytest.mark.parametrize("content,message", [
-    ('{"line": 1}\n{"line": 1}\n', "two results for input line 1"),
-    ('{"line": 1}\nnot ours\n', "not a result line"),
-    ('{"custom_id": "x"}\n', "not a result line"),
+    (f"{RESULT_1}\n{RESULT_1}\n", "line 2 is a second result for input line 1"),
+    (f"{RESULT_1}\nnot ours\n", "line 2 is b'not ours\\n', not a result line"),
+    ('{"custom_id": "x", "line": 1}\n', "not a result line with keys"),
+    ('{"line": 1}\n', "not a result line with keys"),
+    ('{"custom_id": "x", "line": "1", "error": null}\n', "has line='1'"),
+    ("a note without a trailing newline", "line 1 is b'a note without a trailing newline', with no newline"),
+    (f"{RESULT_1}\nnotes", "line 2 is b'notes', with no newline"),
+    ("\n", "not a result line"),
 ])
-def test_log_refuses_a_foreign_file(tmp_path, content, message):
+def test_log_refuses_a_foreign_file_and_leaves_it_alone(tmp_path, content, message):
     path = tmp_path / "out.jsonl"
     path.write_text(content)
-    with pytest.raises(ValueError, match=message):
+    with pytest.raises(ValueError, match=f"is not this job's results.*{re.escape(message)}.*--overwrite"):
         ResultLog(str(path))
+    assert path.read_text() == content
+    with ResultLog(str(path), overwrite=True) as log:  # --overwrite: replaced, whatever it held
+        assert log.num_existing == 0
+    assert path.read_bytes() == b""
 
 
 def test_log_refuses_a_second_writer(tmp_path):
@@ -121,11 +142,17 @@ def test_log_refuses_a_second_writer(tmp_path):
     ResultLog(path).close()  # free again once the first has closed
 
 
-def test_log_refuses_results_beyond_the_input(tmp_path):
+@pytest.mark.parametrize("custom_ids,message", [
+    ({1: "a"}, "result for input line 7 but the input has 5 lines"),
+    ({1: "b", 7: "c"}, "custom_id 'a' for input line 1, where the input has 'b'"),
+])
+def test_log_refuses_results_of_another_input(tmp_path, custom_ids, message):
     path = tmp_path / "out.jsonl"
-    path.write_text('{"line": 7}\n')
-    with ResultLog(str(path)) as log, pytest.raises(ValueError, match="line 7 but the input has 5 lines"):
-        log.check_input(5)
+    content = RESULT_1 + '\n{"custom_id": "c", "line": 7, "error": null}\n{"custom_id": "d", "li'
+    path.write_text(content)
+    with ResultLog(str(path)) as log, pytest.raises(ValueError, match=f"{re.escape(message)}.*another input"):
+        log.resume(5 if 7 not in custom_ids else 7, custom_ids)
+    assert path.read_text() == content  # the torn-looking tail is not cut from a file that is not ours
 
 
 # --- jobs on a tiny model ---
@@ -152,7 +179,7 @@ def reference(qwen3_tiny, job_input, tmp_path_factory) -> dict[int, dict]:
     """An uninterrupted in-process run, greedy: results by input line."""
     out = tmp_path_factory.mktemp("reference") / "out.jsonl"
     summary = run_batch(BatchJob(qwen3_tiny, job_input, str(out), JOB_ENGINE, GREEDY, progress=False))
-    assert summary.num_lines == count_lines(job_input) and summary.num_resumed == 0
+    assert summary.num_lines == stamp_input(job_input).num_lines and summary.num_resumed == 0
     return by_line(read_results(out))
 
 
@@ -265,39 +292,79 @@ def test_bad_job_settings_exit_1(tmp_path, qwen3_tiny, capsys):
 
 # --- killed with SIGKILL and restarted ---
 
+# `nanovllm batch` that kills itself with SIGKILL once it has written `argv[1]` result lines, after
+# writing the first `argv[2]` bytes of the next one (a torn line): a kill point fixed by progress,
+# not by the clock, so it always lands mid-job however fast the machine is. Writing part of a
+# chunk and dying is what the kernel leaves on disk when a kill lands inside write().
+KILL_AT_PROGRESS = """
+import os, signal, sys
+from nanovllm.entrypoints import batch_log
+from nanovllm.entrypoints.cli import main
+
+kill_after, torn_bytes = int(sys.argv[1]), int(sys.argv[2])
+flush = batch_log.ResultLog.flush
+written = 0
+
+def flush_or_die(self):
+    global written
+    if written + len(self._pending) > kill_after:
+        keep = kill_after - written
+        self._file.write(b"".join(self._pending[:keep]) + self._pending[keep][:torn_bytes])
+        self._file.flush()
+        os.kill(os.getpid(), signal.SIGKILL)
+    written += len(self._pending)
+    flush(self)
+
+batch_log.ResultLog.flush = flush_or_die
+sys.exit(main(sys.argv[3:]))
+"""
+
+
+def whole_results(path) -> dict[int, dict]:
+    """The whole result lines in a killed job's output (a torn last line left out), by input line."""
+    data = path.read_bytes() if path.exists() else b""
+    return by_line([json.loads(line) for line in data[:data.rfind(b"\n") + 1].splitlines()])
+
+
 def test_sigkill_at_random_points_then_resume_is_exact(reference, job_input, qwen3_tiny, tmp_path):
+    """Killed NUM_KILLS times, each after a random number of the lines still to do (and inside
+    a random line), then run to the end: exactly the uninterrupted run's results."""
     seed = int.from_bytes(os.urandom(4), "little")
     rng = random.Random(seed)
     out = tmp_path / "out.jsonl"
     num_lines = len(reference)
     command = ["batch", qwen3_tiny, "--input", job_input, "--output", str(out), "--temperature", "0",
                "--flush-interval", "0", "--max-in-flight", "4", "--no-progress", *JOB_FLAGS]
-    interrupted = 0
     for attempt in range(NUM_KILLS):
-        before = count_lines(out) if out.exists() else 0
-        # Kill once this many results are on disk (leaving room for the kills still to come)...
-        target = before + rng.randint(1, max(1, (num_lines - before) // (NUM_KILLS - attempt + 1)))
+        before = len(whole_results(out))
+        # Leave lines for the kills still to come; a kill after the last line would find the job done.
+        kill_after = rng.randint(0, (num_lines - before - 1) // (NUM_KILLS - attempt))
+        torn_bytes = rng.choice([0, rng.randint(1, 120)])
         with open(tmp_path / f"stderr{attempt}.txt", "w") as err:
-            proc = subprocess.Popen(cli(*command), cwd=REPO_ROOT, stdout=subprocess.DEVNULL, stderr=err,
-                                    env=SUBPROCESS_ENV)
-            deadline = time.monotonic() + KILL_TIMEOUT
-            while proc.poll() is None and time.monotonic() < deadline:
-                if out.exists() and count_lines(out) >= target:
-                    time.sleep(rng.uniform(0, 0.05))  # ... and a random moment later
-                    break
-                time.sleep(0.005)
-            proc.send_signal(signal.SIGKILL)
-            proc.wait(RUN_TIMEOUT)
-        interrupted += proc.returncode == -signal.SIGKILL and count_lines(out) < num_lines
-        results = by_line(read_results(out)) if out.read_bytes().endswith(b"\n") else None
-        if results is not None:  # whatever is whole on disk is already exact
-            assert all(results[n] == reference[n] for n in results), f"seed {seed}"
-    assert interrupted == NUM_KILLS, f"only {interrupted} of the kills landed mid-job (seed {seed})"
+            proc = subprocess.run([sys.executable, "-c", KILL_AT_PROGRESS, str(kill_after), str(torn_bytes),
+                                   *command], cwd=REPO_ROOT, stdout=subprocess.DEVNULL, stderr=err,
+                                  env=SUBPROCESS_ENV, timeout=RUN_TIMEOUT)
+        where = f"seed {seed}, kill {attempt} after {kill_after} lines + {torn_bytes} bytes"
+        assert proc.returncode == -signal.SIGKILL, (where, (tmp_path / f"stderr{attempt}.txt").read_text()[-3000:])
+        results = whole_results(out)
+        assert before + kill_after <= len(results) < num_lines, where
+        assert all(results[n] == reference[n] for n in results), where  # whatever is whole is exact
     with open(tmp_path / "stderr_final.txt", "w") as err:
-        proc = subprocess.Popen(cli(*command), cwd=REPO_ROOT, stdout=subprocess.DEVNULL, stderr=err,
-                                env=SUBPROCESS_ENV)
-        assert proc.wait(RUN_TIMEOUT) == 0, (tmp_path / "stderr_final.txt").read_text()
+        proc = subprocess.run(cli(*command), cwd=REPO_ROOT, stdout=subprocess.DEVNULL, stderr=err,
+                              env=SUBPROCESS_ENV, timeout=RUN_TIMEOUT)
+    assert proc.returncode == 0, (tmp_path / "stderr_final.txt").read_text()
     results = read_results(out)
     custom_ids = [r["custom_id"] for r in results]
     assert len(custom_ids) == len(set(custom_ids)) == num_lines, f"seed {seed}"
     assert by_line(results) == reference, f"seed {seed}"
+
+
+def test_progress_shows_lines_done_of_total_and_rates(job_input, qwen3_tiny, tmp_path, capsys):
+    """The bar on stderr: lines done / total, lines per second, tokens per second, error lines."""
+    out = tmp_path / "out.jsonl"
+    run_batch(BatchJob(qwen3_tiny, job_input, str(out), JOB_ENGINE, GREEDY, progress=True))
+    total = stamp_input(job_input).num_lines
+    last = capsys.readouterr().err.replace("\r", "\n").splitlines()
+    bar = [line for line in last if line.startswith("batch:")][-1]
+    assert f" {total}/{total} " in bar and ("line/s" in bar or "s/line" in bar) and "tok/s=" in bar, bar
+    assert f"errors={len(BAD_LINES)}" in bar, bar

@@ -113,11 +113,34 @@ def test_data_parallel_equals_single_engine(small_job, qwen3_tiny, tmp_path):
     assert by_line(read_results(out)) == single
 
 
+@pytest.mark.parametrize("num_lines,replicas,max_in_flight", [(31, 2, 16), (1000, 2, 16), (5, 4, 8), (64, 1, 512)])
+def test_ray_input_is_split_for_every_replica(tmp_path, num_lines, replicas, max_in_flight):
+    """At least BLOCKS_PER_REPLICA blocks per actor (one line each at the least), none larger than
+    what an engine holds in flight, together every line still to do exactly once."""
+    pytest.importorskip("numpy")
+    from nanovllm.entrypoints.batch_log import DoneLines
+    from nanovllm.integrations.ray import BLOCKS_PER_REPLICA, _index_input, _read_chunks, chunk_size
+
+    inp = write_lines(tmp_path / "in.jsonl", [f'{{"prompt": "{i}"}}' for i in range(1, num_lines + 1)])
+    done = DoneLines()
+    for line in range(1, num_lines // 4):  # a resumed job: the first quarter done
+        done.add(line)
+    pending = num_lines - len(done)
+    lines = chunk_size(pending, replicas, max_in_flight)
+    assert 1 <= lines <= max_in_flight
+    total, chunks = _index_input(inp, done, lines)
+    assert total == num_lines
+    assert len(chunks) == -(-pending // lines) >= min(pending, replicas * BLOCKS_PER_REPLICA)
+    read = _read_chunks({"id": list(range(len(chunks)))}, inp, chunks, lines, done)
+    assert list(read["line"]) == [n for n in range(1, num_lines + 1) if n not in done]
+    assert [bytes(t) for t in read["text"]] == [f'{{"prompt": "{n}"}}'.encode() for n in read["line"]]
+
+
 def test_ray_two_cpu_actors_equal_single_engine(small_job, qwen3_tiny, tmp_path):
     pytest.importorskip("ray.data", reason="Ray Data is not installed (pip install 'nanovllm[ray]')")
     path, single = small_job
     out = tmp_path / "ray.jsonl"
-    # Lines go to the actors in chunks of --max-in-flight: 16 here, so both actors get some.
+    # The lines are cut into 4 blocks per actor (of at most --max-in-flight lines), so both get some.
     command = cli("batch", qwen3_tiny, "--input", path, "--output", str(out), "--temperature", "0", "--ray",
                   "--replicas", "2", "--max-in-flight", "16", "--no-progress", *JOB_FLAGS)
     with open(tmp_path / "stderr.txt", "w") as err:

@@ -4,7 +4,9 @@ The input is streamed: at most `max_in_flight` requests are in an engine at a ti
 input order as they finish, so memory does not grow with the input. Each result is appended to
 the output log (batch_log.py) once its request finishes; a job killed at any moment and started
 again with the same command skips what is done and ends with one result per input line. A bad
-line becomes an error line (batch_lines.py) and the job goes on.
+line becomes an error line (batch_lines.py) and the job goes on; so does a request the engine
+fails on while it runs (EngineBatcher isolates it). The job refuses an output file that is not
+its results, and ends with an error when the input changed under it or a line has no result.
 
 With `data_parallel=N`, N engine processes (one per GPU, or a share of the CPU threads each)
 take requests from this process, which alone reads the input and writes the log, so the log
@@ -20,15 +22,16 @@ import traceback
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from time import perf_counter
-from typing import Any, Iterator, NamedTuple
+from typing import Any, Callable, Iterator, NamedTuple
 
 from jinja2 import TemplateError
 from tqdm.auto import tqdm
 
 from nanovllm.config import Config
-from nanovllm.entrypoints.batch_lines import (BatchRequest, LineError, parse_line, resolve_sampling_defaults,
-                                              result_line)
-from nanovllm.entrypoints.batch_log import DEFAULT_FLUSH_INTERVAL, ResultLog, count_lines, pending_lines
+from nanovllm.entrypoints.batch_lines import (BatchRequest, LineError, line_custom_id, parse_line,
+                                              resolve_sampling_defaults, result_line)
+from nanovllm.entrypoints.batch_log import (DEFAULT_FLUSH_INTERVAL, BatchJobError, InputStamp, ResultLog,
+                                            pending_lines, stamp_input)
 
 logger = logging.getLogger("nanovllm.batch")
 
@@ -39,13 +42,17 @@ IN_FLIGHT_PER_BATCH_SLOT = 2
 LIVENESS_POLL_S = 1.0
 # Seconds engine processes get to stop after the job ends (or fails) before they are killed.
 WORKER_STOP_TIMEOUT_S = 30.0
+# Requests failing one after another, each run alone, with no request finishing between them: past
+# this many, it is the engine that fails (a lost device, a broken build), not those requests, and
+# the job stops rather than turn every remaining line into an error line.
+MAX_FAULTS_WITHOUT_A_RESULT = 8
 
 
 @dataclass
 class BatchJob:
     model: str  # local checkpoint directory
     input: str  # JSONL requests, one per line
-    output: str  # JSONL results, appended; an existing file is resumed
+    output: str  # JSONL results, appended; an existing file of this job's results is resumed
     engine_kwargs: dict[str, Any] = field(default_factory=dict)  # Config fields for every engine
     # SamplingParams keyword arguments a line's sampling fields override (the rest: SamplingParams')
     sampling_defaults: dict[str, Any] = field(default_factory=dict)
@@ -53,6 +60,7 @@ class BatchJob:
     data_parallel: int = 1  # engine processes on this machine
     flush_interval: float = DEFAULT_FLUSH_INTERVAL  # seconds between fsyncs of finished results
     progress: bool = True  # a progress bar on stderr
+    overwrite: bool = False  # replace an existing output file instead of resuming it
 
     def resolved_max_in_flight(self) -> int:
         if self.max_in_flight is not None:
@@ -75,11 +83,11 @@ class Finished(NamedTuple):
     text: str  # JSON, without its newline
     num_tokens: int  # completion tokens, for the throughput shown
     ok: bool  # False for an error line
-    request_id: str | None = None  # the engine's id of the request, None if it never reached the engine
+    tag: Any = None  # what the caller gave EngineBatcher.submit with the request
 
 
-def _error(err: LineError) -> Finished:
-    return Finished(err.line, err.custom_id, err.to_json(), 0, False)
+def _error(err: LineError, tag: Any = None) -> Finished:
+    return Finished(err.line, err.custom_id, err.to_json(), 0, False, tag)
 
 
 def check_job(job: BatchJob) -> None:
@@ -89,6 +97,8 @@ def check_job(job: BatchJob) -> None:
     out_dir = os.path.dirname(os.path.abspath(job.output))
     if not os.path.isdir(out_dir):
         raise ValueError(f"output={job.output!r} is in a directory that does not exist ({out_dir})")
+    if os.path.isdir(job.output):
+        raise ValueError(f"output={job.output!r} is a directory; it must be a file path")
     if os.path.exists(job.output) and os.path.samefile(job.input, job.output):
         raise ValueError(f"output={job.output!r} is the input file; results need a file of their own")
     for name in ("data_parallel", "max_in_flight"):
@@ -99,27 +109,61 @@ def check_job(job: BatchJob) -> None:
         raise ValueError(f"flush_interval={job.flush_interval!r} is not allowed; it must be a number of seconds >= 0")
 
 
-class EngineBatcher:
-    """One engine's part of a job: submits requests, steps, and turns finished ones into result lines."""
+class _Fault(NamedTuple):
+    """A request the engine failed on, and how."""
+    request: BatchRequest
+    tag: Any
+    message: str
 
-    def __init__(self, llm):
-        self.llm = llm
-        self._requests: dict[str, BatchRequest] = {}  # engine request id -> the line's request
+
+class EngineBatcher:
+    """One engine's part of a job: submits requests, steps, and turns finished ones into result lines.
+
+    A request the engine fails on while it runs becomes an error line and every other request
+    still gets its result. Either the engine reports the fault (a final output with an "error",
+    finish_reason "abort"), or a step raises, which leaves the engine's state unknown: it is then
+    rebuilt (with `make_llm`) and every request that was in it is a suspect. Suspects are run
+    again, apart from other work, and halved while some of them fail, until a failing request runs
+    alone: that fault is its own. Greedy and seeded requests give the same result when run again.
+    """
+
+    def __init__(self, make_llm: Callable[[], Any]):
+        self._make_llm = make_llm
+        self.llm = make_llm()
+        self._requests: dict[str, tuple[BatchRequest, Any]] = {}  # engine request id -> (request, tag)
+        self._broken = False  # a step raised: rebuild the engine before it runs anything again
+        self._faults_without_a_result = 0
 
     @property
     def num_in_flight(self) -> int:
         return len(self._requests)
 
-    def submit(self, request: BatchRequest) -> str | Finished:
-        """Queue a request in the engine: its engine request id, or an error line if the engine refuses it."""
+    def submit(self, request: BatchRequest, tag: Any = None) -> Finished | None:
+        """Queue a request in the engine; an error line if the engine refuses it. `tag` comes back
+        in the request's Finished."""
+        if (refused := self._refuse(request)) is not None:
+            return _error(refused, tag)
         try:
             prompt = request.prompt if request.messages is None else self._render(request)
             request_id = self.llm.add_request(prompt, request.params)
         except ValueError as exc:  # the engine's checks: prompt too long, token ids outside the vocabulary, ...
             param = "messages" if request.messages is not None else "prompt"
-            return _error(LineError(request.line, request.custom_id, str(exc), param))
-        self._requests[request_id] = request
-        return request_id
+            return _error(LineError(request.line, request.custom_id, str(exc), param), tag)
+        except Exception as exc:  # a check the engine lacks: this request's fault alone (a request is
+            # built and checked in full before it is queued, so the engine is as it was)
+            return _error(LineError(request.line, request.custom_id, "the engine could not take this request "
+                                    f"({type(exc).__name__}: {exc})"), tag)
+        self._requests[request_id] = (request, tag)
+        return None
+
+    def _refuse(self, request: BatchRequest) -> LineError | None:
+        """What the job refuses whether or not the engine checks it: a top_k beyond the vocabulary
+        (which the sampler would put in an int64 tensor)."""
+        vocab_size = self.llm.config.hf_config.vocab_size
+        if request.params.top_k > vocab_size:
+            return LineError(request.line, request.custom_id, f"top_k={request.params.top_k} is not allowed; it must "
+                             f"be -1 or 0 (off) or in [1, {vocab_size}] (the vocabulary size)", "top_k")
+        return None
 
     def _render(self, request: BatchRequest) -> list[int]:
         """A chat's conversation through the tokenizer's chat template, as LLM.chat renders it."""
@@ -134,21 +178,84 @@ class EngineBatcher:
         return tokenizer.encode(text, add_special_tokens=False)  # the template holds the special tokens
 
     def step(self) -> list[Finished]:
-        """One engine step; the results of the requests it finished."""
-        finished = []
-        for request_id in self.llm.step().request_ids:
-            output = self.llm.pop_output(request_id)
-            if output.finished:
-                request = self._requests.pop(request_id)
-                line = result_line(request, output.final)
-                num_tokens = sum(len(s["token_ids"]) for s in output.final.get("outputs") or [output.final])
-                finished.append(Finished(request.line, request.custom_id, line, num_tokens, True, request_id))
+        """One engine step; the results of the requests it finished. When the engine failed on
+        some, the others in flight are first run to their end, then the failed ones are isolated."""
+        finished, faults = self._step()
+        if faults:
+            more, more_faults = self._run_all()
+            finished += more + self._isolate(faults + more_faults)
         return finished
+
+    def _step(self) -> tuple[list[Finished], list[_Fault]]:
+        """One engine step: the results it finished, and the requests it failed on."""
+        try:
+            request_ids = self.llm.step().request_ids
+        except Exception as exc:  # the engine's state is unknown: every request in it is a suspect
+            return [], self._lose_engine(exc)
+        finished, faults = [], []
+        for request_id in request_ids:
+            output = self.llm.pop_output(request_id)
+            if not output.finished:
+                continue
+            request, tag = self._requests.pop(request_id)
+            if output.final.get("error"):  # the engine failed this request alone and says why
+                faults.append(_Fault(request, tag, str(output.final["error"])))
+                continue
+            samples = output.final.get("outputs") or [output.final]
+            num_tokens = sum(len(s["token_ids"]) for s in samples)
+            finished.append(Finished(request.line, request.custom_id, result_line(request, output.final),
+                                     num_tokens, True, tag))
+            self._faults_without_a_result = 0
+        return finished, faults
+
+    def _lose_engine(self, exc: Exception) -> list[_Fault]:
+        self._broken = True
+        message = f"the engine failed while running this request ({type(exc).__name__}: {exc})"
+        logger.warning("a step failed with %s: %s; rebuilding the engine and running its %d request(s) again, "
+                       "apart, to find the one at fault", type(exc).__name__, exc, len(self._requests))
+        faults = [_Fault(request, tag, message) for request, tag in self._requests.values()]
+        self._requests.clear()
+        return faults
+
+    def _run_all(self) -> tuple[list[Finished], list[_Fault]]:
+        """Step until nothing is in flight."""
+        finished, faults = [], []
+        while self._requests:
+            more, more_faults = self._step()
+            finished += more
+            faults += more_faults
+        return finished, faults
+
+    def _isolate(self, suspects: list[_Fault]) -> list[Finished]:
+        """Run the suspects again, alone in the engine: those that finish keep their results; if
+        some fail again, each half of those runs again, until a failing request runs alone."""
+        if not suspects:
+            return []
+        if self._broken:
+            self.llm.exit()
+            self.llm = self._make_llm()
+            self._broken = False
+        finished = [err for s in suspects if (err := self.submit(s.request, s.tag)) is not None]
+        more, faults = self._run_all()
+        finished += more
+        if faults and len(suspects) == 1:  # it failed alone: the fault is its own
+            fault = faults[0]
+            self._faults_without_a_result += 1
+            if self._faults_without_a_result > MAX_FAULTS_WITHOUT_A_RESULT:
+                raise BatchJobError(f"the engine failed on {self._faults_without_a_result} requests in a row, each "
+                                    f"run alone ({fault.message}); the engine is failing, not the requests. The "
+                                    "output so far is kept: run the same command again to resume")
+            logger.warning("input line %s (custom_id %r) fails alone: %s", fault.request.line,
+                           fault.request.custom_id, fault.message)
+            return finished + [_error(LineError(fault.request.line, fault.request.custom_id, fault.message),
+                                      fault.tag)]
+        half = len(faults) // 2
+        return finished + self._isolate(faults[:half]) + self._isolate(faults[half:])
 
 
 class _Progress:
-    """The progress bar (requests done, rate, ETA) with generated tokens per second. It appears
-    with the first result, so engine start-up counts in neither rate."""
+    """The progress bar: lines done / total, lines per second, ETA, generated tokens per second and
+    error lines. It appears with the first result, so engine start-up counts in neither rate."""
 
     def __init__(self, total: int, done: int, enabled: bool):
         self.total, self.done, self.enabled = total, done, enabled
@@ -159,7 +266,7 @@ class _Progress:
 
     def update(self, finished: list[Finished]) -> None:
         if self.bar is None:
-            self.bar = tqdm(total=self.total, initial=self.done, unit="req", desc="batch", dynamic_ncols=True,
+            self.bar = tqdm(total=self.total, initial=self.done, unit="line", desc="batch", dynamic_ncols=True,
                             disable=not self.enabled, smoothing=0.05)
             self.start = perf_counter()
         self.num_tokens += sum(f.num_tokens for f in finished)
@@ -174,29 +281,67 @@ class _Progress:
 
 
 class JobOutput:
-    """A running job's output: the result log (opened, repaired and read at once: `done` lists
-    the lines to skip) and, after start(), the progress bar. record() appends finished results;
-    leaving the `with` block flushes them, whatever ended it (the next run resumes after them)."""
+    """A running job's output: the result log (opened and read at once; start() matches it to the
+    input, and then `done` lists the lines to skip) and, after start(), the progress bar. record()
+    appends finished results; leaving the `with` block flushes them, whatever ended it (the next
+    run resumes after them). finish() checks that the job did what it promises."""
 
     def __init__(self, job: BatchJob):
         self.job = job
         self.started = perf_counter()
-        self.log = ResultLog(job.output, job.flush_interval)
+        self.log = ResultLog(job.output, job.flush_interval, job.overwrite)
         self.done = self.log.done
-        self.num_lines = 0
+        self.stamp = InputStamp(0, 0, 0, "")
         self.progress = _Progress(0, 0, False)
 
-    def start(self, num_lines: int) -> None:
-        """The input has `num_lines` lines: refuse a log that is not this input's; show progress."""
-        self.log.check_input(num_lines)
-        self.num_lines = num_lines
+    @property
+    def num_lines(self) -> int:
+        return self.stamp.num_lines
+
+    def start(self) -> int:
+        """Read the input once: stamp it, and resume the log if its results are this input's (each
+        names a line the input has, with that line's custom_id); show progress. Returns the
+        number of input lines."""
+        existing = self.log.existing
+        custom_ids: dict[int, str] = {}
+
+        def visit(number: int, raw: bytes) -> None:
+            if number in existing:
+                custom_ids[number] = line_custom_id(raw, number)
+
+        self.stamp = stamp_input(self.job.input, visit if existing else None)
+        self.log.resume(self.num_lines, custom_ids)
         if self.log.torn_bytes:
             logger.warning("dropped a torn last line (%d bytes) that an interrupted run left in %s",
                            self.log.torn_bytes, self.job.output)
         if self.log.num_existing:
-            logger.info("resuming: %d of %d lines already have results in %s", self.log.num_existing, num_lines,
-                        self.job.output)
-        self.progress = _Progress(num_lines, self.log.num_existing, self.job.progress)
+            logger.info("resuming: %d of %d lines already have results in %s", self.log.num_existing,
+                        self.num_lines, self.job.output)
+        self.progress = _Progress(self.num_lines, self.log.num_existing, self.job.progress)
+        return self.num_lines
+
+    def finish(self) -> None:
+        """After the last result: the input must be what it was at the start, and every input line
+        must have a result (BatchJobError otherwise; what was written is kept and durable)."""
+        self.log.flush()
+        try:
+            now = stamp_input(self.job.input)
+        except OSError as exc:
+            raise BatchJobError(f"the input {self.job.input!r} cannot be read any more ({exc.strerror}); the "
+                                f"{len(self.done)} results in {self.job.output!r} may not match it") from None
+        if now != self.stamp:
+            before, after = self.stamp, now
+            what = (f"it had {before.num_lines} lines ({before.size} bytes) when the job started and has "
+                    f"{after.num_lines} ({after.size} bytes) now" if before[:2] != after[:2] else
+                    "its size is the same but its contents or modification time are not")
+            raise BatchJobError(f"the input {self.job.input!r} changed while the job ran: {what}. "
+                                f"{len(self.done)} of {before.num_lines} lines have results in {self.job.output!r}, "
+                                "which may not match the input now; if the new input is the one you mean, run "
+                                "again with --overwrite")
+        missing = self.num_lines - len(self.done)
+        if missing:
+            raise BatchJobError(f"{missing} of {self.num_lines} input lines have no result in {self.job.output!r}; "
+                                "the results written are kept: run the same command again to resume")
 
     def record(self, finished: list[Finished]) -> None:
         for f in finished:
@@ -229,25 +374,35 @@ def _requests(lines: Iterator, defaults: dict[str, Any]) -> Iterator[BatchReques
 
 
 def run_batch(job: BatchJob) -> BatchSummary:
-    """Run (or resume) a job to the end: afterwards the output holds one result per input line."""
+    """Run (or resume) a job to the end: afterwards the output holds one result per input line.
+    Raises ValueError before any work for bad settings or an output that is not this job's, and
+    BatchJobError if the job cannot end so (the input changed under it, ...)."""
     check_job(job)
     defaults = resolve_sampling_defaults(job.sampling_defaults)
     with JobOutput(job) as output:
-        output.start(count_lines(job.input))
-        requests = _requests(pending_lines(job.input, output.done), defaults)
-        if job.data_parallel == 1:
-            _run_one_engine(job, requests, output.record)
-        else:
-            _run_data_parallel(job, requests, output.record)
+        if output.start() > len(output.done):  # a finished job is not started again
+            requests = _requests(pending_lines(job.input, output.done), defaults)
+            if job.data_parallel == 1:
+                _run_one_engine(job, requests, output.record)
+            else:
+                _run_data_parallel(job, requests, output.record)
+        output.finish()
     return output.summary()
 
 
-def _run_one_engine(job: BatchJob, requests: Iterator[BatchRequest | LineError], record) -> None:
-    from nanovllm import LLM
+def engine_factory(model: str, engine_kwargs: dict[str, Any]) -> Callable[[], Any]:
+    """What EngineBatcher builds (and rebuilds) its engine with."""
+    def make_llm():
+        from nanovllm import LLM
 
+        return LLM(model, **engine_kwargs)
+    return make_llm
+
+
+def _run_one_engine(job: BatchJob, requests: Iterator[BatchRequest | LineError], record) -> None:
     max_in_flight = job.resolved_max_in_flight()
-    with LLM(job.model, **job.engine_kwargs) as llm:
-        batcher = EngineBatcher(llm)
+    batcher = EngineBatcher(engine_factory(job.model, job.engine_kwargs))
+    try:
         exhausted = False
         while True:
             refused = []
@@ -258,7 +413,7 @@ def _run_one_engine(job: BatchJob, requests: Iterator[BatchRequest | LineError],
                     exhausted = True
                 elif isinstance(request, LineError):
                     refused.append(_error(request))
-                elif isinstance(err := batcher.submit(request), Finished):
+                elif (err := batcher.submit(request)) is not None:
                     refused.append(err)
             if refused:
                 record(refused)
@@ -269,6 +424,8 @@ def _run_one_engine(job: BatchJob, requests: Iterator[BatchRequest | LineError],
             finished = batcher.step()
             if finished:
                 record(finished)
+    finally:
+        batcher.llm.exit()
 
 
 # --- data parallel: engine processes fed by this one ---
@@ -310,17 +467,15 @@ def _worker_placements(job: BatchJob) -> list[dict[str, str]]:
 def _worker_main(rank: int, model: str, engine_kwargs: dict, inbox, outbox, parent_pid: int) -> None:
     """An engine process: runs the requests it is sent and sends back their result lines.
     Messages out: ("results", rank, [Finished]); ("refused", rank, message) if the engine refuses
-    its settings, ("failed", rank, traceback) on any other error."""
-    llm = None
+    its settings, ("stopped", rank, message) if its engine fails on every request, ("failed",
+    rank, traceback) on any other error."""
+    batcher = None
     try:
-        from nanovllm import LLM
-
         try:
-            llm = LLM(model, **engine_kwargs)
+            batcher = EngineBatcher(engine_factory(model, engine_kwargs))
         except ValueError as exc:  # the engine refuses its settings: reported in one line
             outbox.put(("refused", rank, str(exc)))
             return
-        batcher = EngineBatcher(llm)
         closed = False
         while not (closed and batcher.num_in_flight == 0):
             if os.getppid() != parent_pid:  # the job's process died (killed): stop too
@@ -332,7 +487,7 @@ def _worker_main(rank: int, model: str, engine_kwargs: dict, inbox, outbox, pare
                     if items is None:
                         closed = True
                     else:
-                        finished += [err for r in items if isinstance(err := batcher.submit(r), Finished)]
+                        finished += [err for r in items if (err := batcher.submit(r)) is not None]
                     items = inbox.get_nowait()
             except queue.Empty:
                 pass
@@ -340,11 +495,13 @@ def _worker_main(rank: int, model: str, engine_kwargs: dict, inbox, outbox, pare
                 finished += batcher.step()
             if finished:
                 outbox.put(("results", rank, finished))
+    except BatchJobError as exc:
+        outbox.put(("stopped", rank, str(exc)))
     except BaseException:
         outbox.put(("failed", rank, traceback.format_exc()))
     finally:
-        if llm is not None:
-            llm.exit()
+        if batcher is not None:
+            batcher.llm.exit()
 
 
 def _run_data_parallel(job: BatchJob, requests: Iterator[BatchRequest | LineError], record) -> None:
@@ -396,11 +553,13 @@ def _run_data_parallel(job: BatchJob, requests: Iterator[BatchRequest | LineErro
             except queue.Empty:
                 dead = [p.name for p in procs if not p.is_alive()]
                 if dead:
-                    raise RuntimeError(f"engine process(es) {dead} died without a word; the output so far is "
-                                       "kept, run the same command again to resume") from None
+                    raise BatchJobError(f"engine process(es) {dead} died without a word; the output so far is "
+                                        "kept, run the same command again to resume") from None
                 continue
             if kind == "refused":
                 raise ValueError(payload)
+            if kind == "stopped":
+                raise BatchJobError(payload)
             if kind == "failed":
                 raise RuntimeError(f"engine process {rank} failed:\n{payload}")
             if kind == "results":
@@ -427,7 +586,10 @@ def add_job_flags(parser: argparse.ArgumentParser) -> None:
                             '"line-N" (N: its line number, from 1)')
     group.add_argument("--output", required=True, metavar="PATH",
                        help="JSONL results, one per input line, appended as requests finish; if the file exists "
-                            "(an interrupted run), the lines it has results for are skipped")
+                            "and holds this input's results (an interrupted run), the lines it has results for "
+                            "are skipped; any other existing file is refused (see --overwrite)")
+    group.add_argument("--overwrite", action="store_true",
+                       help="replace an existing --output file instead of resuming it")
     group.add_argument("--max-in-flight", type=int, default=None, metavar="N",
                        help="requests in one engine at a time (default: 2 x --max-num-seqs)")
     group.add_argument("--flush-interval", type=float, default=DEFAULT_FLUSH_INTERVAL, metavar="SECONDS",
@@ -436,7 +598,8 @@ def add_job_flags(parser: argparse.ArgumentParser) -> None:
                        help="engine processes on this machine: one per GPU (times --tensor-parallel-size), or a "
                             "share of the CPU threads each (default: %(default)s)")
     group.add_argument("--progress", action=argparse.BooleanOptionalAction, default=True,
-                       help="a progress bar on stderr (default: on)")
+                       help="a progress bar on stderr: lines done / total, lines/s, ETA, tokens/s, error lines "
+                            "(default: on)")
     ray = parser.add_argument_group("ray", "Ray Data scale-out (pip install nanovllm[ray])")
     ray.add_argument("--ray", action="store_true", help="run the engines as Ray actors through Ray Data")
     ray.add_argument("--replicas", type=int, default=1, metavar="N", help="engine actors (default: %(default)s)")

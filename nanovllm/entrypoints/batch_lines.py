@@ -92,15 +92,35 @@ def _with_defaults(body: dict, defaults: dict[str, Any], chat: bool) -> dict:
     return merged
 
 
-def parse_line(raw: str | bytes, line: int | None, defaults: dict[str, Any] | None = None
-               ) -> BatchRequest | LineError:
-    """Read one input line (with or without its newline); `line` is its number, from 1, if known.
-    `defaults` come from resolve_sampling_defaults() (None: SamplingParams' defaults)."""
-    custom_id = derived_custom_id(line)
+def _lone_surrogate(value: Any, path: str) -> tuple[str, str] | None:
+    """(field path, the text around it) of the first string in `value`, keys included, that holds
+    a lone surrogate: JSON's "\\ud800" escape carries one, but no tokenizer can encode it."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError as exc:
+            return path, value[max(0, exc.start - 10):exc.end + 10]
+        return None
+    if isinstance(value, dict):
+        children = [(f"{path}.{key}" if path else key, key, item) for key, item in value.items()]
+    elif isinstance(value, list):
+        children = [(f"{path}[{i}]", None, item) for i, item in enumerate(value)]
+    else:
+        return None
+    for child, key, item in children:
+        if key is not None and _lone_surrogate(key, child) is not None:
+            return ascii(child), key
+        if (found := _lone_surrogate(item, child)) is not None:
+            return found
+    return None
+
+
+def _read_object(raw: str | bytes, line: int | None) -> dict | LineError:
+    """A line as a JSON object with a valid custom_id (if it has one), or why it is not."""
     where = "the line" if line is None else f"line {line}"
 
     def error(message: str, param: str | None = None) -> LineError:
-        return LineError(line, custom_id, message, param)
+        return LineError(line, derived_custom_id(line), message, param)
 
     try:
         text = raw.decode("utf-8") if isinstance(raw, bytes) else raw
@@ -115,16 +135,43 @@ def parse_line(raw: str | bytes, line: int | None, defaults: dict[str, Any] | No
     if not isinstance(obj, dict):
         return error(f"{where} is {type(obj).__name__} JSON; it must be a JSON object (a request)")
     if "custom_id" in obj:
-        if not isinstance(obj["custom_id"], str) or not obj["custom_id"]:
-            return error(f"custom_id={obj['custom_id']!r:.80} is not allowed; it must be a non-empty string",
-                         "custom_id")
         custom_id = obj["custom_id"]
+        if not isinstance(custom_id, str) or not custom_id:
+            return error(f"custom_id={custom_id!r:.80} is not allowed; it must be a non-empty string", "custom_id")
+        if _lone_surrogate(custom_id, "custom_id") is not None:
+            return error(f"custom_id={custom_id!a:.80} holds a lone surrogate, which is not valid Unicode; it must "
+                         "be valid UTF-8 text", "custom_id")
+    return obj
+
+
+def line_custom_id(raw: str | bytes, line: int) -> str:
+    """The custom_id a line's result carries: its own, or line-N when it has none (or a bad one)."""
+    obj = _read_object(raw, line)
+    return obj.custom_id if isinstance(obj, LineError) else obj.get("custom_id", derived_custom_id(line))
+
+
+def parse_line(raw: str | bytes, line: int | None, defaults: dict[str, Any] | None = None
+               ) -> BatchRequest | LineError:
+    """Read one input line (with or without its newline); `line` is its number, from 1, if known.
+    `defaults` come from resolve_sampling_defaults() (None: SamplingParams' defaults)."""
+    obj = _read_object(raw, line)
+    if isinstance(obj, LineError):
+        return obj
+    custom_id = obj.get("custom_id", derived_custom_id(line))
+
+    def error(message: str, param: str | None = None) -> LineError:
+        return LineError(line, custom_id, message, param)
+
     if "body" in obj:
         body = obj["body"]
         if not isinstance(body, dict):
             return error(f"body must be a JSON object (got {type(body).__name__})", "body")
     else:  # a bare body
         body = {key: value for key, value in obj.items() if key not in ENVELOPE_KEYS}
+    if (found := _lone_surrogate(body, "")) is not None:
+        param, around = found
+        return error(f"{param} holds a lone surrogate ({around!a}), which is not valid Unicode; text must be valid "
+                     "UTF-8 (a \\ud800-\\udfff escape only as half of a surrogate pair)", param)
     chat = "messages" in body
     if chat and "prompt" in body:
         return error("a request has either prompt (a completion) or messages (a chat), not both", "prompt")

@@ -1,25 +1,71 @@
-"""A batch job's files: the input lines still to do, and the output as a write-ahead log.
+"""A batch job's files: the input (its stamp, the lines still to do) and the output as a write-ahead log.
 
 The output is append-only JSONL. Lines are written in batches, each written, flushed and
 fsynced at once, so a job killed at any moment (SIGKILL included) leaves whole result lines
-plus at most one torn last line. Reopening the log drops that torn tail and learns which input
-lines have a result (each result names its input "line"), so the restarted job skips them and
-ends with exactly one result per input line. One process writes the log (it holds an exclusive
-lock on the file, so a second job on the same output is refused); it knows nothing of what a
-line means or how it is run.
+plus at most one torn last line. Reopening the log reads which input lines have a result (each
+result names its input "line" and "custom_id"); once the job has matched them against its input
+(`resume`), the torn tail is cut off and the restarted job skips the done lines, ending with
+exactly one result per input line. A file that is not a job's results is never cut or appended
+to: it is refused (or, asked to, replaced). The input is stamped (lines, size, mtime, SHA-256)
+when the job starts and again when it ends, so a file changed under a running job is noticed.
+One process writes the log (it holds an exclusive lock on the file, so a second job on the same
+output is refused); it knows nothing of what a line means or how it is run.
 """
 import fcntl
+import hashlib
 import json
 import os
 from time import monotonic
-from typing import Iterator, NamedTuple
+from typing import Callable, Iterator, NamedTuple
 
 # A finished result reaches the disk within this many seconds (one fsync per flush; an fsync
 # costs milliseconds, so flushing after every engine step would slow short requests down).
 DEFAULT_FLUSH_INTERVAL = 0.5
 # ... or sooner, once this many lines wait: bounds what a burst of finished requests holds.
 MAX_PENDING_LINES = 4096
-READ_CHUNK_BYTES = 1 << 20  # for counting input lines
+READ_CHUNK_BYTES = 1 << 20  # for stamping the input
+# Every result line starts so (json.dumps keeps key order and custom_id is the first key): a torn
+# last line is one only if it starts with (a part of) it; any other unfinished last line is not ours.
+RESULT_PREFIX = b'{"custom_id": '
+# Keys every result line has, a success's and an error line's alike.
+RESULT_KEYS = ("custom_id", "line", "error")
+# How much of a line a refusal quotes.
+QUOTE_BYTES = 80
+
+
+class BatchJobError(RuntimeError):
+    """A job that started but cannot end with one result per input line (the input changed,
+    results are missing, the engine fails on every request, the output cannot be written). The
+    output written so far is kept; the message is one line for the user."""
+
+
+class InputStamp(NamedTuple):
+    """What the input file was when it was read whole: a changed file has another stamp."""
+    num_lines: int
+    size: int
+    mtime_ns: int
+    sha256: str
+
+
+def stamp_input(path: str, visit: Callable[[int, bytes], None] | None = None) -> InputStamp:
+    """Read the input once: its stamp; `visit(number, raw)` is called on each line (raw without
+    its line ending) when given."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        stat = os.fstat(f.fileno())
+        if visit is None:
+            count, last = 0, b"\n"
+            while chunk := f.read(READ_CHUNK_BYTES):
+                digest.update(chunk)
+                count += chunk.count(b"\n")
+                last = chunk[-1:]
+            count += last != b"\n"
+        else:
+            count = 0
+            for count, raw in enumerate(f, start=1):
+                digest.update(raw)
+                visit(count, raw.rstrip(b"\n").rstrip(b"\r"))
+    return InputStamp(count, stat.st_size, stat.st_mtime_ns, digest.hexdigest())
 
 
 class InputLine(NamedTuple):
@@ -58,16 +104,6 @@ class DoneLines:
         return True
 
 
-def count_lines(path: str) -> int:
-    """Lines in a file, counted as iterating it does: a last line without a newline counts."""
-    count, last = 0, b"\n"
-    with open(path, "rb") as f:
-        while chunk := f.read(READ_CHUNK_BYTES):
-            count += chunk.count(b"\n")
-            last = chunk[-1:]
-    return count + (last != b"\n")
-
-
 def pending_lines(path: str, done: DoneLines) -> Iterator[InputLine]:
     """The input lines without a result yet, in order, read one at a time."""
     with open(path, "rb") as f:
@@ -77,18 +113,27 @@ def pending_lines(path: str, done: DoneLines) -> Iterator[InputLine]:
 
 
 class ResultLog:
-    """The output file: opened for appending after its existing results are read (and a torn
-    last line, if any, cut off); `append` queues a result line, `maybe_flush`/`flush` make the
-    queued lines durable."""
+    """The output file, locked and opened for appending. On opening, its existing results are
+    read (`existing`: input line -> custom_id) and checked to be result lines, but nothing is
+    changed until `resume` (after the job has matched them against its input) cuts off a torn
+    last line; `append` queues a result line, `maybe_flush`/`flush` make the queued lines durable.
+    `overwrite` empties an existing file first, whatever it holds."""
 
-    def __init__(self, path: str, flush_interval: float = DEFAULT_FLUSH_INTERVAL):
+    def __init__(self, path: str, flush_interval: float = DEFAULT_FLUSH_INTERVAL, overwrite: bool = False):
         self.path = path
         self.flush_interval = flush_interval
         self.done = DoneLines()
+        self.existing: dict[int, str] = {}  # input line -> custom_id of the results in the file when opened
         self.num_existing = 0  # results already in the file when it was opened
-        self.torn_bytes = 0  # size of the torn last line cut off on opening (0: none)
+        self.torn_bytes = 0  # size of the torn last line that resume() cuts off (0: none)
+        self._good_end = 0  # byte offset just past the last whole line
+        if os.path.isdir(path):
+            raise ValueError(f"output={path!r} is a directory; it must be a file path")
         created = not os.path.exists(path)
-        self._file = open(path, "ab")  # O_APPEND: every write lands at the end, after any repair
+        try:
+            self._file = open(path, "ab")  # O_APPEND: every write lands at the end, after any repair
+        except OSError as exc:
+            raise ValueError(f"output={path!r} cannot be opened for writing: {exc.strerror}") from None
         try:
             fcntl.flock(self._file, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -96,7 +141,10 @@ class ResultLog:
             raise ValueError(f"output={path!r} is being written by another running job; two jobs on one "
                              "output would interleave their results") from None
         try:
-            if created:  # make the new file's directory entry durable too
+            if overwrite and not created:
+                self._file.truncate(0)
+            if created or overwrite:  # make the new (or emptied) file durable, its directory entry too
+                os.fsync(self._file.fileno())
                 _fsync_dir(os.path.dirname(os.path.abspath(path)))
             else:
                 self._read_existing()
@@ -106,36 +154,57 @@ class ResultLog:
         self._pending: list[bytes] = []
         self._last_flush = monotonic()
 
+    def _refuse(self, number: int, why: str) -> ValueError:
+        return ValueError(f"output={self.path!r} exists and is not this job's results (its line {number} {why}); "
+                          "pass --overwrite to replace it, or choose another --output")
+
     def _read_existing(self) -> None:
-        good_end = 0  # byte offset just past the last whole line
         with open(self.path, "rb") as f:
             for number, raw in enumerate(f, start=1):
-                if not raw.endswith(b"\n"):  # a torn last line: written in part when the job died
+                if not raw.endswith(b"\n"):  # an unfinished last line: torn, if it is the start of a result
+                    if not (raw.startswith(RESULT_PREFIX) or RESULT_PREFIX.startswith(raw)):
+                        raise self._refuse(number, f"is {raw[:QUOTE_BYTES]!r}, with no newline")
                     self.torn_bytes = len(raw)
                     break
                 try:
-                    line = json.loads(raw)["line"]
-                except (ValueError, KeyError, TypeError):
-                    line = None
-                if not isinstance(line, int) or isinstance(line, bool) or line < 1:
-                    raise ValueError(f"output file {self.path!r} line {number} is not a result line of a batch "
-                                     f"job ({raw[:80]!r}); pass another --output or move that file away")
-                if not self.done.add(line):
-                    raise ValueError(f"output file {self.path!r} has two results for input line {line} (the "
-                                     f"second at line {number}); it was not written by one batch job")
-                good_end += len(raw)
-        if self.torn_bytes:
-            with open(self.path, "r+b") as f:
-                f.truncate(good_end)
-                f.flush()
-                os.fsync(f.fileno())
-        self.num_existing = len(self.done)
+                    obj = json.loads(raw)
+                except ValueError:
+                    obj = None
+                if not isinstance(obj, dict) or any(key not in obj for key in RESULT_KEYS):
+                    raise self._refuse(number, f"is {raw[:QUOTE_BYTES]!r}, not a result line with keys "
+                                               f"{list(RESULT_KEYS)}")
+                line, custom_id = obj["line"], obj["custom_id"]
+                if not isinstance(line, int) or isinstance(line, bool) or line < 1 or not isinstance(custom_id, str):
+                    raise self._refuse(number, f"has line={line!r:.40}, custom_id={custom_id!r:.40}; a result "
+                                               "names its input line (an integer >= 1) and its custom_id")
+                if line in self.existing:
+                    raise self._refuse(number, f"is a second result for input line {line}")
+                self.existing[line] = custom_id
+                self._good_end += len(raw)
+        self.num_existing = len(self.existing)
 
-    def check_input(self, num_input_lines: int) -> None:
-        """Refuse a log holding results for lines the input does not have (another job's output)."""
-        if self.done.max_line > num_input_lines:
-            raise ValueError(f"output file {self.path!r} has a result for input line {self.done.max_line} but the "
-                             f"input has {num_input_lines} lines; is it the output of another input?")
+    def resume(self, num_input_lines: int, custom_ids: dict[int, str]) -> None:
+        """Take the existing results as done, once they are this input's: each names a line the
+        input has, with the custom_id the input gives that line (`custom_ids`, for every line of
+        `existing`). Then cut off a torn last line, if any."""
+        for line, custom_id in self.existing.items():
+            if line > num_input_lines:
+                raise self._refuse_input(f"has a result for input line {line} but the input has {num_input_lines} "
+                                         "lines")
+            if custom_ids.get(line) != custom_id:
+                raise self._refuse_input(f"has custom_id {custom_id!r:.80} for input line {line}, where the input "
+                                         f"has {custom_ids.get(line)!r:.80}")
+        for line in self.existing:
+            self.done.add(line)
+        self.existing = {}
+        if self.torn_bytes:
+            self._file.truncate(self._good_end)
+            self._file.flush()
+            os.fsync(self._file.fileno())
+
+    def _refuse_input(self, why: str) -> ValueError:
+        return ValueError(f"output={self.path!r} {why}: it holds the results of another input; pass --overwrite "
+                          "to replace it, or choose another --output")
 
     def append(self, line: int, text: str) -> None:
         """Queue one result line (JSON text without its newline) for input line `line`."""
@@ -151,10 +220,13 @@ class ResultLog:
     def flush(self) -> None:
         """Write every queued line in one write, then flush and fsync."""
         if self._pending:
-            self._file.write(b"".join(self._pending))
-            self._pending.clear()
-            self._file.flush()
-            os.fsync(self._file.fileno())
+            try:
+                self._file.write(b"".join(self._pending))
+                self._pending.clear()
+                self._file.flush()
+                os.fsync(self._file.fileno())
+            except OSError as exc:  # a full disk, a lost mount: the results on disk so far stay
+                raise BatchJobError(f"cannot write the output {self.path!r}: {exc.strerror}") from None
         self._last_flush = monotonic()
 
     def close(self) -> None:

@@ -246,7 +246,7 @@ def _generate(args: argparse.Namespace) -> int:
 
 
 def _batch(args: argparse.Namespace) -> int:
-    from nanovllm.entrypoints.batch import BatchJob, run_batch
+    from nanovllm.entrypoints.batch import BatchJob, BatchJobError, run_batch
 
     _check_model_dir(args.model)
     _sampling_params(args)  # the defaults every line starts from: checked once, before any work
@@ -254,7 +254,7 @@ def _batch(args: argparse.Namespace) -> int:
         raise CLIError(f"--replicas={args.replicas} needs --ray (without Ray, use --data-parallel)")
     job = BatchJob(args.model, args.input, args.output, dataclass_kwargs(args, args.engine_fields),
                    dataclass_kwargs(args, args.sampling_fields), args.max_in_flight, args.data_parallel,
-                   args.flush_interval, args.progress)
+                   args.flush_interval, args.progress, args.overwrite)
     try:
         if args.ray:
             try:
@@ -264,7 +264,7 @@ def _batch(args: argparse.Namespace) -> int:
             run_ray_batch(job, args.replicas, args.ray_address, args.cpus_per_replica)
         else:
             run_batch(job)
-    except ValueError as exc:
+    except (ValueError, BatchJobError) as exc:  # refused before any work, or a job that cannot end whole
         raise CLIError(str(exc)) from None
     return 0
 

@@ -15,7 +15,9 @@ per row (the format of `nanovllm batch`). For example, on a laptop or a cluster 
 `run_ray_batch` is `nanovllm batch --ray`: the same resumable job as batch.py, with the engines in
 Ray actors. The input is read by Ray Data tasks pinned to this machine (so it need not be on
 shared storage), the results stream back here and this process alone appends them to the
-output log. This module knows nothing of the CLI; Ray is imported only when it is used.
+output log. The lines still to do are cut into at least BLOCKS_PER_REPLICA blocks per actor, so
+every actor gets work and results come back (and the progress bar moves) a block at a time.
+This module knows nothing of the CLI; Ray is imported only when it is used.
 """
 import functools
 import logging
@@ -24,15 +26,17 @@ from typing import Any
 
 import numpy as np
 
-from nanovllm.entrypoints.batch import BatchJob, BatchSummary, EngineBatcher, Finished, JobOutput, check_job
+from nanovllm.entrypoints.batch import (BatchJob, BatchSummary, EngineBatcher, Finished, JobOutput, check_job,
+                                        engine_factory)
 from nanovllm.entrypoints.batch_lines import LineError, parse_line, resolve_sampling_defaults
 from nanovllm.entrypoints.batch_log import DoneLines
 
 logger = logging.getLogger("nanovllm.ray")
 
-# Input lines are read in chunks of max_in_flight lines (one chunk: one block, one actor batch),
-# but no fewer than this, so the index of chunk offsets stays a small fraction of the input.
-MIN_CHUNK_LINES = 16
+# Input lines are read in chunks (one chunk: one Ray block, one actor batch) of at most
+# max_in_flight lines, and small enough that each actor gets this many blocks: a block is run to
+# its end before the actor takes the next, so with fewer an idle actor would wait on a busy one.
+BLOCKS_PER_REPLICA = 4
 RESULT_COLUMNS = ("line", "custom_id", "result", "num_tokens", "ok")
 
 
@@ -44,70 +48,69 @@ class NanoVLLMPredictor:
 
     def __init__(self, model: str, engine_kwargs: dict[str, Any] | None = None,
                  sampling_defaults: dict[str, Any] | None = None):
-        from nanovllm import LLM
-
-        self.llm = LLM(model, **(engine_kwargs or {}))
-        self.batcher = EngineBatcher(self.llm)
+        self.batcher = EngineBatcher(engine_factory(model, engine_kwargs or {}))
         self.sampling_defaults = resolve_sampling_defaults(sampling_defaults)  # a line's own fields win
+
+    @property
+    def llm(self):
+        """The actor's engine (rebuilt by the batcher if a step ever fails)."""
+        return self.batcher.llm
 
     def __call__(self, batch: dict[str, Any]) -> dict[str, list]:
         texts = list(batch["text"])
         numbers = [int(n) for n in batch["line"]] if "line" in batch else [None] * len(texts)
         results: list[Finished | None] = [None] * len(texts)
-        position: dict[str, int] = {}  # engine request id -> row
         for row, (text, number) in enumerate(zip(texts, numbers)):
             request = parse_line(text, number, self.sampling_defaults)
             if isinstance(request, LineError):
                 results[row] = Finished(number, request.custom_id, request.to_json(), 0, False)
-                continue
-            submitted = self.batcher.submit(request)  # all of the batch: its size bounds what is in flight
-            if isinstance(submitted, Finished):
-                results[row] = submitted
-            else:
-                position[submitted] = row
+            else:  # all of the batch: its size bounds what is in flight
+                results[row] = self.batcher.submit(request, tag=row)
         while self.batcher.num_in_flight:
             for finished in self.batcher.step():
-                results[position.pop(finished.request_id)] = finished
+                results[finished.tag] = finished
         return {"line": numbers, "custom_id": [r.custom_id for r in results], "result": [r.text for r in results],
                 "num_tokens": [r.num_tokens for r in results], "ok": [r.ok for r in results]}
 
 
 # --- `nanovllm batch --ray` ---
 
+def chunk_size(num_pending: int, replicas: int, max_in_flight: int) -> int:
+    """Lines per chunk: BLOCKS_PER_REPLICA chunks (or more) per replica, none over max_in_flight."""
+    return max(1, min(max_in_flight, num_pending // (replicas * BLOCKS_PER_REPLICA)))
+
+
 def _index_input(path: str, done: DoneLines, chunk_lines: int) -> tuple[int, list[tuple[int, int]]]:
-    """(number of lines, (first line, byte offset) of each chunk of `chunk_lines` lines that has
-    a line still to do), in one pass over the input."""
-    chunks, offset, number = [], 0, 0
-    chunk_start: tuple[int, int] | None = None
-    chunk_pending = False
+    """(number of lines, (first line, byte offset) of each chunk), in one pass over the input. A
+    chunk starts at a line still to do and holds the next `chunk_lines` such lines (done lines
+    between them are skipped when it is read), so every chunk but the last is full."""
+    chunks, offset, number, pending = [], 0, 0, 0
     with open(path, "rb") as f:
         for number, raw in enumerate(f, start=1):
-            if (number - 1) % chunk_lines == 0:
-                if chunk_start is not None and chunk_pending:
-                    chunks.append(chunk_start)
-                chunk_start, chunk_pending = (number, offset), False
-            chunk_pending = chunk_pending or number not in done
+            if number not in done:
+                if pending % chunk_lines == 0:
+                    chunks.append((number, offset))
+                pending += 1
             offset += len(raw)
-    if chunk_start is not None and chunk_pending:
-        chunks.append(chunk_start)
     return number, chunks
 
 
 def _read_chunks(batch: dict[str, np.ndarray], path: str, chunks: list[tuple[int, int]], chunk_lines: int,
                  done: DoneLines) -> dict[str, np.ndarray]:
-    """A Ray Data map over chunk indices: the lines still to do of each chunk, with their numbers."""
+    """A Ray Data map over chunk indices: the `chunk_lines` lines still to do from each chunk's
+    start, with their numbers."""
     numbers, texts = [], []
     with open(path, "rb") as f:
         for index in batch["id"]:
-            first, offset = chunks[int(index)]
+            number, offset = chunks[int(index)]
             f.seek(offset)
-            for number in range(first, first + chunk_lines):
-                raw = f.readline()
-                if not raw:
-                    break
+            taken = 0
+            while taken < chunk_lines and (raw := f.readline()):
                 if number not in done:
                     numbers.append(number)
                     texts.append(raw.rstrip(b"\n").rstrip(b"\r"))
+                    taken += 1
+                number += 1
     text_column = np.empty(len(texts), dtype=object)
     text_column[:] = texts
     return {"line": np.array(numbers, dtype=np.int64), "text": text_column}
@@ -129,9 +132,8 @@ def run_ray_batch(job: BatchJob, replicas: int = 1, address: str | None = None,
     started_ray = False
     try:
         with JobOutput(job) as output:
-            chunk_lines = max(job.resolved_max_in_flight(), MIN_CHUNK_LINES)
-            num_lines, chunks = _index_input(job.input, output.done, chunk_lines)
-            output.start(num_lines)
+            chunk_lines = chunk_size(output.start() - len(output.done), replicas, job.resolved_max_in_flight())
+            _, chunks = _index_input(job.input, output.done, chunk_lines)
             if chunks:
                 if not ray.is_initialized():
                     address = address or os.environ.get("RAY_ADDRESS")
@@ -141,6 +143,7 @@ def run_ray_batch(job: BatchJob, replicas: int = 1, address: str | None = None,
                 for batch in _results(job, chunks, chunk_lines, output.done, replicas, cpus_per_replica):
                     output.record([Finished(int(line), custom_id, text, int(tokens), bool(ok)) for
                                    line, custom_id, text, tokens, ok in zip(*(batch[c] for c in RESULT_COLUMNS))])
+            output.finish()
     finally:
         if started_ray:
             ray.shutdown()
@@ -165,9 +168,10 @@ def _results(job: BatchJob, chunks: list[tuple[int, int]], chunk_lines: int, don
     # the input is, and reserves no CPU: the actors may hold them all, and it must still run.
     # (Its resources differ from the actors', which also keeps Ray Data from fusing the two.)
     this_node = {"ray.io/node-id": ray.get_runtime_context().get_node_id()}
-    ds = ray.data.from_items([{"id": i} for i in range(len(chunks))])
+    # One block per chunk: Ray Data hands blocks, not rows, to its tasks and actors.
+    ds = ray.data.from_items([{"id": i} for i in range(len(chunks))], override_num_blocks=len(chunks))
     ds = ds.map_batches(reader, batch_size=1, num_cpus=0, label_selector=this_node)
-    ds = ds.map_batches(NanoVLLMPredictor, batch_size=job.resolved_max_in_flight(),
+    ds = ds.map_batches(NanoVLLMPredictor, batch_size=chunk_lines,
                         compute=ray.data.ActorPoolStrategy(size=replicas),
                         fn_constructor_kwargs={"model": job.model, "engine_kwargs": job.engine_kwargs,
                                                "sampling_defaults": job.sampling_defaults}, **resources)
