@@ -42,6 +42,7 @@ from nanovllm.engine.stop_checker import StopChecker
 from nanovllm.layers.sampler import SamplerOutput
 from nanovllm.runner.pending_tokens import PendingTokens
 from nanovllm.runner.tensor_parallel import create_model_runner
+from nanovllm.runner.worker_group import TensorParallelError
 from nanovllm.sampling_params import SamplingParams
 from nanovllm.utils.math_utils import cdiv
 from nanovllm.utils.validation import first_surrogate, is_int, shown
@@ -439,6 +440,8 @@ class LLMEngine:
                 self._in_flight = None
             queued = [*self.scheduler.running, *self.scheduler.waiting, *self.scheduler.swapped]
             self._fail_seqs(exc, seqs + queued, "stepping the engine")
+            if isinstance(exc, TensorParallelError):  # the group is stopped: the caller must know
+                raise
             return self._no_tokens(True)
 
     def _run_step(self) -> StepOutput:
@@ -579,6 +582,8 @@ class LLMEngine:
         if host_blocks:
             seqs += [seq for seq in self.scheduler.swapped if host_blocks.intersection(seq.host_block_table)]
         self._fail_seqs(error, seqs, MODEL_PASS)
+        if isinstance(error, TensorParallelError):  # the group is stopped: no later step can run either
+            raise error  # (_step fails what is left and lets it through)
 
     def _fail_seqs(self, error: Exception, seqs: list[Sequence], phase: str) -> None:
         """Fail the requests these sequences belong to (bare sequences are aborted), logging the

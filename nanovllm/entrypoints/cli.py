@@ -50,6 +50,10 @@ INTERRUPTED_EXIT = 130  # the shell's status for a command stopped by Ctrl-C (12
 UVICORN_LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
 
 
+# The commands whose MODEL is optional: without it they run the demo model (built once, cached).
+DEMO_MODEL_COMMANDS = ("serve", "generate", "chat")
+
+
 class CLIError(Exception):
     """A refusal to report in one line with exit status 1 (no traceback)."""
 
@@ -221,8 +225,8 @@ def _serve(args: argparse.Namespace) -> int:
     if settings.api_key is None:
         settings.api_key = api_key_from_env()
     try:  # the engine is built later, inside the server: check its settings now, in one line
+        settings.check()  # first: the server's own settings need no checkpoint read
         Config.from_kwargs(args.model, settings.engine_kwargs)
-        settings.check()
     except ValueError as exc:
         raise CLIError(str(exc)) from None
     try:
@@ -410,7 +414,7 @@ def main(argv: list[str] | None = None) -> int:
         if argv[:1] == ["bench"]:  # bench.py parses its own flags (and its own --help)
             return _bench(argv[1:])
         args = build_parser().parse_args(argv)
-        if getattr(args, "model", "") is None:  # serve, generate, chat with no MODEL
+        if args.command in DEMO_MODEL_COMMANDS and args.model is None:  # no MODEL given
             from nanovllm.demo_model import default_model
             args.model = default_model()
         return args.run(args)

@@ -46,9 +46,11 @@ def rope_config_of(hf_config) -> RopeConfig:
 
 
 def inverse_frequencies(head_dim: int, rope: RopeConfig) -> torch.Tensor:
-    """[head_dim // 2] float32 rotation frequencies, computed exactly as transformers'
-    ROPE_INIT_FUNCTIONS (same operations in the same order, so the same bits)."""
-    inv_freq = 1.0 / (rope.theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+    """[head_dim // 2] float32 rotation frequencies on the CPU, computed exactly as transformers'
+    ROPE_INIT_FUNCTIONS at a model's construction (same operations in the same order, on the CPU,
+    so the same bits)."""
+    inv_freq = 1.0 / (rope.theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64, device="cpu").float()
+                                     / head_dim))
     if rope.rope_type == "linear":
         return inv_freq / rope.params["factor"]
     if rope.rope_type == "llama3":
@@ -88,12 +90,17 @@ class RotaryEmbedding(nn.Module):
 
     def __init__(self, head_dim: int, max_position: int, rope: RopeConfig):
         super().__init__()
+        # The table is computed on the CPU (as transformers computes its frequencies at a model's
+        # construction), then moved to the device the model is built on. Even under the meta
+        # device (the start-up memory estimate) no op runs there: meta runs these through Python
+        # reference ops that import sympy and ~900 modules (+150 MB resident) for nothing.
+        device = torch.get_default_device()
         inv_freq = inverse_frequencies(head_dim, rope)
-        t = torch.arange(max_position, dtype=torch.float32)
+        t = torch.arange(max_position, dtype=torch.float32, device="cpu")
         freqs = torch.outer(t, inv_freq)  # [max_position, head_dim // 2]
         # [max_position, 1, head_dim]: cos | sin; kept in float32 whatever the model dtype
-        self.register_buffer("cos_sin_cache", torch.cat((freqs.cos(), freqs.sin()), dim=-1).unsqueeze(1),
-                             persistent=False)
+        cache = torch.cat((freqs.cos(), freqs.sin()), dim=-1).unsqueeze(1)
+        self.register_buffer("cos_sin_cache", cache.to(device), persistent=False)
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return rotate_qk(positions, q, k, self.cos_sin_cache)
