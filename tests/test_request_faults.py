@@ -159,9 +159,9 @@ def assert_failed(output: dict) -> None:
     assert all(sample["finish_reason"] == "abort" for sample in output.get("outputs", [output]))
 
 
-@pytest.mark.parametrize("inject", FAULTS, ids=lambda f: f.__name__)
-def test_a_fault_in_one_request_fails_it_alone(engine, inject, monkeypatch, caplog):
-    llm, clean = engine
+def generate_with_one_fault(llm, clean: list[dict], inject, monkeypatch) -> None:
+    """generate() with `inject`'s fault in the victim: it alone fails, the others give the clean
+    run's outputs, and every block is free afterwards."""
     prompts, params = prompts_and_params()
     with monkeypatch.context() as patch:
         inject(patch, llm)
@@ -169,6 +169,13 @@ def test_a_fault_in_one_request_fails_it_alone(engine, inject, monkeypatch, capl
     assert_failed(outputs[VICTIM])
     assert_all_same(outputs, clean, skip={VICTIM})
     assert_all_blocks_free(llm)
+
+
+@pytest.mark.parametrize("inject", FAULTS, ids=lambda f: f.__name__)
+def test_a_fault_in_one_request_fails_it_alone(engine, inject, monkeypatch, caplog):
+    llm, clean = engine
+    prompts, params = prompts_and_params()
+    generate_with_one_fault(llm, clean, inject, monkeypatch)
     assert "InjectedFault" in caplog.text  # the traceback is in the log, under the request id
     assert_all_same(llm.generate(prompts, params, use_tqdm=False), clean)  # the engine is as good as new
 
@@ -248,10 +255,5 @@ def test_speculative_decoding_fails_one_request_alone(qwen3_tiny, inject, monkey
     llm = make_engine(qwen3_tiny, speculative_config=spec)
     prompts, params = prompts_and_params()
     clean = llm.generate(prompts, params, use_tqdm=False)
-    with monkeypatch.context() as patch:
-        inject(patch, llm)
-        outputs = llm.generate(prompts, params, use_tqdm=False)
-    assert_failed(outputs[VICTIM])
-    assert_all_same(outputs, clean, skip={VICTIM})
-    assert_all_blocks_free(llm)
+    generate_with_one_fault(llm, clean, inject, monkeypatch)
     llm.exit()
