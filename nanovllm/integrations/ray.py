@@ -37,6 +37,8 @@ logger = logging.getLogger("nanovllm.ray")
 # max_in_flight lines, and small enough that each actor gets this many blocks: a block is run to
 # its end before the actor takes the next, so with fewer an idle actor would wait on a busy one.
 BLOCKS_PER_REPLICA = 4
+# Reading tasks running at once: one worker process reads every chunk (see _results).
+READ_CONCURRENCY = 1
 RESULT_COLUMNS = ("line", "custom_id", "result", "num_tokens", "ok")
 
 
@@ -170,7 +172,11 @@ def _results(job: BatchJob, chunks: list[tuple[int, int]], chunk_lines: int, don
     this_node = {"ray.io/node-id": ray.get_runtime_context().get_node_id()}
     # One block per chunk: Ray Data hands blocks, not rows, to its tasks and actors.
     ds = ray.data.from_items([{"id": i} for i in range(len(chunks))], override_num_blocks=len(chunks))
-    ds = ds.map_batches(reader, batch_size=1, num_cpus=0, label_selector=this_node)
+    # One reading task at a time: reading lines is cheap, and with no CPU reserved Ray would
+    # otherwise start a worker process per chunk, each importing this package (torch included):
+    # on a small host that start-up held the actors' first results back by 25-30 s.
+    ds = ds.map_batches(reader, batch_size=1, num_cpus=0, concurrency=READ_CONCURRENCY,
+                        label_selector=this_node)
     ds = ds.map_batches(NanoVLLMPredictor, batch_size=chunk_lines,
                         compute=ray.data.ActorPoolStrategy(size=replicas),
                         fn_constructor_kwargs={"model": job.model, "engine_kwargs": job.engine_kwargs,
