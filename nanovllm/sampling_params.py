@@ -15,7 +15,6 @@ could skip every check; a changed copy is a new one (`dataclasses.replace(params
 checked again. Lists given for `stop` and `stop_token_ids` are kept as tuples, so the caller's
 own list cannot change them afterwards either.
 """
-import math
 from dataclasses import FrozenInstanceError, dataclass, fields
 from functools import cached_property
 
@@ -133,7 +132,7 @@ class SamplingParams:
                     f"a number in [-{MAX_ABS_PENALTY}, {MAX_ABS_PENALTY}] (0 = off)")
         bias = self.logit_bias
         require(bias is None or (isinstance(bias, dict) and all(
-            is_int(t) and 0 <= t <= MAX_TOKEN_ID and is_number(b) and math.isfinite(b) and abs(b) <= MAX_ABS_LOGIT_BIAS
+            is_int(t) and 0 <= t <= MAX_TOKEN_ID and is_number(b) and abs(b) <= MAX_ABS_LOGIT_BIAS
             for t, b in bias.items())), "logit_bias", bias,
             f"None or a dict of token ids >= 0 to numbers in [-{MAX_ABS_LOGIT_BIAS}, {MAX_ABS_LOGIT_BIAS}]")
         for name in ("include_stop_str_in_output", "ignore_eos", "skip_special_tokens"):

@@ -21,6 +21,7 @@ from pydantic import ValidationError
 
 from nanovllm.entrypoints.protocol import ChatCompletionRequest, CompletionRequest, request_error, validation_error
 from nanovllm.sampling_params import SamplingParams
+from nanovllm.utils.validation import first_surrogate
 
 COMPLETIONS_URL = "/v1/completions"
 CHAT_URL = "/v1/chat/completions"
@@ -96,11 +97,8 @@ def _lone_surrogate(value: Any, path: str) -> tuple[str, str] | None:
     """(field path, the text around it) of the first string in `value`, keys included, that holds
     a lone surrogate: JSON's "\\ud800" escape carries one, but no tokenizer can encode it."""
     if isinstance(value, str):
-        try:
-            value.encode("utf-8")
-        except UnicodeEncodeError as exc:
-            return path, value[max(0, exc.start - 10):exc.end + 10]
-        return None
+        bad = first_surrogate(value)
+        return None if bad is None else (path, value[max(0, bad - 10):bad + 11])
     if isinstance(value, dict):
         children = [(f"{path}.{key}" if path else key, key, item) for key, item in value.items()]
     elif isinstance(value, list):

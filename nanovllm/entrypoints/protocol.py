@@ -16,6 +16,7 @@ from typing import Annotated, Any, Literal
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_serializer, field_validator
 
 from nanovllm.sampling_params import MAX_LOGPROBS, MAX_SEED, MIN_SEED, SamplingParams
+from nanovllm.utils.validation import first_surrogate
 
 # OpenAI's default for /v1/completions; chat completions default to what the context has left.
 DEFAULT_COMPLETION_MAX_TOKENS = 16
@@ -37,11 +38,10 @@ def _valid_unicode(text: str) -> str:
     """JSON's \\uD800-\\uDFFF escapes parse into lone surrogates, which are not text: no tokenizer
     takes them and no UTF-8 encoder writes them. Refused here (not replaced), so nothing the client
     did not mean is generated from."""
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError as exc:
-        raise ValueError(f"must be valid Unicode, but it holds a lone surrogate ({text[exc.start]!r} at character "
-                         f"{exc.start}); a \\uD800-\\uDBFF escape must be followed by a \\uDC00-\\uDFFF one") from None
+    bad = first_surrogate(text)
+    if bad is not None:
+        raise ValueError(f"must be valid Unicode, but it holds a lone surrogate ({text[bad]!r} at character "
+                         f"{bad}); a \\uD800-\\uDBFF escape must be followed by a \\uDC00-\\uDFFF one")
     return text
 
 

@@ -45,7 +45,7 @@ def prepare_sampling(seqs: list[Sequence], vocab_size: int, eos: int, device: to
     def column(values: list, dtype: torch.dtype) -> torch.Tensor:  # from pinned memory, without blocking
         return torch.tensor(values, dtype=dtype, pin_memory=device.type == "cuda").to(device, non_blocking=True)
 
-    temperatures = [0.0 if p.greedy else p.temperature for p in params]
+    temperatures = [p.temperature for p in params]  # 0 for greedy (SamplingParams stores it so)
     keys = column(philox_keys(seqs), torch.int64) if philox else None  # [2, batch]
     # The common case, one small copy (two with Philox keys), and the Triton sampler's single pass.
     if all(p.needs_only_temperature_and_seed if philox else p.needs_only_temperature for p in params):
@@ -60,7 +60,7 @@ def prepare_sampling(seqs: list[Sequence], vocab_size: int, eos: int, device: to
             generators.append((row, seq.generator))
     return SamplingTensors(
         temperatures=column(temperatures, torch.float32),
-        all_greedy=all(p.greedy for p in params),
+        all_greedy=not any(temperatures),
         before_temperature=before,
         after_temperature=after,
         generators=tuple(generators),
