@@ -29,8 +29,8 @@ from datetime import date
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from nanovllm.entrypoints.batch import BatchJob, JobOutput  # noqa: E402
-from nanovllm.integrations.ray import run_ray_batch  # noqa: E402
+from nanovllm.entrypoints.batch.job import BatchJob, JobOutput  # noqa: E402
+from nanovllm.entrypoints.batch.ray import run_ray_batch  # noqa: E402
 from nanovllm.testing.synthetic import build_checkpoint  # noqa: E402
 
 SEED = 0

@@ -35,7 +35,7 @@ from nanovllm.models.registry import MODELS, architecture_of
 logger = logging.getLogger("nanovllm")
 
 # Each vocabulary is written once, here, and a field takes it as its Literal type: the checks below
-# and the CLI's choices (entrypoints/cli_args.py) both read it.
+# and the CLI's choices (entrypoints/cli/args.py) both read it.
 DEVICES = ("auto", "cuda", "cpu")
 ATTENTION_BACKENDS = ("auto", "flash_attn", "triton", "torch")
 COMPILE_MODES = ("auto", "on", "off")
@@ -52,7 +52,7 @@ DtypeName = Literal[("auto", *DTYPES)]
 KvCacheDtype = Literal[KV_CACHE_DTYPES]
 SchedulingPolicy = Literal[SCHEDULING_POLICIES]
 PreemptionMode = Literal[PREEMPTION_MODES]
-# The metadata of a field the command line takes but leaves out of --help (entrypoints/cli_args.py):
+# The metadata of a field the command line takes but leaves out of --help (entrypoints/cli/args.py):
 # knobs for tests and tuning, and settings a command that reads and prints text has no use for.
 CLI_HIDDEN = {"cli_hidden": True}
 # The smallest paged-KV block the backends accept: Triton's tl.dot needs tiles of at least this.

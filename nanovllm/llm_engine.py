@@ -34,6 +34,7 @@ from tqdm.auto import tqdm
 
 from nanovllm.config import Config
 from nanovllm.engine.block_manager import BlockManager
+from nanovllm.engine.chat import ChatOptions, render_chat
 from nanovllm.engine.detokenizer import Detokenizer
 from nanovllm.engine.request import Request, RequestOutput
 from nanovllm.engine.scheduler import ScheduledBatch, Scheduler, SchedulerStats
@@ -740,9 +741,11 @@ class LLMEngine:
             self._release(requests)
 
     def chat(self, messages: list[dict] | list[list[dict]], sampling_params: SamplingParams | None = None,
-             use_tqdm: bool = True, add_generation_prompt: bool = True, **template_kwargs) -> list[dict]:
+             use_tqdm: bool = True, add_generation_prompt: bool = True, **chat_options) -> list[dict]:
         """generate() over conversations rendered by the tokenizer's chat template; takes one
-        conversation (a list of {"role", "content"} dicts) or a list of them."""
+        conversation (a list of {"role", "content"} dicts) or a list of them. `chat_options` are
+        the other ChatOptions fields (continue_final_message, chat_template, chat_template_kwargs,
+        tools), as vLLM's LLM.chat takes them."""
         with self._entered():
             if self.tokenizer is None:
                 raise ValueError("chat() needs the tokenizer's chat template, but this engine has no tokenizer "
@@ -762,12 +765,8 @@ class LLMEngine:
                     if bad is not None:
                         raise ValueError(f"messages has a lone surrogate in {m!r:.80}; messages must be valid "
                                          "Unicode text")
-            if not getattr(self.tokenizer, "chat_template", None):
-                raise ValueError(f"the tokenizer of {self.config.model!r} has no chat_template; use generate()")
-            texts = [self.tokenizer.apply_chat_template(c, tokenize=False, add_generation_prompt=add_generation_prompt,
-                                                        **template_kwargs) for c in conversations]
-            # The template already holds any special tokens, so none are added again.
-            prompts = [self._encode(text, "messages", add_special_tokens=False) for text in texts]
+            options = ChatOptions(add_generation_prompt=add_generation_prompt, **chat_options)
+            prompts = [render_chat(self.tokenizer, c, options) for c in conversations]
             inbox: dict[str, None] = {}
             requests = self._make_requests(prompts, sampling_params or SamplingParams(), inbox)
             return self._run_to_end(requests, inbox, use_tqdm)

@@ -3,7 +3,7 @@ import json
 import os
 import random
 
-from nanovllm.entrypoints.batch_lines import default_sampling
+from nanovllm.entrypoints.batch.lines import default_sampling
 from serving import ENGINE_FLAGS, ENGINE_KWARGS
 
 # Small batches, so a job takes many steps (and a kill lands mid-job).

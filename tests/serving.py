@@ -19,8 +19,8 @@ try:  # the HTTP client the installed `openai` is built on: httpx2 for openai 3,
 except ImportError:
     import httpx  # noqa: F401 (re-exported for the tests)
 
-from nanovllm.entrypoints.openai_server import GracefulServer, build_app, listening_socket, uvicorn_config
-from nanovllm.entrypoints.server_settings import ServerSettings
+from nanovllm.entrypoints.openai.api_server import GracefulServer, build_app, listening_socket, uvicorn_config
+from nanovllm.entrypoints.openai.server_settings import ServerSettings
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # Small blocks so tiny prompts span several; plenty of them so 200 concurrent requests fit.

@@ -16,10 +16,10 @@ import pytest
 
 from nanovllm import LLM, SamplingParams
 from nanovllm.config import Config
-from nanovllm.entrypoints.batch import BatchJob, run_batch
-from nanovllm.entrypoints.batch_lines import BatchRequest, LineError, parse_line, resolve_sampling_defaults
-from nanovllm.entrypoints.batch_log import DoneLines, ResultLog, pending_lines, stamp_input
-from nanovllm.entrypoints.cli import main
+from nanovllm.entrypoints.batch.job import BatchJob, run_batch
+from nanovllm.entrypoints.batch.lines import BatchRequest, LineError, parse_line, resolve_sampling_defaults
+from nanovllm.entrypoints.batch.log import DoneLines, ResultLog, pending_lines, stamp_input
+from nanovllm.entrypoints.cli.main import main
 from batching import (BAD_LINES, GREEDY, JOB_ENGINE, JOB_FLAGS, SUBPROCESS_ENV, by_line, read_results,
                       request_lines, write_lines)
 from serving import REPO_ROOT, cli
@@ -239,7 +239,7 @@ def test_resume_skips_done_lines_and_repairs_a_torn_line(reference, job_input, q
 
 def test_predictor_class_called_directly(reference, job_input, qwen3_tiny):
     """The Ray Data callable class on a batch of raw lines (no Ray needed to call it)."""
-    from nanovllm.integrations.ray import NanoVLLMPredictor
+    from nanovllm.entrypoints.batch.ray import NanoVLLMPredictor
 
     with open(job_input, "rb") as f:
         raws = f.read().splitlines()
@@ -298,8 +298,8 @@ def test_bad_job_settings_exit_1(tmp_path, qwen3_tiny, capsys):
 # chunk and dying is what the kernel leaves on disk when a kill lands inside write().
 KILL_AT_PROGRESS = """
 import os, signal, sys
-from nanovllm.entrypoints import batch_log
-from nanovllm.entrypoints.cli import main
+from nanovllm.entrypoints.batch import log as batch_log
+from nanovllm.entrypoints.cli.main import main
 
 kill_after, torn_bytes = int(sys.argv[1]), int(sys.argv[2])
 flush = batch_log.ResultLog.flush

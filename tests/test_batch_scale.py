@@ -12,7 +12,7 @@ import pytest
 
 from batching import (BAD_LINES, GREEDY, JOB_ENGINE, JOB_FLAGS, SUBPROCESS_ENV, by_line, read_results,
                       request_lines, write_lines)
-from nanovllm.entrypoints.batch import BatchJob, run_batch
+from nanovllm.entrypoints.batch.job import BatchJob, run_batch
 from serving import ENGINE_FLAGS, REPO_ROOT, cli
 
 # The issue asks for 100,000 lines; on 2 busy cores that run takes minutes (about 1.4 ms a
@@ -118,8 +118,8 @@ def test_ray_input_is_split_for_every_replica(tmp_path, num_lines, replicas, max
     """At least BLOCKS_PER_REPLICA blocks per actor (one line each at the least), none larger than
     what an engine holds in flight, together every line still to do exactly once."""
     pytest.importorskip("numpy")
-    from nanovllm.entrypoints.batch_log import DoneLines
-    from nanovllm.integrations.ray import BLOCKS_PER_REPLICA, _index_input, _read_chunks, chunk_size
+    from nanovllm.entrypoints.batch.log import DoneLines
+    from nanovllm.entrypoints.batch.ray import BLOCKS_PER_REPLICA, _index_input, _read_chunks, chunk_size
 
     inp = write_lines(tmp_path / "in.jsonl", [f'{{"prompt": "{i}"}}' for i in range(1, num_lines + 1)])
     done = DoneLines()

@@ -26,10 +26,10 @@ import openai
 import pytest
 
 import nanovllm
-import nanovllm.entrypoints.cli as cli_module
+import nanovllm.entrypoints.cli.main as cli_module
 from nanovllm import LLM, SamplingParams
 from nanovllm.config import Config
-from nanovllm.entrypoints.cli import CHAT_UI_SCRIPT, build_parser, main, ui_command
+from nanovllm.entrypoints.cli.main import CHAT_UI_SCRIPT, build_parser, main, ui_command
 from serving import ENGINE_FLAGS, ENGINE_KWARGS, REPO_ROOT, cli, start_cli, wait_for_listening
 
 PROMPTS = ["Hello world! How are", "The cache is split into"]

@@ -17,7 +17,7 @@ from transformers import AutoConfig, AutoTokenizer
 from nanovllm import LLM, SamplingParams
 from nanovllm.demo_model import (DEMO_DIR_NAME, EOS_TOKEN, INFO_FILE, DemoRecipe, build_demo_model, corpus_files,
                                  default_model)
-from nanovllm.entrypoints.cli import main
+from nanovllm.entrypoints.cli.main import main
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 CODE_PROMPTS = ["def read_file(path):\n", "class Config:\n    def __init__(self", "import os\nimport sys\n\n"]

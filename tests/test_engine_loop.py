@@ -10,9 +10,9 @@ import pytest
 
 from nanovllm.engine.request import RequestOutput, SampleDelta
 from nanovllm.llm_engine import EngineStats
-from nanovllm.entrypoints.engine_loop import (MAX_CONSECUTIVE_STEP_FAILURES, EngineClient, EngineDeadError,
+from nanovllm.entrypoints.openai.engine_loop import (MAX_CONSECUTIVE_STEP_FAILURES, EngineClient, EngineDeadError,
                                               QueueFullError)
-from nanovllm.entrypoints.metrics import ServerMetrics
+from nanovllm.entrypoints.openai.metrics import ServerMetrics
 from nanovllm.sampling_params import SamplingParams
 from serving import metric
 

@@ -17,7 +17,7 @@ NO_TRITON_SCRIPT = """
 import sys
 sys.modules["triton"] = None
 from nanovllm import LLM, SamplingParams
-import nanovllm.entrypoints.cli, nanovllm.entrypoints.openai_server, nanovllm.entrypoints.batch
+import nanovllm.entrypoints.cli.main, nanovllm.entrypoints.openai.api_server, nanovllm.entrypoints.batch.job
 from nanovllm.demo_model import default_model
 
 path = default_model()

@@ -78,6 +78,34 @@ def test_runner_never_imports_the_loop(path: Path):
     assert not above, f"runner/{path.name} imports {above}"
 
 
+# The products on top, each above the ones after it: the CLI drives batch jobs and the server,
+# batch jobs read OpenAI-format lines with the server's protocol, and the server sits on the engine.
+ENTRYPOINTS = ("cli", "batch", "openai")
+
+
+@pytest.mark.parametrize("path", [p for p in PACKAGE.rglob("*.py") if "entrypoints" not in p.parts
+                                  and p.name != "__main__.py"], ids=lambda p: str(p.relative_to(PACKAGE)))
+def test_nothing_below_the_entrypoints_imports_them(path: Path):
+    above = [m for m in imports_of(path) if within(m, ("nanovllm.entrypoints",))]
+    assert not above, f"{path.relative_to(PACKAGE)} imports {above}"
+
+
+@pytest.mark.parametrize("rank", range(len(ENTRYPOINTS)), ids=ENTRYPOINTS)
+def test_each_entrypoint_imports_only_those_below_it(rank: int):
+    above = tuple(f"nanovllm.entrypoints.{name}" for name in ENTRYPOINTS[:rank])
+    files = modules_under(f"entrypoints/{ENTRYPOINTS[rank]}")
+    assert files, f"entrypoints/{ENTRYPOINTS[rank]} has no modules"
+    arrows = {str(p.relative_to(PACKAGE)): [m for m in imports_of(p) if within(m, above)] for p in files}
+    assert not {path: found for path, found in arrows.items() if found}
+
+
+def test_entrypoints_are_the_three_products():
+    """Every entrypoint module sits in one of the product packages the rules above cover."""
+    loose = [p.name for p in (PACKAGE / "entrypoints").glob("*.py") if p.name != "__init__.py"]
+    packages = sorted(p.name for p in (PACKAGE / "entrypoints").iterdir() if (p / "__init__.py").exists())
+    assert not loose and packages == sorted(ENTRYPOINTS)
+
+
 def test_nothing_in_the_engine_imports_the_testing_helpers():
     users = [p.relative_to(PACKAGE) for p in PACKAGE.rglob("*.py")
              if "testing" not in p.relative_to(PACKAGE).parts

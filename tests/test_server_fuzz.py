@@ -9,8 +9,8 @@ import pytest
 import schemathesis
 from hypothesis import HealthCheck, given, settings, strategies as st
 
-from nanovllm.entrypoints.openai_server import build_app
-from nanovllm.entrypoints.server_settings import ServerSettings
+from nanovllm.entrypoints.openai.api_server import build_app
+from nanovllm.entrypoints.openai.server_settings import ServerSettings
 from serving import httpx, server_thread
 
 EXAMPLES_PER_ENDPOINT = 40

@@ -14,10 +14,10 @@ import threading
 import pytest
 
 from nanovllm import LLM
-from nanovllm.entrypoints import http_guard, openai_server
-from nanovllm.entrypoints.http_guard import RateLimitFilter
-from nanovllm.entrypoints.openai_server import build_app
-from nanovllm.entrypoints.server_settings import API_KEY_ENV, ServerSettings, api_key_from_env
+from nanovllm.entrypoints.openai import http_guard, api_server as openai_server
+from nanovllm.entrypoints.openai.http_guard import RateLimitFilter
+from nanovllm.entrypoints.openai.api_server import build_app
+from nanovllm.entrypoints.openai.server_settings import API_KEY_ENV, ServerSettings, api_key_from_env
 from serving import REPO_ROOT, cli, httpx, server_thread
 
 MAX_MODEL_LEN = 128  # small, so prompts past the context are cheap to make
@@ -208,7 +208,7 @@ def test_error_bodies_hold_a_request_id_and_no_internals(server, monkeypatch, ca
         patch.setattr(tokenizer, "chat_template", "{{ raise_exception('roles must alternate') }}")
         refused = post(server, "/v1/chat/completions", chat)
         assert refused.status_code == 400 and error_of(refused)["param"] == "messages"
-        assert error_of(refused)["message"] == "messages: the chat template refused them: roles must alternate"
+        assert error_of(refused)["message"] == "messages: the chat template refused these messages: roles must alternate"
         patch.setattr(tokenizer, "chat_template", "{% for x in %}{{ secret_template_text }}")
         broken = post(server, "/v1/chat/completions", chat)
         assert broken.status_code == 500 and error_of(broken)["code"] == "chat_template_error"

@@ -27,7 +27,7 @@ from typing import AsyncIterator, Callable, NamedTuple
 from nanovllm.config import Config
 from nanovllm.llm_engine import LLMEngine
 from nanovllm.engine.request import RequestOutput, SampleDelta
-from nanovllm.entrypoints.metrics import ServerMetrics
+from nanovllm.entrypoints.openai.metrics import ServerMetrics
 from nanovllm.sampling_params import SamplingParams
 
 logger = logging.getLogger("nanovllm")

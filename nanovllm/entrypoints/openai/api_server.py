@@ -23,7 +23,6 @@ import uvicorn
 from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from jinja2.exceptions import TemplateError, TemplateSyntaxError
 from prometheus_client import CONTENT_TYPE_LATEST
 from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -32,16 +31,17 @@ from uvicorn.protocols.http.auto import AutoHTTPProtocol
 
 from nanovllm import LLM
 from nanovllm.engine.request import RequestOutput
-from nanovllm.entrypoints.engine_loop import EngineClient, EngineDeadError, QueueFullError, Submission
-from nanovllm.entrypoints.http_guard import (RequestGuard, connection_cap, guarded_protocol, install_log_limits,
+from nanovllm.engine.chat import BrokenChatTemplateError, ChatOptions, render_chat
+from nanovllm.entrypoints.openai.engine_loop import EngineClient, EngineDeadError, QueueFullError, Submission
+from nanovllm.entrypoints.openai.http_guard import (RequestGuard, connection_cap, guarded_protocol, install_log_limits,
                                              internal_error_message)
-from nanovllm.entrypoints.metrics import ServerMetrics
-from nanovllm.entrypoints.protocol import (APIError, AssistantMessage, ChatCompletionChoice, ChatCompletionChunk,
+from nanovllm.entrypoints.openai.metrics import ServerMetrics
+from nanovllm.entrypoints.openai.protocol import (APIError, AssistantMessage, ChatCompletionChoice, ChatCompletionChunk,
                                            ChatCompletionRequest, ChatCompletionResponse, ChatCompletionStreamChoice,
                                            ChatLogprobs, CompletionChoice, CompletionLogprobs, CompletionRequest,
                                            CompletionResponse, DeltaMessage, ModelCard, ModelList, TokenLogprob,
                                            TopLogprob, UsageInfo, request_error, validation_error)
-from nanovllm.entrypoints.server_settings import (DEFAULT_HOST, DEFAULT_PORT, DEFAULT_SHUTDOWN_TIMEOUT,
+from nanovllm.entrypoints.openai.server_settings import (DEFAULT_HOST, DEFAULT_PORT, DEFAULT_SHUTDOWN_TIMEOUT,
                                                   RETRY_AFTER_SECONDS, ServerSettings)
 from nanovllm.sampling_params import SamplingParams
 
@@ -408,18 +408,14 @@ _CHAT_FIELDS = set(ChatCompletionRequest.model_fields)
 
 def _chat_prompt(tokenizer: PreTrainedTokenizerBase, body: ChatCompletionRequest) -> list[int]:
     """The conversation rendered by the tokenizer's chat template, as token ids (as LLM.chat does)."""
-    if not getattr(tokenizer, "chat_template", None):
-        raise APIError(400, "this model's tokenizer has no chat template; use /v1/completions", param="messages")
     try:
-        text = tokenizer.apply_chat_template(body.conversation(), tokenize=False,
-                                             add_generation_prompt=body.add_generation_prompt)
-    except TemplateSyntaxError as exc:  # the model's template is broken: the server's fault, not the client's
-        logger.error("the chat template does not compile: %s", exc)
+        return render_chat(tokenizer, body.conversation(), ChatOptions(add_generation_prompt=body.add_generation_prompt))
+    except BrokenChatTemplateError as exc:  # the model's template is broken: the server's fault, not the client's
+        logger.error("%s", exc)
         raise APIError(500, "this model's chat template is broken; the server's log has the details",
                        type="server_error", code="chat_template_error") from None
-    except TemplateError as exc:  # the template's own refusal (raise_exception) or a missing field
-        raise APIError(400, f"messages: the chat template refused them: {exc.message}", param="messages") from None
-    return tokenizer.encode(text, add_special_tokens=False)  # the template holds the special tokens
+    except ValueError as exc:  # no template, or the template's own refusal
+        raise APIError(400, f"messages: {exc}", param="messages") from None
 
 
 @_v1_router.post("/chat/completions", response_model=None)

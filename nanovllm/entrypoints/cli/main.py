@@ -22,8 +22,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, NamedTuple
 
 import nanovllm  # the package alone: torch comes with the first engine module (see main)
-from nanovllm.entrypoints.cli_args import add_dataclass_flags, dataclass_kwargs
-from nanovllm.entrypoints.server_settings import (DEFAULT_HOST, DEFAULT_PORT, DEFAULT_SHUTDOWN_TIMEOUT,
+from nanovllm.entrypoints.cli.args import add_dataclass_flags, dataclass_kwargs
+from nanovllm.entrypoints.openai.server_settings import (DEFAULT_HOST, DEFAULT_PORT, DEFAULT_SHUTDOWN_TIMEOUT,
                                                   ServerSettings, api_key_from_env)
 
 if TYPE_CHECKING:
@@ -31,7 +31,7 @@ if TYPE_CHECKING:
 
 PROG = "nanovllm"
 # bench.py and chat_ui.py live at the repository root (scripts, not part of the package): found from here.
-REPO_ROOT = Path(__file__).resolve().parents[2]
+REPO_ROOT = Path(__file__).resolve().parents[3]
 BENCH_SCRIPT = REPO_ROOT / "bench.py"
 CHAT_UI_SCRIPT = REPO_ROOT / "chat_ui.py"
 CHAT_PROMPT = "> "
@@ -112,7 +112,7 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
                        help="seconds in-flight requests get to finish after SIGTERM/SIGINT before they are "
                             "aborted (default: %(default)s)")
     serve.add_argument("--log-level", default="info", choices=UVICORN_LOG_LEVELS, help="(default: %(default)s)")
-    server_group = serve.add_argument_group("server", "ServerSettings fields (nanovllm/entrypoints/server_settings.py)")
+    server_group = serve.add_argument_group("server", "ServerSettings fields (nanovllm/entrypoints/openai/server_settings.py)")
     server_fields = add_dataclass_flags(server_group, ServerSettings, skip=("model", "engine_kwargs"))
     engine_fields = _add_engine_flags(serve)
     serve.set_defaults(run=_serve, engine_fields=engine_fields, server_fields=server_fields)
@@ -145,14 +145,14 @@ def _add_chat(sub: argparse._SubParsersAction) -> None:
 
 
 def _add_batch(sub: argparse._SubParsersAction) -> None:
-    # batch: the job's own flags live with the job (entrypoints/batch.py).
+    # batch: the job's own flags live with the job (entrypoints/batch/job.py).
     batch = sub.add_parser("batch", help="run a JSONL file of requests into a JSONL file of results (resumable)",
                            description="Run every request line of --input with MODEL and append one result line "
                                        "per request to --output as it finishes. Killed and started again with the "
                                        "same command, it resumes where it stopped. The sampling flags are the "
                                        "defaults of every line; a line's own fields win.")
     _add_model(batch)
-    from nanovllm.entrypoints.batch import add_job_flags
+    from nanovllm.entrypoints.batch.job import add_job_flags
 
     add_job_flags(batch)
     engine_fields = _add_engine_flags(batch)
@@ -217,7 +217,7 @@ def _sampling_params(args: argparse.Namespace) -> SamplingParams:
 
 def _serve(args: argparse.Namespace) -> int:
     from nanovllm.config import Config
-    from nanovllm.entrypoints.openai_server import serve  # the web stack, only when serving
+    from nanovllm.entrypoints.openai.api_server import serve  # the web stack, only when serving
 
     _check_model_dir(args.model)
     settings = ServerSettings(args.model, dataclass_kwargs(args, args.engine_fields),
@@ -250,7 +250,7 @@ def _generate(args: argparse.Namespace) -> int:
 
 
 def _batch(args: argparse.Namespace) -> int:
-    from nanovllm.entrypoints.batch import BatchJob, BatchJobError, run_batch
+    from nanovllm.entrypoints.batch.job import BatchJob, BatchJobError, run_batch
 
     _check_model_dir(args.model)
     _sampling_params(args)  # the defaults every line starts from: checked once, before any work
@@ -262,7 +262,7 @@ def _batch(args: argparse.Namespace) -> int:
     try:
         if args.ray:
             try:
-                from nanovllm.integrations.ray import run_ray_batch
+                from nanovllm.entrypoints.batch.ray import run_ray_batch
             except ImportError as exc:
                 raise CLIError(f"--ray needs Ray Data ({exc}); pip install 'nanovllm[ray]'") from None
             run_ray_batch(job, args.replicas, args.ray_address, args.cpus_per_replica)
@@ -301,6 +301,7 @@ def _chat_help() -> str:
 
 
 def _chat(args: argparse.Namespace) -> int:
+    from nanovllm.engine.chat import render_chat
     params = _sampling_params(args)
     if params.n != 1:
         raise CLIError(f"n={params.n} is not allowed in chat; a chat answers once (n=1)")
@@ -342,11 +343,9 @@ def _chat(args: argparse.Namespace) -> int:
             if text.startswith("//"):
                 line = line.replace("/", "", 1)
             history.append({"role": "user", "content": line})
-            rendered = tokenizer.apply_chat_template(history, tokenize=False, add_generation_prompt=True)
-            prompt = tokenizer.encode(rendered, add_special_tokens=False)
             try:
-                answer = _stream_answer(llm, prompt, params)
-            except ValueError as exc:  # e.g. the conversation outgrew max_model_len
+                answer = _stream_answer(llm, render_chat(tokenizer, history), params)
+            except ValueError as exc:  # e.g. the conversation outgrew max_model_len, or the template refused it
                 history.pop()
                 print(f"{PROG}: {exc} (/clear starts over)", file=sys.stderr, flush=True)
                 continue

@@ -25,8 +25,8 @@ from http import HTTPStatus
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from nanovllm.entrypoints.protocol import APIError
-from nanovllm.entrypoints.server_settings import RETRY_AFTER_SECONDS
+from nanovllm.entrypoints.openai.protocol import APIError
+from nanovllm.entrypoints.openai.server_settings import RETRY_AFTER_SECONDS
 
 logger = logging.getLogger("nanovllm")
 # Refused connections and requests are logged here, at most once per kind per interval.

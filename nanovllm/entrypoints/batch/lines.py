@@ -19,7 +19,7 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from nanovllm.entrypoints.protocol import ChatCompletionRequest, CompletionRequest, request_error, validation_error
+from nanovllm.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest, request_error, validation_error
 from nanovllm.sampling_params import SamplingParams
 from nanovllm.utils.validation import first_surrogate
 

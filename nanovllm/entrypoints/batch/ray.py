@@ -5,7 +5,7 @@ engine and runs the JSONL request lines of the batches it is given, returning on
 per row (the format of `nanovllm batch`). For example, on a laptop or a cluster alike:
 
     import ray
-    from nanovllm.integrations.ray import NanoVLLMPredictor
+    from nanovllm.entrypoints.batch.ray import NanoVLLMPredictor
 
     ray.init()  # or ray.init(address="ray://head:10001") for a cluster
     results = ray.data.read_text("prompts.jsonl").map_batches(
@@ -26,10 +26,10 @@ from typing import Any
 
 import numpy as np
 
-from nanovllm.entrypoints.batch import (BatchJob, BatchSummary, EngineBatcher, Finished, JobOutput, check_job,
+from nanovllm.entrypoints.batch.job import (BatchJob, BatchSummary, EngineBatcher, Finished, JobOutput, check_job,
                                         engine_factory)
-from nanovllm.entrypoints.batch_lines import LineError, parse_line, resolve_sampling_defaults
-from nanovllm.entrypoints.batch_log import DoneLines
+from nanovllm.entrypoints.batch.lines import LineError, parse_line, resolve_sampling_defaults
+from nanovllm.entrypoints.batch.log import DoneLines
 
 logger = logging.getLogger("nanovllm.ray")
 

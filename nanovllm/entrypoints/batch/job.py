@@ -10,7 +10,7 @@ its results, and ends with an error when the input changed under it or a line ha
 
 With `data_parallel=N`, N engine processes (one per GPU, or a share of the CPU threads each)
 take requests from this process, which alone reads the input and writes the log, so the log
-stays single-writer and resumable. Ray Data scale-out lives in nanovllm.integrations.ray. This
+stays single-writer and resumable. Ray Data scale-out lives in nanovllm.entrypoints.batch.ray. This
 module knows nothing of HTTP or of the CLI beyond the flags it adds.
 """
 import argparse
@@ -24,13 +24,13 @@ from dataclasses import dataclass, field
 from time import perf_counter
 from typing import Any, Callable, Iterator, NamedTuple
 
-from jinja2 import TemplateError
 from tqdm.auto import tqdm
 
 from nanovllm.config import Config
-from nanovllm.entrypoints.batch_lines import (BatchRequest, LineError, line_custom_id, parse_line,
+from nanovllm.engine.chat import ChatOptions, render_chat
+from nanovllm.entrypoints.batch.lines import (BatchRequest, LineError, line_custom_id, parse_line,
                                               resolve_sampling_defaults, result_line)
-from nanovllm.entrypoints.batch_log import (DEFAULT_FLUSH_INTERVAL, BatchJobError, InputStamp, ResultLog,
+from nanovllm.entrypoints.batch.log import (DEFAULT_FLUSH_INTERVAL, BatchJobError, InputStamp, ResultLog,
                                             pending_lines, stamp_input)
 
 logger = logging.getLogger("nanovllm.batch")
@@ -167,15 +167,8 @@ class EngineBatcher:
 
     def _render(self, request: BatchRequest) -> list[int]:
         """A chat's conversation through the tokenizer's chat template, as LLM.chat renders it."""
-        tokenizer = self.llm.tokenizer
-        if not getattr(tokenizer, "chat_template", None):
-            raise ValueError("this model's tokenizer has no chat template; send prompt instead of messages")
-        try:
-            text = tokenizer.apply_chat_template(request.messages, tokenize=False,
-                                                 add_generation_prompt=request.add_generation_prompt)
-        except TemplateError as exc:
-            raise ValueError(f"the chat template refused these messages: {exc}") from None
-        return tokenizer.encode(text, add_special_tokens=False)  # the template holds the special tokens
+        options = ChatOptions(add_generation_prompt=request.add_generation_prompt)
+        return render_chat(self.llm.tokenizer, request.messages, options)
 
     def step(self) -> list[Finished]:
         """One engine step; the results of the requests it finished. When the engine failed on

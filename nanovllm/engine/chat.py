@@ -1,0 +1,73 @@
+"""Chat rendering: a conversation through the tokenizer's chat template, as prompt token ids.
+
+The one place a conversation becomes a prompt. `LLM.chat`, the HTTP server's chat endpoint, the
+batch job's chat lines and the CLI's `chat` command all call `render_chat` with a `ChatOptions`
+that carries what a request may say about its rendering (vLLM's field names). A template's own
+refusal (its `raise_exception`, a missing field) is the caller's fault: `ChatTemplateError`, a
+ValueError. A template that does not compile is the model's fault: `BrokenChatTemplateError`.
+"""
+from dataclasses import dataclass, field
+from typing import Any
+
+from jinja2 import TemplateError, TemplateSyntaxError
+from transformers import PreTrainedTokenizerBase
+
+
+# apply_chat_template's own arguments: chat_template_kwargs may not smuggle in a second value.
+RESERVED_TEMPLATE_ARGS = frozenset({"conversation", "messages", "tools", "documents", "chat_template", "tokenize",
+                                    "add_generation_prompt", "continue_final_message", "return_dict",
+                                    "return_tensors", "padding", "truncation", "max_length", "tokenizer_kwargs",
+                                    "return_assistant_tokens_mask"})
+
+
+class ChatTemplateError(ValueError):
+    """The chat template refused the conversation, or there is no template to render it with."""
+
+
+class BrokenChatTemplateError(RuntimeError):
+    """The chat template itself does not compile: the model's (or the server's) fault."""
+
+
+@dataclass(frozen=True)
+class ChatOptions:
+    """How one conversation is rendered (the fields of vLLM's chat request that shape the prompt)."""
+    add_generation_prompt: bool = True  # end with the assistant's turn opening, so the model answers
+    continue_final_message: bool = False  # leave the last (assistant) message open, to be continued
+    chat_template: str | None = None  # a Jinja template replacing the tokenizer's own
+    chat_template_kwargs: dict[str, Any] = field(default_factory=dict)  # extra template variables
+    tools: list[dict] | None = None  # function schemas handed to the template as `tools`
+
+    def __post_init__(self):
+        taken = sorted(RESERVED_TEMPLATE_ARGS & set(self.chat_template_kwargs))
+        if taken:
+            raise ValueError(f"chat_template_kwargs={taken} is not allowed; these names are set by the request's "
+                             "own fields or by the engine")
+        if self.add_generation_prompt and self.continue_final_message:
+            raise ValueError("add_generation_prompt=True and continue_final_message=True are not allowed "
+                             "together; continuing the final message must not open a new assistant turn")
+
+
+def render_chat(tokenizer: PreTrainedTokenizerBase, messages: list[dict],
+                options: ChatOptions = ChatOptions()) -> list[int]:
+    """`messages` rendered as the prompt's token ids (the template holds any special tokens, so
+    none are added again)."""
+    return tokenizer.encode(render_chat_text(tokenizer, messages, options), add_special_tokens=False)
+
+
+def render_chat_text(tokenizer: PreTrainedTokenizerBase, messages: list[dict],
+                     options: ChatOptions = ChatOptions()) -> str:
+    """`messages` rendered as the prompt's text."""
+    template = options.chat_template or getattr(tokenizer, "chat_template", None)
+    if not template:
+        raise ChatTemplateError("this model's tokenizer has no chat template; send a prompt instead of messages")
+    if options.continue_final_message and (not messages or messages[-1].get("role") != "assistant"):
+        raise ChatTemplateError("continue_final_message=True needs the last message to be the assistant's")
+    try:
+        return tokenizer.apply_chat_template(
+            messages, chat_template=options.chat_template, tools=options.tools, tokenize=False,
+            add_generation_prompt=options.add_generation_prompt,
+            continue_final_message=options.continue_final_message, **options.chat_template_kwargs)
+    except TemplateSyntaxError as exc:
+        raise BrokenChatTemplateError(f"the chat template does not compile: {exc}") from None
+    except TemplateError as exc:  # the template's own refusal (raise_exception) or a missing field
+        raise ChatTemplateError(f"the chat template refused these messages: {exc.message}") from None

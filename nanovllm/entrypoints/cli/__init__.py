@@ -1,0 +1,1 @@
+"""The `nanovllm` command: sub-commands (`main`) and flags generated from dataclasses (`args`)."""
