@@ -29,9 +29,9 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 from uvicorn.protocols.http.auto import AutoHTTPProtocol
 
-from nanovllm import LLM
+from nanovllm import LLM, __version__
 from nanovllm.engine.request import RequestOutput
-from nanovllm.engine.chat import BrokenChatTemplateError, ChatOptions, render_chat
+from nanovllm.engine.chat import load_chat_template
 from nanovllm.entrypoints.openai.engine_loop import EngineClient, EngineDeadError, QueueFullError, Submission
 from nanovllm.entrypoints.openai.http_guard import (RequestGuard, connection_cap, guarded_protocol, install_log_limits,
                                              internal_error_message)
@@ -41,6 +41,11 @@ from nanovllm.entrypoints.openai.protocol import (APIError, AssistantMessage, Ch
                                            ChatLogprobs, CompletionChoice, CompletionLogprobs, CompletionRequest,
                                            CompletionResponse, DeltaMessage, ModelCard, ModelList, TokenLogprob,
                                            TopLogprob, UsageInfo, request_error, validation_error)
+from nanovllm.entrypoints.openai.reasoning import REASONING_PARSERS, ReasoningDelta, TagReasoningParser
+from nanovllm.entrypoints.openai.serving_common import check_model as _check_model
+from nanovllm.entrypoints.openai.serving_common import check_request_template, render_request_chat
+from nanovllm.entrypoints.openai.serving_common import in_prompt_thread as _in_prompt_thread
+from nanovllm.entrypoints.openai.serving_tokens import router as tokens_router
 from nanovllm.entrypoints.openai.server_settings import (DEFAULT_HOST, DEFAULT_PORT, DEFAULT_SHUTDOWN_TIMEOUT,
                                                   RETRY_AFTER_SECONDS, ServerSettings)
 from nanovllm.sampling_params import SamplingParams
@@ -56,6 +61,7 @@ def build_app(settings: ServerSettings) -> FastAPI:
     """The FastAPI app; its lifespan builds the engine (in the engine loop's thread) and frees it."""
 
     settings.check()
+    chat_template = None if settings.chat_template is None else load_chat_template(settings.chat_template)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -82,6 +88,7 @@ def build_app(settings: ServerSettings) -> FastAPI:
 
     app = FastAPI(title="nanovllm OpenAI-compatible server", lifespan=lifespan)
     app.state.settings = settings
+    app.state.chat_template = chat_template  # --chat-template's text (None: the checkpoint's own)
     app.state.metrics = ServerMetrics()
     app.add_middleware(RequestGuard, max_request_bytes=settings.max_request_bytes, body_timeout=settings.body_timeout)
     app.add_exception_handler(APIError, _api_error_handler)
@@ -91,6 +98,8 @@ def build_app(settings: ServerSettings) -> FastAPI:
     app.add_exception_handler(Exception, _internal_error_handler)
     app.include_router(_plain_router)
     app.include_router(_v1_router)
+    # vLLM serves these outside /v1; here they take the same API key as /v1 (they do work for anyone).
+    app.include_router(tokens_router, dependencies=[Depends(_check_api_key)])
     return app
 
 
@@ -148,30 +157,45 @@ async def metrics(request: Request) -> Response:
     return Response(request.app.state.metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
 
+@_plain_router.get("/version")
+async def version() -> dict:
+    return {"version": __version__}
+
+
+def _model_card(request: Request) -> ModelCard:
+    return ModelCard(id=request.app.state.settings.model_name,
+                     max_model_len=request.app.state.engine_client.config.max_model_len)
+
+
 @_v1_router.get("/models")
 async def list_models(request: Request) -> ModelList:
-    client: EngineClient = request.app.state.engine_client
-    return ModelList(data=[ModelCard(id=request.app.state.settings.model_name,
-                                     max_model_len=client.config.max_model_len)])
+    return ModelList(data=[_model_card(request)])
+
+
+@_v1_router.get("/models/{model_id:path}")
+async def retrieve_model(model_id: str, request: Request) -> ModelCard:
+    _check_model(request, model_id)
+    return _model_card(request)
 
 
 # ---- shared request plumbing ----
 
-def _check_model(request: Request, model: str | None) -> None:
-    name = request.app.state.settings.model_name
-    if model is not None and model != name:
-        raise APIError(404, f"the model {model!r} does not exist; this server serves {name!r}", param="model",
-                       code="model_not_found")
+def _encode(tokenizer: PreTrainedTokenizerBase, prompts: list[str | list[int]],
+            add_special_tokens: bool = True) -> list[list[int]]:
+    # as LLMEngine encodes a str (with the tokenizer's special tokens, unless asked not to)
+    return [tokenizer.encode(p, add_special_tokens=add_special_tokens) if isinstance(p, str) else p for p in prompts]
 
 
-async def _in_prompt_thread(request: Request, work: Callable, *args):
-    """Run work(prompt_tokenizer, *args) in the prompt thread (tokenizing and chat templates)."""
-    state = request.app.state
-    return await asyncio.get_running_loop().run_in_executor(state.prompt_pool, work, state.prompt_tokenizer, *args)
-
-
-def _encode(tokenizer: PreTrainedTokenizerBase, prompts: list[str | list[int]]) -> list[list[int]]:
-    return [tokenizer.encode(p) if isinstance(p, str) else p for p in prompts]  # as LLMEngine encodes a str
+def _truncate(request: Request, prompts: list[list[int]], keep: int | None) -> list[list[int]]:
+    """vLLM's truncate_prompt_tokens: each prompt's last `keep` tokens (-1: the last max_model_len)."""
+    if keep is None:
+        return prompts
+    max_len = request.app.state.engine_client.config.max_model_len
+    if keep == 0 or keep > max_len:
+        raise APIError(400, f"truncate_prompt_tokens={keep} is not allowed; it must be in [1, max_model_len={max_len}]"
+                            " or -1 (keep the last max_model_len tokens)", param="truncate_prompt_tokens")
+    keep = max_len if keep == -1 else keep
+    return [prompt[-keep:] for prompt in prompts]
 
 
 def _fit_context(request: Request, params: SamplingParams, prompts: list[list[int]], requested: int | None,
@@ -230,8 +254,13 @@ async def _unless_disconnected(request: Request, work: Awaitable[Response], subm
         request.app.state.engine_client.abort(list(submission.unfinished))
 
 
-def _sse(payload: BaseModel | dict) -> str:
-    data = payload.model_dump_json() if isinstance(payload, BaseModel) else json.dumps(payload)
+def _sse(payload: BaseModel | dict, with_usage: bool = True) -> str:
+    """One SSE event. A stream chunk carries "usage" only when the client asked for it
+    (stream_options.include_usage), as OpenAI's."""
+    if isinstance(payload, BaseModel):
+        data = payload.model_dump_json(exclude=None if with_usage else {"usage"})
+    else:
+        data = json.dumps(payload)
     return f"data: {data}\n\n"
 
 
@@ -313,7 +342,9 @@ async def create_completion(body: CompletionRequest, request: Request) -> Respon
     requested = body.max_tokens if "max_tokens" in body.model_fields_set else None
     try:
         params = body.to_sampling_params()
-        prompt_ids = await _in_prompt_thread(request, _encode, prompts)
+        prompt_ids = await _in_prompt_thread(request, _encode, prompts, body.add_special_tokens)
+        if body.truncate_prompt_tokens is not None:  # echo shows the prompt the model saw
+            prompts = prompt_ids = _truncate(request, prompt_ids, body.truncate_prompt_tokens)
         params = _fit_context(request, params, prompt_ids, requested, params.max_tokens, "prompt", "max_tokens")
     except ValueError as exc:
         raise request_error(exc, _COMPLETION_FIELDS) from None
@@ -388,7 +419,7 @@ async def _completion_events(state, body: CompletionRequest, params: SamplingPar
                 chunk = CompletionChoice(index=choice, text=text, logprobs=logprobs,
                                          finish_reason=sample.finish_reason if sample.finished else None,
                                          stop_reason=sample.stop_reason if sample.finished else None)
-                yield _sse(CompletionResponse(id=request_id, model=model, choices=[chunk]))
+                yield _sse(CompletionResponse(id=request_id, model=model, choices=[chunk]), with_usage=body.include_usage)
         if error is not None:
             yield _error_event(error)
         elif body.include_usage:
@@ -406,16 +437,12 @@ async def _completion_events(state, body: CompletionRequest, params: SamplingPar
 _CHAT_FIELDS = set(ChatCompletionRequest.model_fields)
 
 
-def _chat_prompt(tokenizer: PreTrainedTokenizerBase, body: ChatCompletionRequest) -> list[int]:
-    """The conversation rendered by the tokenizer's chat template, as token ids (as LLM.chat does)."""
-    try:
-        return render_chat(tokenizer, body.conversation(), ChatOptions(add_generation_prompt=body.add_generation_prompt))
-    except BrokenChatTemplateError as exc:  # the model's template is broken: the server's fault, not the client's
-        logger.error("%s", exc)
-        raise APIError(500, "this model's chat template is broken; the server's log has the details",
-                       type="server_error", code="chat_template_error") from None
-    except ValueError as exc:  # no template, or the template's own refusal
-        raise APIError(400, f"messages: {exc}", param="messages") from None
+def _chat_prompt(tokenizer: PreTrainedTokenizerBase, body: ChatCompletionRequest,
+                 server_template: str | None) -> list[int]:
+    """The conversation rendered by the chat template (the request's, the server's --chat-template
+    or the tokenizer's), as token ids (as LLM.chat does)."""
+    return render_request_chat(tokenizer, body.conversation(), body.chat_options(server_template),
+                               from_request=body.chat_template is not None)
 
 
 @_v1_router.post("/chat/completions", response_model=None)
@@ -425,19 +452,62 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
     client: EngineClient = state.engine_client
     given = next((name for name in ("max_completion_tokens", "max_tokens") if getattr(body, name) is not None),
                  "max_tokens")
+    check_request_template(request, body.chat_template)
     try:
         params = body.to_sampling_params(default_max_tokens=client.config.max_model_len)  # checked before any work
-        prompt = await _in_prompt_thread(request, _chat_prompt, body)
+        prompt = await _in_prompt_thread(request, _chat_prompt, body, state.chat_template)
+        prompt = _truncate(request, [prompt], body.truncate_prompt_tokens)[0]
         # With no max_tokens, the answer may fill what the context (and the KV cache) has left.
         room = min(client.config.max_model_len, client.cache_capacity_tokens) - len(prompt)
         params = _fit_context(request, params, [prompt], getattr(body, given), max(room, 1), "messages", given)
     except ValueError as exc:
         raise request_error(exc, _CHAT_FIELDS, "messages") from None
     request_id = f"chatcmpl-{request.state.request_id}"
+    reasoning = _reasoning_parser_factory(state, body, prompt)
     submission = await _submit(request, [prompt], params, request_id, _CHAT_FIELDS, "messages")
     if body.stream:
-        return _sse_response(_chat_events(state, body, params, submission, request_id))
-    return await _unless_disconnected(request, _chat_response(state, params, submission, request_id), submission)
+        return _sse_response(_chat_events(state, body, params, submission, request_id, reasoning))
+    return await _unless_disconnected(request, _chat_response(state, body, params, submission, request_id, reasoning),
+                                      submission)
+
+
+# Prompt tokens decoded to see whether the template opened the reasoning itself: a start tag
+# (and the whitespace after it) is a few tokens.
+REASONING_PROMPT_TAIL_TOKENS = 8
+ReasoningParserFactory = Callable[[], TagReasoningParser]
+
+
+def _reasoning_parser_factory(state, body: ChatCompletionRequest, prompt: list[int]) -> ReasoningParserFactory | None:
+    """A new reasoning parser per sample, with --reasoning-parser; None without one."""
+    if state.settings.reasoning_parser is None:
+        return None
+    parser_class = REASONING_PARSERS[state.settings.reasoning_parser]
+    tail = state.tokenizer.decode(prompt[-REASONING_PROMPT_TAIL_TOKENS:])
+    return lambda: parser_class(tail)
+
+
+def _assistant_message(text: str, body: ChatCompletionRequest, reasoning: ReasoningParserFactory | None
+                       ) -> AssistantMessage:
+    if reasoning is None:
+        return AssistantMessage(content=text)
+    parts = reasoning().split(text)
+    return AssistantMessage(content=parts.content or None,
+                            reasoning_content=(parts.reasoning or None) if body.include_reasoning else None)
+
+
+def _stream_deltas(text: str, finished: bool, parser: TagReasoningParser | None, include_reasoning: bool
+                   ) -> list[DeltaMessage]:
+    """One sample's news as delta messages: its reasoning first, then its content."""
+    if parser is None:
+        return [DeltaMessage(content=text or None)]
+    parts = parser.feed(text)
+    if finished:
+        held = parser.finish()
+        parts = ReasoningDelta(parts.reasoning + held.reasoning, parts.content + held.content)
+    deltas = [DeltaMessage(reasoning_content=parts.reasoning)] if parts.reasoning and include_reasoning else []
+    if parts.content or not deltas:
+        deltas.append(DeltaMessage(content=parts.content or None))
+    return deltas
 
 
 async def _final_output(submission: Submission) -> dict:
@@ -447,13 +517,14 @@ async def _final_output(submission: Submission) -> dict:
     raise AssertionError("a submission ended without a final output")
 
 
-async def _chat_response(state, params: SamplingParams, submission: Submission, request_id: str) -> Response:
+async def _chat_response(state, body: ChatCompletionRequest, params: SamplingParams, submission: Submission,
+                         request_id: str, reasoning: ReasoningParserFactory | None) -> Response:
     final = await _final_output(submission)
     _check_finals(state, [final], request_id)
     choices = []
     for j, sample in enumerate(_samples(final)):
         logprobs = _chat_logprobs(state.tokenizer, sample["logprobs"]) if params.logprobs is not None else None
-        choices.append(ChatCompletionChoice(index=j, message=AssistantMessage(content=sample["text"]),
+        choices.append(ChatCompletionChoice(index=j, message=_assistant_message(sample["text"], body, reasoning),
                                             logprobs=logprobs, finish_reason=sample["finish_reason"],
                                             stop_reason=sample["stop_reason"]))
     usage = _usage(len(final["prompt_token_ids"]), sum(len(s["token_ids"]) for s in _samples(final)))
@@ -462,11 +533,13 @@ async def _chat_response(state, params: SamplingParams, submission: Submission, 
 
 
 async def _chat_events(state, body: ChatCompletionRequest, params: SamplingParams, submission: Submission,
-                       request_id: str) -> AsyncIterator[str]:
+                       request_id: str, reasoning: ReasoningParserFactory | None) -> AsyncIterator[str]:
     model = state.settings.model_name
+    parsers = [reasoning() if reasoning is not None else None for _ in range(params.n)]  # one per sample
 
     def chunk(choices: list[ChatCompletionStreamChoice], usage: UsageInfo | None = None) -> str:
-        return _sse(ChatCompletionChunk(id=request_id, model=model, choices=choices, usage=usage))
+        return _sse(ChatCompletionChunk(id=request_id, model=model, choices=choices, usage=usage),
+                    with_usage=body.include_usage)
 
     prompt_tokens = completion_tokens = 0
     error = None  # the engine's message, if it failed the request
@@ -483,12 +556,15 @@ async def _chat_events(state, body: ChatCompletionRequest, params: SamplingParam
                 logprobs = None
                 if params.logprobs is not None and sample.logprobs:
                     logprobs = _chat_logprobs(state.tokenizer, sample.logprobs)
-                if not (sample.text or logprobs or sample.finished):
-                    continue
-                yield chunk([ChatCompletionStreamChoice(
-                    index=sample.index, delta=DeltaMessage(content=sample.text or None), logprobs=logprobs,
-                    finish_reason=sample.finish_reason if sample.finished else None,
-                    stop_reason=sample.stop_reason if sample.finished else None)])
+                deltas = _stream_deltas(sample.text, sample.finished, parsers[sample.index], body.include_reasoning)
+                for k, delta in enumerate(deltas):
+                    last = k == len(deltas) - 1
+                    if last and not (delta.content or delta.reasoning_content or logprobs or sample.finished):
+                        continue  # text held back (a partial character, stop string or reasoning tag)
+                    yield chunk([ChatCompletionStreamChoice(
+                        index=sample.index, delta=delta, logprobs=logprobs if k == 0 else None,
+                        finish_reason=sample.finish_reason if sample.finished and last else None,
+                        stop_reason=sample.stop_reason if sample.finished and last else None)])
         if error is not None:
             yield _error_event(error)
         elif body.include_usage:

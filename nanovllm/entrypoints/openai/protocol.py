@@ -11,10 +11,14 @@ not know the engine, HTTP routing or tokenization.
 """
 import re
 import time
+from http import HTTPStatus
 from typing import Annotated, Any, Literal
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_serializer, field_validator
+from pydantic import (AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, field_serializer, field_validator,
+                      model_validator)
 
+from nanovllm.engine.chat import ChatOptions
+from nanovllm.entrypoints.openai.request_fields import UNSUPPORTED_FIELD_ERROR, screen_fields
 from nanovllm.sampling_params import MAX_LOGPROBS, MAX_SEED, MIN_SEED, SamplingParams
 from nanovllm.utils.validation import first_surrogate
 
@@ -45,10 +49,40 @@ def _valid_unicode(text: str) -> str:
     return text
 
 
+# Digits of an integer sent as a string: far more than any field's bound, far fewer than what
+# makes int() slow (or refuse: Python limits int("...") to 4300 digits).
+MAX_INT_STRING_DIGITS = 40
+_INT_STRING = re.compile(rf"\s*[+-]?\d{{1,{MAX_INT_STRING_DIGITS}}}\s*")
+
+
+def _as_int(value: Any) -> Any:
+    """OpenAI's API takes 4.0 and "4" for an integer field: they become 4. What is not an integer
+    (4.5, "4.5", true) is left for the strict check to refuse."""
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    if isinstance(value, str) and _INT_STRING.fullmatch(value):
+        return int(value)
+    return value
+
+
+def _as_float(value: Any) -> Any:
+    """OpenAI's API takes "0.5" for a number field. A string that is no number (or is "nan") is
+    left for the strict check to refuse."""
+    if isinstance(value, str) and len(value) <= MAX_INT_STRING_DIGITS:
+        try:
+            return float(value)
+        except ValueError:
+            return value
+    return value
+
+
 # Every string field of a request: valid Unicode.
 Text = Annotated[str, AfterValidator(_valid_unicode)]
-Count = Annotated[int, Field(ge=0, le=MAX_COUNT)]
-TokenId = Annotated[int, Field(ge=0, le=MAX_COUNT)]
+# Every integer and number field of a request, coerced as OpenAI's API does (strict otherwise).
+Int = Annotated[int, BeforeValidator(_as_int)]
+Float = Annotated[float, BeforeValidator(_as_float)]
+Count = Annotated[Int, Field(ge=0, le=MAX_COUNT)]
+TokenId = Annotated[Int, Field(ge=0, le=MAX_COUNT)]
 StopString = Annotated[Text, Field(max_length=MAX_STOP_CHARS)]
 
 
@@ -56,13 +90,13 @@ class APIError(Exception):
     """An error a route returns to the client as OpenAI's error JSON with this status."""
 
     def __init__(self, status: int, message: str, param: str | None = None, type: str = "invalid_request_error",
-                 code: str | int | None = None, headers: dict[str, str] | None = None):
+                 code: str | None = None, headers: dict[str, str] | None = None):
         # A message quoting the client's input could hold a lone surrogate, which JSON encoders
         # (UTF-8) refuse: escaped, so reporting an error can never fail itself.
         message = message.encode("utf-8", "backslashreplace").decode("utf-8")
         super().__init__(message)
         self.status, self.message, self.param, self.type = status, message, param, type
-        self.code = status if code is None else code
+        self.code = default_code(status) if code is None else code
         self.headers = headers
 
     def body(self) -> dict:
@@ -70,11 +104,20 @@ class APIError(Exception):
                                              code=self.code)).model_dump()
 
 
+def default_code(status: int) -> str:
+    """An error's `code` when nothing more precise is known: its status in words ("bad_request",
+    "not_found"), so `code` is always a string, as OpenAI's."""
+    try:
+        return HTTPStatus(status).phrase.lower().replace(" ", "_").replace("-", "_")
+    except ValueError:  # not a standard status (499)
+        return f"http_{status}"
+
+
 class ErrorInfo(BaseModel):
     message: str
     type: str
     param: str | None
-    code: str | int | None
+    code: str
 
 
 class ErrorResponse(BaseModel):
@@ -107,6 +150,9 @@ def validation_error(errors: list[dict]) -> APIError:
     if error["type"] == "json_invalid":
         detail = error.get("ctx", {}).get("error", "")
         return APIError(400, f"the request body is not valid JSON: {detail}")
+    if error["type"] == UNSUPPORTED_FIELD_ERROR:  # a vLLM field this server refuses (request_fields.py)
+        param = error["ctx"]["field"]
+        return APIError(400, error["msg"], param=param, code="unsupported_parameter")
     param = _loc_to_param(tuple(error["loc"]))
     if param is None:
         return APIError(400, f"the request body must be a JSON object: {error['msg']}")
@@ -130,38 +176,57 @@ def request_error(exc: ValueError, fields: set[str], prompt_field: str = "prompt
 
 
 class Strict(BaseModel):
-    # strict: "5" is not an int and 1 is not a bool, as JSON types are meant; no NaN or inf;
-    # fields the server does not know are ignored (as vLLM does), so newer clients still work.
+    # strict: 1 is not a bool and "hot" no number, as JSON types are meant (Int and Float take
+    # what OpenAI's API coerces); no NaN or inf; fields the server does not know are ignored (as
+    # vLLM does), so newer clients still work.
     model_config = ConfigDict(strict=True, allow_inf_nan=False, extra="ignore")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_means_default(cls, data: Any) -> Any:
+        """An explicit null for a field with a non-null default means that default, as the
+        official clients send nulls for what they leave unset."""
+        if not isinstance(data, dict):
+            return data
+        return {name: value for name, value in data.items() if value is not None or name not in cls.model_fields
+                or cls.model_fields[name].is_required() or cls.model_fields[name].get_default() is None}
 
 
 class StreamOptions(Strict):
     include_usage: bool = False
+    continuous_usage_stats: Literal[False] = False  # refused: usage comes in the last chunk only
 
 
 class SamplingFields(Strict):
     """The sampling knobs both endpoints share, with vLLM's extensions; None means the default."""
     model: Text | None = None
-    n: Annotated[int, Field(ge=1, le=MAX_COUNT)] = 1
-    temperature: float | None = None
-    top_p: float | None = None
-    top_k: Annotated[int, Field(ge=-1, le=MAX_COUNT)] | None = None
-    min_p: float | None = None
-    seed: Annotated[int, Field(ge=MIN_SEED, le=MAX_SEED)] | None = None
+    n: Annotated[Int, Field(ge=1, le=MAX_COUNT)] = 1
+    temperature: Float | None = None
+    top_p: Float | None = None
+    top_k: Annotated[Int, Field(ge=-1, le=MAX_COUNT)] | None = None
+    min_p: Float | None = None
+    seed: Annotated[Int, Field(ge=MIN_SEED, le=MAX_SEED)] | None = None
     stop: StopString | Annotated[list[StopString], Field(max_length=MAX_STOP)] | None = None
     stop_token_ids: Annotated[list[TokenId], Field(max_length=MAX_STOP)] | None = None
     include_stop_str_in_output: bool = False
     min_tokens: Count = 0
     ignore_eos: bool = False
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
-    repetition_penalty: float | None = None
+    presence_penalty: Float | None = None
+    frequency_penalty: Float | None = None
+    repetition_penalty: Float | None = None
     skip_special_tokens: bool = True
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: Text | None = None  # accepted and ignored, as OpenAI's
     # OpenAI's logit_bias: token ids (as JSON object keys, so strings) -> a value in [-100, 100]
-    logit_bias: Annotated[dict[Text, float], Field(max_length=MAX_LOGIT_BIAS_ENTRIES)] | None = None
+    logit_bias: Annotated[dict[Text, Float], Field(max_length=MAX_LOGIT_BIAS_ENTRIES)] | None = None
+    # vLLM's: keep only the prompt's last k tokens (-1: the last max_model_len)
+    truncate_prompt_tokens: Annotated[Int, Field(ge=-1, le=MAX_COUNT)] | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _screen_fields(cls, data: Any) -> Any:
+        return screen_fields(set(cls.model_fields), data)
 
     def sampling_params(self, max_tokens: int, logprobs: int | None) -> SamplingParams:
         """SamplingParams for this request (its checks raise ValueError naming the field)."""
@@ -194,11 +259,12 @@ class CompletionRequest(SamplingFields):
         {"type": "array", "minItems": 1, "items": {"type": "integer", "minimum": 0, "maximum": MAX_COUNT}},
         {"type": "array", "minItems": 1, "items": {"type": "array", "minItems": 1, "items": {
             "type": "integer", "minimum": 0, "maximum": MAX_COUNT}}}]})
-    max_tokens: Annotated[int, Field(ge=1, le=MAX_COUNT)] | None = DEFAULT_COMPLETION_MAX_TOKENS
-    logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
+    max_tokens: Annotated[Int, Field(ge=1, le=MAX_COUNT)] | None = DEFAULT_COMPLETION_MAX_TOKENS
+    logprobs: Annotated[Int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
     echo: bool = False
     suffix: Text | None = None  # refused: no fill-in-the-middle
-    best_of: Annotated[int, Field(ge=1, le=MAX_COUNT)] | None = None  # refused unless equal to n
+    best_of: Annotated[Int, Field(ge=1, le=MAX_COUNT)] | None = None  # refused unless equal to n
+    add_special_tokens: bool = True  # vLLM's: the tokenizer's BOS (etc.) before a text prompt
 
     @field_validator("prompt", mode="before")
     @classmethod
@@ -252,21 +318,39 @@ class ChatMessage(Strict):
 
 class ChatCompletionRequest(SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_tokens: Annotated[int, Field(ge=1, le=MAX_COUNT)] | None = None
+    max_tokens: Annotated[Int, Field(ge=1, le=MAX_COUNT)] | None = None
     # OpenAI's newer name for max_tokens; wins when both are given
-    max_completion_tokens: Annotated[int, Field(ge=1, le=MAX_COUNT)] | None = None
+    max_completion_tokens: Annotated[Int, Field(ge=1, le=MAX_COUNT)] | None = None
     logprobs: bool = False
-    top_logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
-    add_generation_prompt: bool = True  # vLLM's extension: end the prompt with the assistant header
+    top_logprobs: Annotated[Int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
     tools: list[dict] | None = None  # refused: no tool calling
+    # How the conversation is rendered (vLLM's extensions; engine/chat.py's ChatOptions).
+    add_generation_prompt: bool = True  # end the prompt with the assistant header
+    continue_final_message: bool = False  # leave the last (assistant) message open, to be continued
+    add_special_tokens: bool = False  # the tokenizer's BOS (etc.) on top of what the template writes
+    chat_template: Text | None = None  # replaces the server's template; only with --trust-request-chat-template
+    chat_template_kwargs: dict[Text, Any] | None = None  # extra template variables (Qwen3's enable_thinking)
+    documents: list[dict[Text, Text]] | None = None  # handed to the template as `documents` (RAG templates)
+    reasoning_effort: Literal["low", "medium", "high"] | None = None  # handed to the template, as vLLM
+    include_reasoning: bool = True  # with a --reasoning-parser: False leaves reasoning_content out
 
     def conversation(self) -> list[dict[str, str]]:
         return [{"role": m.role, "content": m.text()} for m in self.messages]
 
+    def chat_options(self, server_template: str | None) -> ChatOptions:
+        """How to render this request's conversation (ValueError naming the field if not allowed)."""
+        kwargs = dict(self.chat_template_kwargs or {})
+        if self.reasoning_effort is not None:
+            kwargs.setdefault("reasoning_effort", self.reasoning_effort)
+        return ChatOptions(add_generation_prompt=self.add_generation_prompt,
+                           continue_final_message=self.continue_final_message,
+                           chat_template=self.chat_template or server_template, chat_template_kwargs=kwargs,
+                           documents=self.documents, add_special_tokens=self.add_special_tokens)
+
     def to_sampling_params(self, default_max_tokens: int) -> SamplingParams:
         if self.tools:
             raise ValueError("tools is not supported by this server; leave it out")
-        if self.top_logprobs is not None and not self.logprobs:
+        if self.top_logprobs and not self.logprobs:  # 0 asks for nothing, as vLLM takes it
             raise ValueError(f"top_logprobs={self.top_logprobs} needs logprobs=true")
         max_tokens = next((m for m in (self.max_completion_tokens, self.max_tokens) if m is not None),
                           default_max_tokens)
@@ -326,7 +410,8 @@ class ChatLogprobs(BaseModel):
 
 class AssistantMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: str | None  # None when a reasoning parser found only reasoning
+    reasoning_content: str | None = None  # vLLM's: the <think> part, with a --reasoning-parser
 
 
 class ChatCompletionChoice(BaseModel):
@@ -335,6 +420,10 @@ class ChatCompletionChoice(BaseModel):
     logprobs: ChatLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+
+    @field_serializer("message")
+    def _reasoning_only_when_parsed(self, message: AssistantMessage) -> dict:
+        return message.model_dump(exclude={"reasoning_content"} if message.reasoning_content is None else None)
 
 
 class ChatCompletionResponse(BaseModel):
@@ -349,6 +438,7 @@ class ChatCompletionResponse(BaseModel):
 class DeltaMessage(BaseModel):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    reasoning_content: str | None = None
 
 
 class ChatCompletionStreamChoice(BaseModel):
