@@ -144,7 +144,7 @@ def test_top_logprobs_zero_without_logprobs_is_allowed(server):
 REFUSED_VALUES = {
     "use_beam_search": True, "length_penalty": 0.5, "spaces_between_special_tokens": False,
     "allowed_token_ids": [1, 2], "bad_words": ["fox"], "mm_processor_kwargs": {"size": 1},
-    "prompt_embeds": "AAAA", "priority": 1, "request_id": "mine", "logits_processors": ["a.b"],
+    "prompt_embeds": "AAAA", "request_id": "mine", "logits_processors": ["a.b"],
     "return_tokens_as_token_ids": True, "return_token_ids": True, "cache_salt": "salt",
     "kv_transfer_params": {"a": 1}, "vllm_xargs": {"a": 1}, "max_repetition_pattern_size": 2,
     "min_repetition_pattern_size": 2, "repetition_min_count": 2, "echo": True,
@@ -422,3 +422,20 @@ def test_error_code_is_a_string_on_every_path(server, monkeypatch):
         with monkeypatch.context() as patch:
             patch.setattr(client, "add", refuse)
             assert _check_shape(post(server, "/v1/completions", {"prompt": "hi"}), 503)["code"] == code
+
+
+def test_priority_reaches_the_scheduler(server, offline, monkeypatch):
+    from nanovllm.llm_engine import LLMEngine
+    seen = []
+    add_request = LLMEngine.add_request
+
+    def recording(self, prompt, params, *args, priority=0, **kwargs):
+        seen.append(priority)
+        return add_request(self, prompt, params, *args, priority=priority, **kwargs)
+    monkeypatch.setattr(LLMEngine, "add_request", recording)
+    expected = offline.generate(["Hello world"], greedy(), use_tqdm=False)[0]
+    response = post(server, "/v1/completions", {"prompt": "Hello world", "max_tokens": MAX_TOKENS, "temperature": 0,
+                                                 "ignore_eos": True, "priority": -5})
+    assert response.json()["choices"][0]["text"] == expected["text"] and seen == [-5]
+    refused = post(server, "/v1/chat/completions", {"messages": CHAT, "priority": 2**40})
+    assert refused.status_code == 400 and refused.json()["error"]["param"] == "priority"

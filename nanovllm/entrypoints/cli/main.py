@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, NamedTuple
 
 import nanovllm  # the package alone: torch comes with the first engine module (see main)
 from nanovllm.entrypoints.cli.args import add_dataclass_flags, dataclass_kwargs
+from nanovllm.entrypoints.openai.reasoning import REASONING_PARSERS
 from nanovllm.entrypoints.openai.server_settings import (DEFAULT_HOST, DEFAULT_PORT, DEFAULT_SHUTDOWN_TIMEOUT,
                                                   ServerSettings, api_key_from_env)
 
@@ -113,7 +114,8 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
                             "aborted (default: %(default)s)")
     serve.add_argument("--log-level", default="info", choices=UVICORN_LOG_LEVELS, help="(default: %(default)s)")
     server_group = serve.add_argument_group("server", "ServerSettings fields (nanovllm/entrypoints/openai/server_settings.py)")
-    server_fields = add_dataclass_flags(server_group, ServerSettings, skip=("model", "engine_kwargs"))
+    server_fields = add_dataclass_flags(server_group, ServerSettings, skip=("model", "engine_kwargs"),
+                                        choices={"reasoning_parser": tuple(REASONING_PARSERS)})
     engine_fields = _add_engine_flags(serve)
     serve.set_defaults(run=_serve, engine_fields=engine_fields, server_fields=server_fields)
 

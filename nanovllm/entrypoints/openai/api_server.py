@@ -220,10 +220,10 @@ def _fit_context(request: Request, params: SamplingParams, prompts: list[list[in
 
 
 async def _submit(request: Request, prompts: list, params: SamplingParams, request_id: str, fields: set[str],
-                  prompt_field: str) -> Submission:
+                  prompt_field: str, priority: int = 0) -> Submission:
     client: EngineClient = request.app.state.engine_client
     try:
-        return await client.add(prompts, params, request_id)
+        return await client.add(prompts, params, request_id, priority)
     except ValueError as exc:
         raise request_error(exc, fields, prompt_field) from None
     except QueueFullError as exc:
@@ -349,7 +349,7 @@ async def create_completion(body: CompletionRequest, request: Request) -> Respon
     except ValueError as exc:
         raise request_error(exc, _COMPLETION_FIELDS) from None
     request_id = f"cmpl-{request.state.request_id}"
-    submission = await _submit(request, prompt_ids, params, request_id, _COMPLETION_FIELDS, "prompt")
+    submission = await _submit(request, prompt_ids, params, request_id, _COMPLETION_FIELDS, "prompt", body.priority)
     state = request.app.state
     if body.stream:
         return _sse_response(_completion_events(state, body, params, prompts, submission, request_id))
@@ -464,7 +464,7 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
         raise request_error(exc, _CHAT_FIELDS, "messages") from None
     request_id = f"chatcmpl-{request.state.request_id}"
     reasoning = _reasoning_parser_factory(state, body, prompt)
-    submission = await _submit(request, [prompt], params, request_id, _CHAT_FIELDS, "messages")
+    submission = await _submit(request, [prompt], params, request_id, _CHAT_FIELDS, "messages", body.priority)
     if body.stream:
         return _sse_response(_chat_events(state, body, params, submission, request_id, reasoning))
     return await _unless_disconnected(request, _chat_response(state, body, params, submission, request_id, reasoning),

@@ -54,6 +54,7 @@ class _Add(NamedTuple):
     requests: list[tuple[str, Prompt, SamplingParams]]  # (request id, prompt, params): all or none
     accepted: asyncio.Future  # set to None, or to the ValueError that refused the call
     arrival: float  # time.monotonic() when the call came in, for time-to-first-token
+    priority: int = 0  # the scheduler's: lower runs first
 
 
 class _Abort(NamedTuple):
@@ -168,7 +169,8 @@ class EngineClient:
 
     # --- requests (called on the event loop) ---
 
-    async def add(self, prompts: list[Prompt], params: SamplingParams, request_id: str) -> Submission:
+    async def add(self, prompts: list[Prompt], params: SamplingParams, request_id: str,
+                  priority: int = 0) -> Submission:
         """Queue the prompts (request ids `{request_id}-{i}`), once the engine has accepted all of
         them. Raises ValueError if it refused one (then none is queued), QueueFullError if the
         queue is full, EngineDeadError if the loop has stopped."""
@@ -184,7 +186,7 @@ class EngineClient:
         submission = Submission([f"{request_id}-{i}" for i in range(len(prompts))], params.n)
         accepted = self._loop.create_future()
         if not self._send(_Add(list(zip(submission.request_ids, prompts, [params] * len(prompts))), accepted,
-                               time.monotonic())):
+                               time.monotonic(), priority)):
             raise EngineDeadError("the engine is not running") from self._dead
         # Registered before this coroutine yields, so before any output can be delivered.
         for rid in submission.request_ids:
@@ -309,7 +311,7 @@ class EngineClient:
         added = []
         try:
             for request_id, prompt, params in command.requests:
-                engine.add_request(prompt, params, request_id=request_id)
+                engine.add_request(prompt, params, request_id=request_id, priority=command.priority)
                 added.append(request_id)
         except Exception as exc:  # all or none: take back the call's earlier prompts
             if not isinstance(exc, ValueError):  # not bad input (that is the caller's 400): a fault

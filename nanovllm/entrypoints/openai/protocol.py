@@ -222,6 +222,7 @@ class SamplingFields(Strict):
     logit_bias: Annotated[dict[Text, Float], Field(max_length=MAX_LOGIT_BIAS_ENTRIES)] | None = None
     # vLLM's: keep only the prompt's last k tokens (-1: the last max_model_len)
     truncate_prompt_tokens: Annotated[Int, Field(ge=-1, le=MAX_COUNT)] | None = None
+    priority: Annotated[Int, Field(ge=-MAX_COUNT, le=MAX_COUNT)] = 0  # vLLM's: lower is scheduled first
 
     @model_validator(mode="before")
     @classmethod

@@ -35,7 +35,6 @@ REFUSED: dict[str, Any] = {
     "bad_words": None,
     "mm_processor_kwargs": None,  # no multimodal models
     "prompt_embeds": None,
-    "priority": 0,
     "request_id": None,  # the server assigns ids (x-request-id header, response ids)
     "logits_processors": None,
     "return_tokens_as_token_ids": False,
