@@ -33,7 +33,7 @@ class StandInEngine:
         self.exited = False
         self.num_steps = 0
 
-    def add_request(self, prompt, params, request_id):
+    def add_request(self, prompt, params, request_id, priority=0):
         if prompt == "bad":
             raise ValueError("prompt='bad' is not allowed")
         self.live[request_id] = [prompt, params, [], None]
