@@ -1,12 +1,13 @@
 """The OpenAI-compatible HTTP server: FastAPI routes over an `EngineClient`, served by uvicorn.
 
-Owns the routes (`/v1/completions`, `/v1/chat/completions`, `/v1/models`, `/health`,
-`/metrics`), the API-key check, turning prompts into token ids off the event loop (and refusing
-what does not fit the context), turning engine outputs into OpenAI's responses and SSE chunks,
-aborting requests whose client went away, and a graceful exit on SIGTERM/SIGINT. Request
-shapes and error JSON come from `protocol.py`; connection and body limits, request ids and the
-last-resort 500 from `http_guard.py`; the engine is reached only through the engine client held
-in `app.state` (started and stopped by the app's lifespan).
+Owns the routes (`/v1/completions`, `/v1/chat/completions`, `/v1/models[/{id}]`, `/health`,
+`/metrics`, `/version`), the API-key check, turning prompts into token ids off the event loop
+(and refusing what does not fit the context), turning engine outputs into OpenAI's responses and
+SSE chunks (a chat answer split by the --reasoning-parser, from `reasoning.py`), aborting
+requests whose client went away, and a graceful exit on SIGTERM/SIGINT. Request shapes and error
+JSON come from `protocol.py`; connection and body limits, request ids and the last-resort 500
+from `http_guard.py`; /tokenize and /detokenize from `serving_tokens.py`; the engine is reached
+only through the engine client held in `app.state` (started and stopped by the app's lifespan).
 """
 import asyncio
 import hmac
@@ -419,7 +420,8 @@ async def _completion_events(state, body: CompletionRequest, params: SamplingPar
                 chunk = CompletionChoice(index=choice, text=text, logprobs=logprobs,
                                          finish_reason=sample.finish_reason if sample.finished else None,
                                          stop_reason=sample.stop_reason if sample.finished else None)
-                yield _sse(CompletionResponse(id=request_id, model=model, choices=[chunk]), with_usage=body.include_usage)
+                yield _sse(CompletionResponse(id=request_id, model=model, choices=[chunk]),
+                           with_usage=body.include_usage)
         if error is not None:
             yield _error_event(error)
         elif body.include_usage:

@@ -6,8 +6,11 @@ Value ranges (temperature >= 0, top_p in (0, 1], ...) are declared once, in `Sam
 whose `ValueError` names the field; `request_error()` turns it into a 400 with that `param`.
 What this module bounds itself is what must never reach SamplingParams or the engine at all:
 integers past what a tensor holds (`top_k=2**63`), strings that are not valid Unicode (a lone
-surrogate, which JSON's `"\ud800"` makes), and lists longer than any real request needs. It does
-not know the engine, HTTP routing or tokenization.
+surrogate, which JSON's `"\ud800"` makes), and lists longer than any real request needs.
+Types are JSON's, strictly, except where OpenAI's API is lenient: an explicit null means the
+field's default, and integer/number fields take 4.0 and "4" (`Int`, `Float`). Fields a model
+does not declare go through `request_fields.screen_fields` (vLLM's refused by name, unknown
+ones logged once). It does not know the engine, HTTP routing or tokenization.
 """
 import re
 import time
@@ -49,10 +52,10 @@ def _valid_unicode(text: str) -> str:
     return text
 
 
-# Digits of an integer sent as a string: far more than any field's bound, far fewer than what
-# makes int() slow (or refuse: Python limits int("...") to 4300 digits).
-MAX_INT_STRING_DIGITS = 40
-_INT_STRING = re.compile(rf"\s*[+-]?\d{{1,{MAX_INT_STRING_DIGITS}}}\s*")
+# Characters of a number sent as a string: far more than any field's bound needs, far fewer than
+# what makes int() slow (or refuse: Python limits int("...") to 4300 digits).
+MAX_NUMBER_STRING_CHARS = 40
+_INT_STRING = re.compile(rf"\s*[+-]?\d{{1,{MAX_NUMBER_STRING_CHARS}}}\s*")
 
 
 def _as_int(value: Any) -> Any:
@@ -68,7 +71,7 @@ def _as_int(value: Any) -> Any:
 def _as_float(value: Any) -> Any:
     """OpenAI's API takes "0.5" for a number field. A string that is no number (or is "nan") is
     left for the strict check to refuse."""
-    if isinstance(value, str) and len(value) <= MAX_INT_STRING_DIGITS:
+    if isinstance(value, str) and len(value) <= MAX_NUMBER_STRING_CHARS:
         try:
             return float(value)
         except ValueError:
