@@ -439,3 +439,21 @@ def test_priority_reaches_the_scheduler(server, offline, monkeypatch):
     assert response.json()["choices"][0]["text"] == expected["text"] and seen == [-5]
     refused = post(server, "/v1/chat/completions", {"messages": CHAT, "priority": 2**40})
     assert refused.status_code == 400 and refused.json()["error"]["param"] == "priority"
+
+
+# ---- batch lines take the same chat controls, and refuse what a job does not do ----
+
+def test_batch_lines_carry_chat_options_and_refuse_route_only_fields():
+    from nanovllm.entrypoints.batch.lines import BatchRequest, LineError, parse_line
+    line = {"messages": CHAT, "chat_template_kwargs": {"enable_thinking": False}, "documents": [{"text": "d"}]}
+    request = parse_line(json.dumps(line), 1)
+    assert isinstance(request, BatchRequest)
+    assert request.chat_options.chat_template_kwargs == {"enable_thinking": False}
+    assert request.chat_options.documents == [{"text": "d"}]
+    for body, param in (({"prompt": "hi", "truncate_prompt_tokens": 2}, "truncate_prompt_tokens"),
+                        ({"messages": CHAT, "priority": 1}, "priority"),
+                        ({"messages": CHAT, "include_reasoning": False}, "include_reasoning"),
+                        ({"prompt": "hi", "add_special_tokens": False}, "add_special_tokens"),
+                        ({"messages": CHAT, "continue_final_message": True}, "add_generation_prompt")):
+        error = parse_line(json.dumps(body), 1)
+        assert isinstance(error, LineError) and error.param == param, (body, error)
