@@ -147,7 +147,7 @@ REFUSED_VALUES = {
     "prompt_embeds": "AAAA", "request_id": "mine", "logits_processors": ["a.b"],
     "return_tokens_as_token_ids": True, "return_token_ids": True, "cache_salt": "salt",
     "kv_transfer_params": {"a": 1}, "vllm_xargs": {"a": 1}, "max_repetition_pattern_size": 2,
-    "min_repetition_pattern_size": 2, "repetition_min_count": 2, "echo": True,
+    "min_repetition_pattern_size": 2, "repetition_min_count": 2,
 }
 
 
@@ -178,7 +178,7 @@ def test_unimplemented_vllm_field_is_a_400_naming_it(server, path, field):
 
 def test_vllm_defaults_of_refused_fields_are_accepted(server):
     """A full vLLM-shaped request (every refused field at the value that asks for nothing) works."""
-    noops = {name: value for name, value in REFUSED.items() if name != "echo"}
+    noops = dict(REFUSED)
     for path, base in (("/v1/completions", {"prompt": "Hello", "echo": False}),
                        ("/v1/chat/completions", {"messages": CHAT, "echo": False})):
         response = post(server, path, {**base, **noops, "max_tokens": 2})
@@ -457,3 +457,18 @@ def test_batch_lines_carry_chat_options_and_refuse_route_only_fields():
                         ({"messages": CHAT, "continue_final_message": True}, "add_generation_prompt")):
         error = parse_line(json.dumps(body), 1)
         assert isinstance(error, LineError) and error.param == param, (body, error)
+
+
+def test_chat_echo_prepends_the_continued_message(server):
+    conversation = CHAT + [{"role": "assistant", "content": "one, two,"}]
+    body = {"messages": conversation, "continue_final_message": True, "add_generation_prompt": False,
+            "max_tokens": MAX_TOKENS, "temperature": 0, "ignore_eos": True}
+    plain = post(server, "/v1/chat/completions", body).json()["choices"][0]["message"]["content"]
+    echoed = post(server, "/v1/chat/completions", {**body, "echo": True}).json()["choices"][0]["message"]["content"]
+    assert echoed == "one, two," + plain
+    events = sse_events(post(server, "/v1/chat/completions", {**body, "echo": True, "stream": True}))
+    assert "".join(e["choices"][0]["delta"].get("content") or "" for e in events if e["choices"]) == echoed
+    # A new assistant turn (add_generation_prompt) after a user message echoes nothing.
+    fresh = post(server, "/v1/chat/completions", {"messages": CHAT, "echo": True, "max_tokens": MAX_TOKENS,
+                                                  "temperature": 0, "ignore_eos": True}).json()
+    assert not (fresh["choices"][0]["message"]["content"] or "").startswith(CHAT[0]["content"])

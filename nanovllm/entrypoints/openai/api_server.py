@@ -491,9 +491,9 @@ def _reasoning_parser_factory(state, body: ChatCompletionRequest, prompt: list[i
 def _assistant_message(text: str, body: ChatCompletionRequest, reasoning: ReasoningParserFactory | None
                        ) -> AssistantMessage:
     if reasoning is None:
-        return AssistantMessage(content=text)
+        return AssistantMessage(content=body.echoed() + text)
     parts = reasoning().split(text)
-    return AssistantMessage(content=parts.content or None,
+    return AssistantMessage(content=(body.echoed() + parts.content) or None,
                             reasoning_content=(parts.reasoning or None) if body.include_reasoning else None)
 
 
@@ -549,6 +549,9 @@ async def _chat_events(state, body: ChatCompletionRequest, params: SamplingParam
         # OpenAI's first chunk of each choice carries the role and no text.
         yield chunk([ChatCompletionStreamChoice(index=j, delta=DeltaMessage(role="assistant", content=""))
                      for j in range(params.n)])
+        if echoed := body.echoed():
+            yield chunk([ChatCompletionStreamChoice(index=j, delta=DeltaMessage(content=echoed))
+                         for j in range(params.n)])
         output: RequestOutput
         async for output in submission:
             error = error or output.error

@@ -337,6 +337,14 @@ class ChatCompletionRequest(SamplingFields):
     documents: list[dict[Text, Text]] | None = None  # handed to the template as `documents` (RAG templates)
     reasoning_effort: Literal["low", "medium", "high"] | None = None  # handed to the template, as vLLM
     include_reasoning: bool = True  # with a --reasoning-parser: False leaves reasoning_content out
+    echo: bool = False  # vLLM's: the answer begins with the last message when that is the answer's role's
+
+    def echoed(self) -> str:
+        """What `echo` puts before the answer: the last message's text when its role is the
+        answer's (the assistant's, or the last message's own when no turn is opened)."""
+        last = self.messages[-1]
+        role = "assistant" if self.add_generation_prompt else last.role
+        return last.text() if self.echo and last.role == role else ""
 
     def conversation(self) -> list[dict[str, str]]:
         return [{"role": m.role, "content": m.text()} for m in self.messages]

@@ -45,7 +45,6 @@ REFUSED: dict[str, Any] = {
     "max_repetition_pattern_size": 0,
     "min_repetition_pattern_size": 0,
     "repetition_min_count": 0,
-    "echo": False,  # chat's echo (prepend the last message); completions declare their own
 }
 
 # vLLM fields another part of the server declares (structured outputs, tool calling, prompt
