@@ -309,6 +309,9 @@ def test_request_templates_when_trusted(qwen3_tiny, tokenizer):
         assert tokenizer.decode(tokens) == CHAT[0]["content"]
         broken = post(trusted, "/v1/chat/completions", {"messages": CHAT, "chat_template": "{% for %}"})
         assert broken.status_code == 400 and broken.json()["error"]["param"] == "chat_template"
+        # Served under its path (no --served-model-name): a name with slashes is retrieved too.
+        client = openai.OpenAI(base_url=trusted.base_url, api_key=API_KEY, max_retries=0, timeout=60)
+        assert client.models.retrieve(qwen3_tiny).id == qwen3_tiny
 
 
 def test_load_chat_template(tmp_path):

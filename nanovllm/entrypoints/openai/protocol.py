@@ -191,8 +191,10 @@ class Strict(BaseModel):
         official clients send nulls for what they leave unset."""
         if not isinstance(data, dict):
             return data
-        return {name: value for name, value in data.items() if value is not None or name not in cls.model_fields
-                or cls.model_fields[name].is_required() or cls.model_fields[name].get_default() is None}
+        def null_is_a_value(name: str) -> bool:
+            field = cls.model_fields.get(name)
+            return field is None or field.is_required() or (field.default is None and field.default_factory is None)
+        return {name: value for name, value in data.items() if value is not None or null_is_a_value(name)}
 
 
 class StreamOptions(Strict):
