@@ -475,3 +475,28 @@ def test_chat_echo_prepends_the_continued_message(server):
     fresh = post(server, "/v1/chat/completions", {"messages": CHAT, "echo": True, "max_tokens": MAX_TOKENS,
                                                   "temperature": 0, "ignore_eos": True}).json()
     assert not (fresh["choices"][0]["message"]["content"] or "").startswith(CHAT[0]["content"])
+
+
+def test_template_variables_never_make_a_500(server):
+    """Every apply_chat_template argument is reserved, and a template failing on a variable's
+    value is the request's fault (400), not the server's."""
+    import inspect
+    from nanovllm.engine.chat import RESERVED_TEMPLATE_ARGS
+    from transformers import PreTrainedTokenizerBase
+    arguments = set(inspect.signature(PreTrainedTokenizerBase.apply_chat_template).parameters) - {"kwargs"}
+    assert arguments <= RESERVED_TEMPLATE_ARGS
+    for kwargs in ({"self": 1}, {"sanitize_control_tokens": True}, {"enable_thinking": {"a": [1]}},
+                   {"enable_thinking": 3}):
+        response = post(server, "/v1/chat/completions", {"messages": CHAT, "max_tokens": 1,
+                                                         "chat_template_kwargs": kwargs})
+        assert response.status_code in (200, 400), (kwargs, response.text)
+        if response.status_code == 400:
+            assert response.json()["error"]["param"] in ("chat_template_kwargs", "messages")
+
+
+def test_template_run_time_failures_are_blamed_right(tokenizer):
+    from nanovllm.engine.chat import BrokenChatTemplateError, ChatTemplateError
+    with pytest.raises(ChatTemplateError, match="template variables"):
+        render_chat(tokenizer, CHAT, ChatOptions(chat_template="{{ n + 1 }}", chat_template_kwargs={"n": "x"}))
+    with pytest.raises(BrokenChatTemplateError, match="TypeError"):
+        render_chat(tokenizer, CHAT, ChatOptions(chat_template="{{ messages[0]['content'] + 1 }}"))

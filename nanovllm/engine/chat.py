@@ -19,10 +19,11 @@ from transformers import PreTrainedTokenizerBase
 
 # apply_chat_template's own arguments and the functions it hands every template
 # (raise_exception, strftime_now): chat_template_kwargs may not replace them.
-RESERVED_TEMPLATE_ARGS = frozenset({"conversation", "messages", "tools", "documents", "chat_template", "tokenize",
-                                    "add_generation_prompt", "continue_final_message", "return_dict",
+RESERVED_TEMPLATE_ARGS = frozenset({"self", "conversation", "messages", "tools", "documents", "chat_template",
+                                    "tokenize", "add_generation_prompt", "continue_final_message", "return_dict",
                                     "return_tensors", "padding", "truncation", "max_length", "tokenizer_kwargs",
-                                    "return_assistant_tokens_mask", "raise_exception", "strftime_now"})
+                                    "return_assistant_tokens_mask", "sanitize_control_tokens", "raise_exception",
+                                    "strftime_now"})
 # Characters that make a --chat-template value the template itself rather than a file path (vLLM's rule).
 TEMPLATE_CHARS = "{}\n"
 
@@ -82,6 +83,12 @@ def render_chat_text(tokenizer: PreTrainedTokenizerBase, messages: list[dict],
         raise BrokenChatTemplateError(f"the chat template does not compile: {exc}") from None
     except TemplateError as exc:  # the template's own refusal (raise_exception) or a missing field
         raise ChatTemplateError(f"the chat template refused these messages: {exc.message}") from None
+    except Exception as exc:  # a template failing at run time (a TypeError on a value it did not expect)
+        failure = f"{type(exc).__name__}: {exc}"
+        if options.chat_template_kwargs or options.documents:  # the caller's variables are the likely cause
+            raise ChatTemplateError(f"the chat template failed on these messages and template variables "
+                                    f"({failure})") from None
+        raise BrokenChatTemplateError(f"the chat template failed: {failure}") from None
 
 
 def load_chat_template(value: str) -> str:
