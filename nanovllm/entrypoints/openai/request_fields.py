@@ -5,7 +5,7 @@ protocol.py) are the reference: a client written for vLLM may send any of their 
 may be dropped without a word. So every vLLM field is one of:
 - declared by a request model in `protocol.py` (implemented there or by the route);
 - implemented by another part of the server that declares it itself (`IMPLEMENTED_ELSEWHERE`:
-  structured outputs and tool calling);
+  structured outputs, tool calling, prompt logprobs);
 - refused here with a 400 naming it (`REFUSED`), unless its value is the one that asks for
   nothing (null, or vLLM's default), which is accepted so full vLLM-shaped requests still work.
 A field in none of these lists is unknown: logged once per name (as vLLM logs them), then
