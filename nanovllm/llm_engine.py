@@ -39,8 +39,6 @@ from nanovllm.runner.tensor_parallel import create_model_runner
 from nanovllm.runner.worker_group import TensorParallelError
 from nanovllm.sampling_params import SamplingParams
 
-__all__ = ["EngineStats", "LLMEngine", "Prompt", "StepOutput"]
-
 EXITED_MESSAGE = "this engine has exited (exit() was called); create a new LLM to generate again"
 MODEL_PASS = "running the model over its step"
 
