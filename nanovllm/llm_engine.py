@@ -40,8 +40,8 @@ from nanovllm.engine.request import Request, RequestOutput
 from nanovllm.engine.scheduler import ScheduledBatch, Scheduler, SchedulerStats
 from nanovllm.engine.sequence import Sequence, SequenceStatus
 from nanovllm.engine.stop_checker import StopChecker
-from nanovllm.layers.sampler import SamplerOutput
 from nanovllm.runner.pending_tokens import PendingTokens
+from nanovllm.runner.protocol import OverlappedRunner, Runner, RunnerOutput
 from nanovllm.runner.tensor_parallel import create_model_runner
 from nanovllm.runner.worker_group import TensorParallelError
 from nanovllm.sampling_params import SamplingParams
@@ -122,7 +122,8 @@ class LLMEngine:
         self.config = config
         # None with skip_tokenizer_init: token-id prompts only, and outputs have empty text.
         self.tokenizer = config.tokenizer
-        self.model_runner = create_model_runner(config)  # tensor_parallel_size > 1 spawns the other ranks
+        # Plain, tensor-parallel (spawns the other ranks) or speculative: the loop uses them alike.
+        self.model_runner: Runner = create_model_runner(config)
         self.attention_backend: str = self.model_runner.attention_backend  # what "auto" chose
         # The one exit hook of the whole engine (tensor-parallel workers included). It holds the
         # runner, not the engine, so dropping the engine lets the garbage collector run it; it
@@ -138,6 +139,7 @@ class LLMEngine:
                                    config.speculative.num_speculative_tokens if self.speculative else 0)
         # The overlapped loop (Config.async_scheduling): the step launched last, not yet resolved.
         self.async_scheduling = config.async_scheduling == "on"
+        assert not self.async_scheduling or isinstance(self.model_runner, OverlappedRunner), "Config allows it"
         self._in_flight: InFlightStep | None = None
         # Live requests whose sampling reads their output tokens' values on the host (penalties):
         # while any is live, every step waits for its tokens (the plain loop).
@@ -467,10 +469,8 @@ class LLMEngine:
                 self._fail_step(exc, [batch])
                 return self._no_tokens(batch.is_prefill)
             self._fail_rows(batch, out.failed)
-            if self.speculative:  # each sequence's accepted proposals and one more token
-                advanced = self.scheduler.postprocess_speculative(batch, out.token_ids, out.num_proposed)
-            else:
-                advanced = self.scheduler.postprocess(batch, out.token_ids)
+            # One path for every runner: a speculative one's output adds each sequence's accepted proposals.
+            advanced = self.scheduler.postprocess(batch, out.token_ids, out.accepted, out.num_proposed)
             return self._report(batch, out, advanced, num_tokens, start)
         try:
             tokens = self.model_runner.launch(batch.seqs, batch.is_prefill, batch.swap_out, batch.swap_in)
@@ -510,7 +510,7 @@ class LLMEngine:
         advanced = self.scheduler.resolve(step.batch, out.token_ids, step.tokens.sample_indices)
         return self._report(step.batch, out, advanced, step.num_tokens, step.start)
 
-    def _report(self, batch: ScheduledBatch, out: SamplerOutput, advanced: list[Sequence], num_tokens: int,
+    def _report(self, batch: ScheduledBatch, out: RunnerOutput, advanced: list[Sequence], num_tokens: int,
                 start: float) -> StepOutput:
         """A step's news: logprobs kept, each request with news told through its inbox, the counters."""
         self._count_inter_token_latency(advanced, batch.num_prefill_seqs > 0)
