@@ -219,7 +219,8 @@ class Config:
             require(isinstance(getattr(self, name), bool), name, getattr(self, name), "True or False")
         for name, allowed in VOCABULARIES.items():  # every field typed with a Literal, but dtype (below)
             require(getattr(self, name) in allowed, name, getattr(self, name), f"one of {allowed}")
-        require(self.dtype == "auto" or self.dtype in DTYPES or self.dtype in DTYPES.values(), "dtype",
+        require(isinstance(self.dtype, (str, torch.dtype)) and  # (a list is unhashable: no `in DTYPES` for it)
+                (self.dtype == "auto" or self.dtype in DTYPES or self.dtype in DTYPES.values()), "dtype",
                 self.dtype, f"'auto', one of {list(DTYPES)} or the matching torch.dtype")
         g = self.cpu_kvcache_space_gib
         require(is_number(g) and g > 0, "cpu_kvcache_space_gib", g, "a number > 0")
