@@ -139,7 +139,8 @@ class LLMEngine:
                                    config.speculative.num_speculative_tokens if self.speculative else 0)
         # The overlapped loop (Config.async_scheduling): the step launched last, not yet resolved.
         self.async_scheduling = config.async_scheduling == "on"
-        assert not self.async_scheduling or isinstance(self.model_runner, OverlappedRunner), "Config allows it"
+        assert not self.async_scheduling or isinstance(self.model_runner, OverlappedRunner), \
+            "Config allows async scheduling only with a runner that launches (the single-rank ModelRunner)"
         self._in_flight: InFlightStep | None = None
         # Live requests whose sampling reads their output tokens' values on the host (penalties):
         # while any is live, every step waits for its tokens (the plain loop).
