@@ -33,8 +33,8 @@ from nanovllm.engine.scheduler import ScheduledBatch, Scheduler
 from nanovllm.engine.sequence import Sequence
 from nanovllm.engine.stats import EngineStats, InterTokenLatency, engine_stats, log_speculation
 from nanovllm.engine.stop_checker import StopChecker
-from nanovllm.layers.sampler import SamplerOutput
 from nanovllm.runner.pending_tokens import PendingTokens
+from nanovllm.runner.protocol import OverlappedRunner, Runner, RunnerOutput
 from nanovllm.runner.tensor_parallel import create_model_runner
 from nanovllm.runner.worker_group import TensorParallelError
 from nanovllm.sampling_params import SamplingParams
@@ -68,7 +68,8 @@ class LLMEngine:
         self.config = config
         # None with skip_tokenizer_init: token-id prompts only, and outputs have empty text.
         self.tokenizer = config.tokenizer
-        self.model_runner = create_model_runner(config)  # tensor_parallel_size > 1 spawns the other ranks
+        # Plain, tensor-parallel (spawns the other ranks) or speculative: the loop uses them alike.
+        self.model_runner: Runner = create_model_runner(config)
         self.attention_backend: str = self.model_runner.attention_backend  # what "auto" chose
         # The one exit hook of the whole engine (tensor-parallel workers included). It holds the
         # runner, not the engine, so dropping the engine lets the garbage collector run it; it
@@ -84,6 +85,8 @@ class LLMEngine:
                                    config.speculative.num_speculative_tokens if self.speculative else 0)
         # The overlapped loop (Config.async_scheduling): the step launched last, not yet resolved.
         self.async_scheduling = config.async_scheduling == "on"
+        assert not self.async_scheduling or isinstance(self.model_runner, OverlappedRunner), \
+            "Config allows async scheduling only with a runner that launches (the single-rank ModelRunner)"
         self._in_flight: InFlightStep | None = None
         self._builder = RequestBuilder(self.tokenizer, config.hf_config.vocab_size, config.max_model_len,
                                        config.kvcache_block_size, self.block_manager.num_blocks)
@@ -279,10 +282,8 @@ class LLMEngine:
                 self._fail_step(exc, [batch])
                 return self._no_tokens(batch.is_prefill)
             self._fail_rows(batch, out.failed)
-            if self.speculative:  # each sequence's accepted proposals and one more token
-                advanced = self.scheduler.postprocess_speculative(batch, out.token_ids, out.num_proposed)
-            else:
-                advanced = self.scheduler.postprocess(batch, out.token_ids)
+            # One path for every runner: a speculative one's output adds each sequence's accepted proposals.
+            advanced = self.scheduler.postprocess(batch, out.token_ids, out.accepted, out.num_proposed)
             return self._report(batch, out, advanced, num_tokens, start)
         try:
             tokens = self.model_runner.launch(batch.seqs, batch.is_prefill, batch.swap_out, batch.swap_in)
@@ -322,7 +323,7 @@ class LLMEngine:
         advanced = self.scheduler.resolve(step.batch, out.token_ids, step.tokens.sample_indices)
         return self._report(step.batch, out, advanced, step.num_tokens, step.start)
 
-    def _report(self, batch: ScheduledBatch, out: SamplerOutput, advanced: list[Sequence], num_tokens: int,
+    def _report(self, batch: ScheduledBatch, out: RunnerOutput, advanced: list[Sequence], num_tokens: int,
                 start: float) -> StepOutput:
         """A step's news: logprobs kept, each request with news told through its inbox, the counters."""
         self._itl.observe(advanced, batch.num_prefill_seqs > 0)

@@ -30,6 +30,7 @@ from nanovllm.llm_engine import LLMEngine
 from nanovllm.engine.outputs import CompletionOutput, RequestDelta, RequestOutput, SampleDelta
 from nanovllm.entrypoints.openai.metrics import ServerMetrics
 from nanovllm.sampling_params import SamplingParams
+from nanovllm.utils.validation import ParamError
 
 logger = logging.getLogger("nanovllm")
 
@@ -171,14 +172,14 @@ class EngineClient:
 
     async def add(self, prompts: list[Prompt], params: SamplingParams, request_id: str) -> Submission:
         """Queue the prompts (request ids `{request_id}-{i}`), once the engine has accepted all of
-        them. Raises ValueError if it refused one (then none is queued), QueueFullError if the
-        queue is full, EngineDeadError if the loop has stopped."""
+        them. Raises ValueError if it refused one (then none is queued; a ParamError names the
+        field), QueueFullError if the queue is full, EngineDeadError if the loop has stopped."""
         if self.shutting_down:
             raise EngineDeadError("the server is shutting down")
         weight = len(prompts) * params.n
         if weight > self.max_queue_len:
-            raise ValueError(f"n={params.n} samples of {len(prompts)} prompt(s) make {weight} sequences, more than "
-                             f"this server queues at once (max_queue_len={self.max_queue_len}); send fewer")
+            raise ParamError("n", f"n={params.n} samples of {len(prompts)} prompt(s) make {weight} sequences, "
+                             f"more than this server queues at once (max_queue_len={self.max_queue_len}); send fewer")
         if self._num_queued + weight > self.max_queue_len:
             raise QueueFullError(f"the server's queue is full ({self._num_queued} of {self.max_queue_len} sequences "
                                  "wait for their first token); retry later")
