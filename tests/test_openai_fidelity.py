@@ -430,16 +430,16 @@ def test_error_code_is_a_string_on_every_path(server, monkeypatch):
 def test_priority_reaches_the_scheduler(server, offline, monkeypatch):
     from nanovllm.llm_engine import LLMEngine
     seen = []
-    add_request = LLMEngine.add_request
+    add_requests = LLMEngine.add_requests
 
-    def recording(self, prompt, params, *args, priority=0, **kwargs):
+    def recording(self, prompts, params, *args, priority=None, **kwargs):
         seen.append(priority)
-        return add_request(self, prompt, params, *args, priority=priority, **kwargs)
-    monkeypatch.setattr(LLMEngine, "add_request", recording)
+        return add_requests(self, prompts, params, *args, priority=priority, **kwargs)
+    monkeypatch.setattr(LLMEngine, "add_requests", recording)
     expected = offline.generate(["Hello world"], greedy(), use_tqdm=False)[0]
     response = post(server, "/v1/completions", {"prompt": "Hello world", "max_tokens": MAX_TOKENS, "temperature": 0,
                                                  "ignore_eos": True, "priority": -5})
-    assert response.json()["choices"][0]["text"] == expected["text"] and seen == [-5]
+    assert response.json()["choices"][0]["text"] == expected["text"] and seen == [[-5]]
     refused = post(server, "/v1/chat/completions", {"messages": CHAT, "priority": 2**40})
     assert refused.status_code == 400 and refused.json()["error"]["param"] == "priority"
 

@@ -16,6 +16,8 @@ from jinja2.ext import loopcontrols
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from transformers import PreTrainedTokenizerBase
 
+from nanovllm.utils.validation import ParamError
+
 
 # apply_chat_template's own arguments and the functions it hands every template
 # (raise_exception, strftime_now): chat_template_kwargs may not replace them.
@@ -50,11 +52,12 @@ class ChatOptions:
     def __post_init__(self):
         taken = sorted(RESERVED_TEMPLATE_ARGS & set(self.chat_template_kwargs))
         if taken:
-            raise ValueError(f"chat_template_kwargs={taken} is not allowed; these names are set by the request's "
-                             "own fields or by the engine")
+            raise ParamError("chat_template_kwargs", f"chat_template_kwargs={taken} is not allowed; these names are "
+                             "set by the request's own fields or by the engine")
         if self.add_generation_prompt and self.continue_final_message:
-            raise ValueError("add_generation_prompt=True and continue_final_message=True are not allowed "
-                             "together; continuing the final message must not open a new assistant turn")
+            raise ParamError("add_generation_prompt", "add_generation_prompt=True and continue_final_message=True "
+                             "are not allowed together; continuing the final message must not open a new "
+                             "assistant turn")
 
 
 def render_chat(tokenizer: PreTrainedTokenizerBase, messages: list[dict],
@@ -99,14 +102,17 @@ def load_chat_template(value: str) -> str:
             template = f.read()
     except OSError as exc:
         if not any(c in value for c in TEMPLATE_CHARS):
-            raise ValueError(f"chat_template={value!r:.200} is not allowed: it looks like a file path but cannot be "
-                             f"read ({exc.strerror}); give a readable file or the Jinja template itself") from None
+            raise ParamError("chat_template", f"chat_template={value!r:.200} is not allowed: it looks like a file "
+                             f"path but cannot be read ({exc.strerror}); give a readable file or the Jinja template "
+                             "itself") from None
         template = value
     except UnicodeDecodeError:
-        raise ValueError(f"chat_template={value!r:.200} is not allowed: the file is not UTF-8 text") from None
+        raise ParamError("chat_template", f"chat_template={value!r:.200} is not allowed: the file is not UTF-8 "
+                         "text") from None
     try:  # the environment transformers renders chat templates in
         ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols]).parse(template)
     except TemplateSyntaxError as exc:
         where = "" if os.path.isfile(value) else " (read as the template itself)"
-        raise ValueError(f"chat_template{where} does not compile: {exc.message} (line {exc.lineno})") from None
+        raise ParamError("chat_template", f"chat_template{where} does not compile: {exc.message} "
+                         f"(line {exc.lineno})") from None
     return template

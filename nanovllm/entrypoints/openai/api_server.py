@@ -31,8 +31,9 @@ from transformers import AutoTokenizer, PreTrainedTokenizerBase
 from uvicorn.protocols.http.auto import AutoHTTPProtocol
 
 from nanovllm import LLM, __version__
-from nanovllm.engine.request import RequestOutput
 from nanovllm.engine.chat import load_chat_template
+from nanovllm.engine.outputs import RequestDelta, RequestOutput
+from nanovllm.engine.request_builder import encode_text
 from nanovllm.entrypoints.openai.engine_loop import EngineClient, EngineDeadError, QueueFullError, Submission
 from nanovllm.entrypoints.openai.http_guard import (RequestGuard, connection_cap, guarded_protocol, install_log_limits,
                                              internal_error_message)
@@ -183,8 +184,9 @@ async def retrieve_model(model_id: str, request: Request) -> ModelCard:
 
 def _encode(tokenizer: PreTrainedTokenizerBase, prompts: list[str | list[int]],
             add_special_tokens: bool = True) -> list[list[int]]:
-    # as LLMEngine encodes a str (with the tokenizer's special tokens, unless asked not to)
-    return [tokenizer.encode(p, add_special_tokens=add_special_tokens) if isinstance(p, str) else p for p in prompts]
+    # as the engine does (with the tokenizer's special tokens, unless asked not to)
+    return [encode_text(tokenizer, p, "prompt", add_special_tokens=add_special_tokens) if isinstance(p, str) else p
+            for p in prompts]
 
 
 def _truncate(request: Request, prompts: list[list[int]], keep: int | None) -> list[list[int]]:
@@ -269,18 +271,14 @@ def _sse_response(events: AsyncIterator[str]) -> StreamingResponse:
     return StreamingResponse(events, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
 
 
-def _samples(final: dict) -> list[dict]:
-    return final.get("outputs") or [final]
-
-
-def _check_finals(state, finals: list[dict], request_id: str) -> None:
+def _check_finals(state, finals: list[RequestOutput], request_id: str) -> None:
     """A non-streaming response's outcome when it is not a plain success: a request the engine
     failed is a 500 with the engine's message (its request id in it), one the shutdown aborted a
     503; both in OpenAI's error JSON."""
-    error = next((final["error"] for final in finals if "error" in final), None)
+    error = next((final.error for final in finals if final.error is not None), None)
     if error is not None:
         raise APIError(500, error, type="server_error")
-    aborted = any(s.get("finish_reason") == "abort" for final in finals for s in _samples(final))
+    aborted = any(s.finish_reason == "abort" for final in finals for s in final.outputs)
     if aborted and state.engine_client.shutting_down:
         raise APIError(503, f"the server is shutting down; request {request_id} was aborted before it finished",
                        type="server_error")
@@ -364,7 +362,7 @@ def _prompt_text(tokenizer: PreTrainedTokenizerBase, prompt: str | list[int]) ->
 
 async def _completion_response(state, body: CompletionRequest, params: SamplingParams, prompts: list,
                                submission: Submission, request_id: str) -> Response:
-    finals: list[dict] = [{}] * len(prompts)
+    finals: list[RequestOutput | None] = [None] * len(prompts)
     async for output in submission:
         if output.finished:
             finals[submission.index(output.request_id)] = output.final
@@ -373,18 +371,18 @@ async def _completion_response(state, body: CompletionRequest, params: SamplingP
     choices = []
     for i, final in enumerate(finals):
         prompt_text = _prompt_text(tokenizer, prompts[i]) if body.echo else ""
-        for j, sample in enumerate(_samples(final)):
+        for j, sample in enumerate(final.outputs):
             logprobs = None
             if params.logprobs is not None:
-                ids, entries = sample["token_ids"], list(sample["logprobs"])
+                ids, entries = sample.token_ids, list(sample.logprobs)
                 if body.echo:
-                    ids, entries = final["prompt_token_ids"] + ids, [None] * len(final["prompt_token_ids"]) + entries
+                    ids, entries = final.prompt_token_ids + ids, [None] * len(final.prompt_token_ids) + entries
                 logprobs = _completion_logprobs(tokenizer, ids, entries, 0)
-            choices.append(CompletionChoice(index=i * params.n + j, text=prompt_text + sample["text"],
-                                            logprobs=logprobs, finish_reason=sample["finish_reason"],
-                                            stop_reason=sample["stop_reason"]))
-    usage = _usage(sum(len(f["prompt_token_ids"]) for f in finals),
-                   sum(len(s["token_ids"]) for f in finals for s in _samples(f)))
+            choices.append(CompletionChoice(index=i * params.n + j, text=prompt_text + sample.text,
+                                            logprobs=logprobs, finish_reason=sample.finish_reason,
+                                            stop_reason=sample.stop_reason))
+    usage = _usage(sum(len(f.prompt_token_ids) for f in finals),
+                   sum(len(s.token_ids) for f in finals for s in f.outputs))
     response = CompletionResponse(id=request_id, model=state.settings.model_name, choices=choices, usage=usage)
     return JSONResponse(response.model_dump())
 
@@ -512,7 +510,7 @@ def _stream_deltas(text: str, finished: bool, parser: TagReasoningParser | None,
     return deltas
 
 
-async def _final_output(submission: Submission) -> dict:
+async def _final_output(submission: Submission) -> RequestOutput:
     async for output in submission:
         if output.finished:
             return output.final
@@ -524,12 +522,12 @@ async def _chat_response(state, body: ChatCompletionRequest, params: SamplingPar
     final = await _final_output(submission)
     _check_finals(state, [final], request_id)
     choices = []
-    for j, sample in enumerate(_samples(final)):
-        logprobs = _chat_logprobs(state.tokenizer, sample["logprobs"]) if params.logprobs is not None else None
-        choices.append(ChatCompletionChoice(index=j, message=_assistant_message(sample["text"], body, reasoning),
-                                            logprobs=logprobs, finish_reason=sample["finish_reason"],
-                                            stop_reason=sample["stop_reason"]))
-    usage = _usage(len(final["prompt_token_ids"]), sum(len(s["token_ids"]) for s in _samples(final)))
+    for j, sample in enumerate(final.outputs):
+        logprobs = _chat_logprobs(state.tokenizer, sample.logprobs) if params.logprobs is not None else None
+        choices.append(ChatCompletionChoice(index=j, message=_assistant_message(sample.text, body, reasoning),
+                                            logprobs=logprobs, finish_reason=sample.finish_reason,
+                                            stop_reason=sample.stop_reason))
+    usage = _usage(len(final.prompt_token_ids), sum(len(s.token_ids) for s in final.outputs))
     response = ChatCompletionResponse(id=request_id, model=state.settings.model_name, choices=choices, usage=usage)
     return JSONResponse(response.model_dump())
 
@@ -552,7 +550,7 @@ async def _chat_events(state, body: ChatCompletionRequest, params: SamplingParam
         if echoed := body.echoed():
             yield chunk([ChatCompletionStreamChoice(index=j, delta=DeltaMessage(content=echoed))
                          for j in range(params.n)])
-        output: RequestOutput
+        output: RequestDelta
         async for output in submission:
             error = error or output.error
             prompt_tokens = len(output.prompt_token_ids)
