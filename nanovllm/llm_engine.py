@@ -252,6 +252,8 @@ class LLMEngine:
         for i in range(params.n):
             seq = Sequence(next(self._seq_ids), token_ids, params, bs, priority=priority)
             seq.seed = None if params.seed is None else params.seed + i
+            if i > 0:  # the prompt's logprobs are the request's: sample 0 computes them
+                seq.prompt_logprobs = None
             # generate() decodes a sample's text once, at the end, unless stop strings need it on the
             # way. A sample with a detokenizer reports each new token to its caller (see _step): so
             # every sample of stream() and add_request() does.
@@ -520,6 +522,10 @@ class LLMEngine:
             n = seq.sampling_params.logprobs
             if lp is not None and n is not None and len(seq.logprobs) < seq.num_completion_tokens:
                 seq.logprobs.append(lp._replace(top_logprobs=dict(list(lp.top_logprobs.items())[:n])))
+        for seq, prompt in zip(batch.seqs, out.prompt_logprobs or ()):
+            have = len(seq.prompt_logprobs) if seq.prompt_logprobs is not None else -1
+            if prompt is not None and 0 <= prompt.first <= have:  # entries it has already are skipped
+                seq.prompt_logprobs.extend(prompt.entries[have - prompt.first:])
         requests, finished = self._requests, []
         for seq in advanced:
             if seq.is_finished:

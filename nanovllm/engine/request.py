@@ -47,6 +47,9 @@ class RequestOutput:
     # Set on the final output of a request the engine failed: a message for its client (no
     # exception text; the server log has the traceback under the request id). None otherwise.
     error: str | None = None
+    # vLLM's prompt_logprobs (see prompt_logprobs_output), on the first output after the prompt is
+    # computed, when the request asked for them; None otherwise.
+    prompt_logprobs: list[dict | None] | None = None
 
 
 class Request:
@@ -64,6 +67,7 @@ class Request:
         self.num_tokens_handed = [0] * len(seqs)  # completion tokens already popped, per sample
         self.num_logprobs_handed = [0] * len(seqs)
         self.finish_handed = [False] * len(seqs)
+        self.prompt_logprobs_handed = False
         self.error: str | None = None  # set when the engine failed this request (a client-safe message)
         self.fault: Exception | None = None  # what building it raised: it fails as soon as it is submitted
 
@@ -95,8 +99,14 @@ class Request:
             samples.append(SampleDelta(i, new_tokens, text, logprobs, seq.is_finished,
                                        "abort" if failed and seq.is_finished else seq.finish_reason,
                                        None if failed else seq.stop_reason))
+        prompt_logprobs = None
+        first = self.seqs[0]
+        if first.prompt_logprobs is not None and not self.prompt_logprobs_handed and samples and (
+                first.num_completion_tokens or first.is_finished):
+            self.prompt_logprobs_handed = True
+            prompt_logprobs = prompt_logprobs_output(first, tokenizer)
         return RequestOutput(self.request_id, self.prompt_token_ids, samples, finished, final,
-                             self.error if finished else None)
+                             self.error if finished else None, prompt_logprobs)
 
     def final_output(self, tokenizer: PreTrainedTokenizerBase | None) -> dict:
         """generate()'s dict for this prompt: sample 0's fields at the top, every sample under
@@ -104,6 +114,8 @@ class Request:
         is "abort" (the request failed as a whole)."""
         samples = [_sample_output(seq, tokenizer, self.error is not None) for seq in self.seqs]
         out = {**samples[0], "prompt_token_ids": self.prompt_token_ids}
+        if self.params.prompt_logprobs is not None:
+            out["prompt_logprobs"] = prompt_logprobs_output(self.seqs[0], tokenizer)
         if len(samples) > 1:
             out["outputs"] = samples
         if self.error is not None:
@@ -132,4 +144,25 @@ def _sample_output(seq: Sequence, tokenizer: PreTrainedTokenizerBase | None, fai
     }
     if params.logprobs is not None:
         out["logprobs"] = [lp._asdict() for lp in seq.logprobs]
+    return out
+
+
+def prompt_logprobs_output(seq: Sequence, tokenizer: PreTrainedTokenizerBase | None) -> list[dict | None]:
+    """vLLM's prompt_logprobs: one entry per prompt token, None for the first (nothing scores it);
+    each a dict token id -> {"logprob", "rank", "decoded_token"} holding the prompt token itself,
+    then the top-N (ranks 1..N). Shorter when the request ended before its prompt was computed
+    (it failed or was aborted)."""
+    decoded: dict[int, str | None] = {}
+
+    def info(token_id: int, logprob: float, rank: int) -> dict:
+        if token_id not in decoded:
+            decoded[token_id] = tokenizer.decode([token_id]) if tokenizer is not None else None
+        return {"logprob": logprob, "rank": rank, "decoded_token": decoded[token_id]}
+
+    out: list[dict | None] = [None]
+    for entry in seq.prompt_logprobs or ():
+        position = {entry.token_id: info(entry.token_id, entry.logprob, entry.rank)}
+        for rank, (token_id, logprob) in enumerate(entry.top_logprobs.items(), 1):
+            position.setdefault(token_id, info(token_id, logprob, rank))
+        out.append(position)
     return out

@@ -47,6 +47,7 @@ class SpeculativeOutput(NamedTuple):
     # Sequences (index into the step's) whose sampling inputs raised: no tokens; the engine fails
     # their requests alone. None: every sequence sampled.
     failed: dict[int, Exception] | None = None
+    prompt_logprobs: list | None = None  # as SamplerOutput's: per sequence, from the target's prefill rows
 
 
 def draft_footprint(config: Config) -> MemoryReserve:
@@ -173,7 +174,7 @@ class SpeculativeRunner:
         logprobs: list[TokenLogprobs | None] = [None] * n
         num_proposed = [len(p) for p in proposals]
         if not step.sample_indices:
-            return SpeculativeOutput(token_ids, logprobs, num_proposed)
+            return SpeculativeOutput(token_ids, logprobs, num_proposed, None, step.prompt_logprobs)
         # The logits hold 1 + proposed rows per sampling sequence, in order.
         plain, plain_rows, spec, spec_rows = [], [], [], []
         row = 0
@@ -197,7 +198,7 @@ class SpeculativeRunner:
         if spec:
             self._verify_proposals(seqs, step.logits[torch.tensor(spec_rows, device=device)], spec, proposals,
                                    token_ids)
-        return SpeculativeOutput(token_ids, logprobs, num_proposed, failed)
+        return SpeculativeOutput(token_ids, logprobs, num_proposed, failed, step.prompt_logprobs)
 
     def _verify_proposals(self, seqs: list[Sequence], logits: torch.Tensor, spec: list[int],
                           proposals: list[list[int]], token_ids: list[list[int]]) -> None:

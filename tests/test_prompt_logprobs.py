@@ -1,0 +1,105 @@
+"""Prompt logprobs (SamplingParams.prompt_logprobs) end to end, offline and over HTTP: every
+prompt position's logprob, rank and top-N equal HF transformers' float32 log-softmax of the same
+prompt, whether the prompt is computed in one pass, in chunks, or after its prefix was cached
+by another request; and /v1/completions' echo with logprobs (max_tokens 0 included) returns them
+as vLLM does."""
+import pytest
+import torch
+
+from helpers import _hf_model, greedy, random_prompts
+from nanovllm import LLM, SamplingParams
+from serving import httpx, server_thread
+
+BLOCK = 16
+TOLERANCE = 1e-4  # float32 end to end; the engine's kernels differ from HF's in summation order only
+TOP = 3
+PROMPT_LENGTHS = [1, 2, 7, 40]  # one token (no logprob at all), within a block, across blocks
+
+
+@torch.inference_mode()
+def hf_prompt_logprobs(path: str, prompt: list[int]) -> torch.Tensor:
+    """HF's float32 log-softmax at every prompt position: [len(prompt), vocab]."""
+    logits = _hf_model(path)(torch.tensor([prompt])).logits[0]
+    return torch.log_softmax(logits.float(), dim=-1)
+
+
+def check_against_hf(path: str, prompt: list[int], prompt_logprobs: list, num_top: int) -> None:
+    """vLLM's shape (None first, then one dict per token) with HF's values."""
+    assert len(prompt_logprobs) == len(prompt) and prompt_logprobs[0] is None
+    expected = hf_prompt_logprobs(path, prompt)
+    for position, entry in enumerate(prompt_logprobs[1:]):
+        reference, token_id = expected[position], prompt[position + 1]
+        own = entry[token_id]
+        assert abs(own["logprob"] - reference[token_id].item()) < TOLERANCE
+        assert own["rank"] == 1 + int((reference > reference[token_id] + TOLERANCE).sum())
+        top_ids = reference.topk(num_top).indices.tolist()
+        others = [t for t in entry if t != token_id]
+        assert set(others) <= set(top_ids) and len(entry) in (num_top, num_top + 1)
+        for t, info in entry.items():
+            assert abs(info["logprob"] - reference[t].item()) < TOLERANCE
+            if t != token_id:
+                assert info["rank"] == top_ids.index(t) + 1
+
+
+def engine(path: str, **kwargs) -> LLM:
+    return LLM(path, device="cpu", kvcache_block_size=BLOCK, **kwargs)
+
+
+@pytest.fixture(scope="module")
+def prompts() -> list[list[int]]:
+    return random_prompts(500, PROMPT_LENGTHS, seed=3)
+
+
+def test_prompt_logprobs_equal_hf(qwen3_tiny, prompts):
+    with engine(qwen3_tiny) as llm:
+        outs = llm.generate(prompts, greedy(2, prompt_logprobs=TOP), use_tqdm=False)
+        plain = llm.generate(prompts, greedy(2), use_tqdm=False)
+    for prompt, out, reference in zip(prompts, outs, plain):
+        check_against_hf(qwen3_tiny, prompt, out["prompt_logprobs"], TOP)
+        assert out["token_ids"] == reference["token_ids"]  # scoring the prompt changes nothing else
+        assert "prompt_logprobs" not in reference
+
+
+def test_prompt_logprobs_with_chunked_prefill(qwen3_tiny, prompts):
+    """A 40-token prompt in chunks of 8 and 9 tokens (with the others in the same steps): each
+    chunk's positions are scored once, gathered in order."""
+    for budget in (8, 9):
+        with engine(qwen3_tiny, max_num_batched_tokens=budget, max_num_seqs=2) as llm:
+            outs = llm.generate(prompts, greedy(2, prompt_logprobs=1), use_tqdm=False)
+        for prompt, out in zip(prompts, outs):
+            check_against_hf(qwen3_tiny, prompt, out["prompt_logprobs"], 1)
+
+
+def test_prompt_logprobs_with_a_cached_prefix(qwen3_tiny, prompts):
+    """The prompt's first blocks are cached by an earlier request: the request asking for prompt
+    logprobs computes them anyway (no hit), and a later one without them still hits."""
+    prompt = prompts[-1]
+    with engine(qwen3_tiny) as llm:
+        first = llm.generate([prompt], greedy(1), use_tqdm=False)[0]
+        scored = llm.generate([prompt], greedy(1, prompt_logprobs=2), use_tqdm=False)[0]
+        again = llm.generate([prompt], greedy(1), use_tqdm=False)[0]
+    assert first["num_cached_tokens"] == 0 and again["num_cached_tokens"] > 0
+    assert scored["num_cached_tokens"] == 0
+    check_against_hf(qwen3_tiny, prompt, scored["prompt_logprobs"], 2)
+
+
+def test_prompt_logprobs_streamed_once_and_with_n(qwen3_tiny, prompts):
+    """add_request's outputs carry them once (with the first token); n > 1 computes them once."""
+    prompt = prompts[2]
+    with engine(qwen3_tiny) as llm:
+        request_id = llm.add_request(prompt, SamplingParams(n=2, max_tokens=3, prompt_logprobs=0, seed=1))
+        carried, final = [], None
+        while final is None:
+            llm.step()
+            out = llm.pop_output(request_id)
+            carried.append(out.prompt_logprobs)
+            final = out.final
+    given = [p for p in carried if p is not None]
+    assert len(given) == 1 and given[0] == final["prompt_logprobs"]
+    check_against_hf(qwen3_tiny, prompt, final["prompt_logprobs"], 0)
+
+
+def test_prompt_logprobs_refused_out_of_range():
+    for bad in (-1, 21, 1.5, True):
+        with pytest.raises(ValueError, match="prompt_logprobs"):
+            SamplingParams(prompt_logprobs=bad)
