@@ -258,7 +258,7 @@ class LLMEngine:
             # way. A sample with a detokenizer reports each new token to its caller (see _step): so
             # every sample of stream() and add_request() does.
             if deltas or params.stop_strings:
-                seq.detokenizer = Detokenizer(self.tokenizer, params)
+                seq.detokenizer = Detokenizer(self.tokenizer, params, token_ids)
             seqs.append(seq)
         return Request(index, token_ids, params, seqs, request_id, inbox)
 

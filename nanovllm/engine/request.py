@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 from transformers import PreTrainedTokenizerBase
 
+from nanovllm.engine.detokenizer import decode_after
 from nanovllm.engine.sequence import Sequence
 from nanovllm.sampling_params import SamplingParams
 
@@ -130,7 +131,7 @@ def _sample_output(seq: Sequence, tokenizer: PreTrainedTokenizerBase | None, fai
         if seq.detokenizer is not None:
             text = seq.detokenizer.final_text()
         elif tokenizer is not None:  # None: skip_tokenizer_init, token ids only
-            text = tokenizer.decode(seq.completion_token_ids, skip_special_tokens=params.skip_special_tokens)
+            text = decode_after(tokenizer, seq.prompt_token_ids, seq.completion_token_ids, params.skip_special_tokens)
     except Exception:
         if not failed:
             raise  # the engine fails the request (LLMEngine._final), which builds this again
