@@ -334,7 +334,9 @@ class LLMEngine:
                 self._fail_request(request, "building it (tokenization, detokenizer)", request.fault)
                 continue
             self.scheduler.add(first)
-            if self.config.enable_prefix_caching:  # the other samples follow once the prompt is cached
+            # The other samples follow once the prompt is computed: so they hit its cached blocks,
+            # and none gets a token before sample 0 has the prompt's logprobs.
+            if self.config.enable_prefix_caching or request.params.prompt_logprobs is not None:
                 first.pending_siblings = others
             else:
                 for seq in others:

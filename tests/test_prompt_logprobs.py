@@ -3,6 +3,8 @@ prompt position's logprob, rank and top-N equal HF transformers' float32 log-sof
 prompt, whether the prompt is computed in one pass, in chunks, or after its prefix was cached
 by another request; and /v1/completions' echo with logprobs (max_tokens 0 included) returns them
 as vLLM does."""
+import json
+
 import pytest
 import torch
 
@@ -103,3 +105,81 @@ def test_prompt_logprobs_refused_out_of_range():
     for bad in (-1, 21, 1.5, True):
         with pytest.raises(ValueError, match="prompt_logprobs"):
             SamplingParams(prompt_logprobs=bad)
+
+
+# ---- over HTTP: /v1/completions ----
+
+@pytest.fixture(scope="module")
+def server(qwen3_tiny):
+    """Chunks of 9 tokens, so the 40-token prompt is scored across chunks over HTTP too."""
+    with server_thread(qwen3_tiny, {"max_num_batched_tokens": 9, "max_num_seqs": 4}) as running:
+        yield running
+
+
+def complete(server, **body) -> httpx.Response:
+    with httpx.Client(base_url=server.base_url, timeout=120) as http:
+        return http.post("/completions", json={"temperature": 0, **body})
+
+
+def check_echoed(path: str, prompt: list[int], logprobs: dict, num_top: int) -> None:
+    """OpenAI's legacy logprobs of an echoed prompt: null first, then HF's logprob of each token,
+    and its top-N (texts) with the token's own."""
+    expected = hf_prompt_logprobs(path, prompt)
+    assert logprobs["token_logprobs"][0] is None and logprobs["top_logprobs"][0] is None
+    for position, token_id in enumerate(prompt[1:]):
+        assert abs(logprobs["token_logprobs"][position + 1] - expected[position][token_id].item()) < TOLERANCE
+        top = logprobs["top_logprobs"][position + 1]
+        assert len(top) <= num_top + 1
+        assert max(top.values()) == pytest.approx(expected[position].max().item(), abs=TOLERANCE)
+
+
+def test_echo_with_logprobs_scores_the_prompt(server, qwen3_tiny, prompts):
+    prompt = prompts[-1]
+    for _ in range(2):  # the second time its blocks are cached: it is scored anyway
+        response = complete(server, prompt=prompt, max_tokens=3, logprobs=2, echo=True, ignore_eos=True)
+        assert response.status_code == 200, response.text
+        choice = response.json()["choices"][0]
+        logprobs = choice["logprobs"]
+        assert len(logprobs["tokens"]) == len(prompt) + 3
+        check_echoed(qwen3_tiny, prompt, logprobs, 2)
+        assert all(lp is not None for lp in logprobs["token_logprobs"][len(prompt):])  # the completion's
+        assert choice["text"].startswith("".join(logprobs["tokens"][:len(prompt)]))  # the echoed prompt
+        assert logprobs["text_offset"] == [sum(map(len, logprobs["tokens"][:k])) for k in range(len(prompt) + 3)]
+
+
+def test_echo_with_max_tokens_0_returns_the_prompt_alone(server, qwen3_tiny, prompts):
+    prompt = prompts[2]
+    plain = complete(server, prompt=prompt, max_tokens=0, logprobs=1, echo=True).json()
+    streamed = []
+    with httpx.Client(base_url=server.base_url, timeout=120) as http:
+        with http.stream("POST", "/completions", json={"prompt": prompt, "max_tokens": 0, "logprobs": 1, "echo": True,
+                                                       "temperature": 0, "stream": True}) as response:
+            for line in response.iter_lines():
+                if line.startswith("data: {"):
+                    streamed.extend(json.loads(line[6:])["choices"])
+    for choice in (plain["choices"][0], streamed[0]):
+        assert len(choice["logprobs"]["tokens"]) == len(prompt)
+        check_echoed(qwen3_tiny, prompt, choice["logprobs"], 1)
+        assert choice["text"] == "".join(choice["logprobs"]["tokens"])
+    assert plain["choices"][0]["finish_reason"] == "length" and plain["usage"]["completion_tokens"] == 0
+    assert [c["text"] for c in streamed[1:]] in ([], [""])  # at most the finish, with no token
+    refused = complete(server, prompt=prompt, max_tokens=0)
+    assert refused.status_code == 400 and refused.json()["error"]["param"] == "max_tokens"
+
+
+def test_prompt_logprobs_field_equals_offline(server, qwen3_tiny, prompts):
+    """vLLM's prompt_logprobs request field: the choice's prompt_logprobs are the offline ones."""
+    prompt = prompts[-1]
+    with engine(qwen3_tiny) as llm:
+        expected = llm.generate([prompt], greedy(2, prompt_logprobs=2), use_tqdm=False)[0]["prompt_logprobs"]
+    choice = complete(server, prompt=prompt, max_tokens=2, prompt_logprobs=2).json()["choices"][0]
+    assert choice["logprobs"] is None and choice["prompt_logprobs"][0] is None
+    got = [{int(t): info for t, info in entry.items()} for entry in choice["prompt_logprobs"][1:]]
+    assert len(got) == len(expected) - 1
+    for entry, reference in zip(got, expected[1:]):
+        assert entry.keys() == reference.keys()
+        for token_id, info in entry.items():
+            assert info["rank"] == reference[token_id]["rank"]
+            assert info["decoded_token"] == reference[token_id]["decoded_token"]
+            assert info["logprob"] == pytest.approx(reference[token_id]["logprob"], abs=TOLERANCE)
+    check_against_hf(qwen3_tiny, prompt, [None] + got, 2)

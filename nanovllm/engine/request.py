@@ -103,7 +103,7 @@ class Request:
         prompt_logprobs = None
         first = self.seqs[0]
         if first.prompt_logprobs is not None and not self.prompt_logprobs_handed and samples and (
-                first.num_completion_tokens or first.is_finished):
+                not first.needs_prompt_logprobs or finished):
             self.prompt_logprobs_handed = True
             prompt_logprobs = prompt_logprobs_output(first, tokenizer)
         return RequestOutput(self.request_id, self.prompt_token_ids, samples, finished, final,
