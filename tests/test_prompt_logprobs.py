@@ -62,11 +62,15 @@ def test_prompt_logprobs_equal_hf(qwen3_tiny, prompts):
         assert "prompt_logprobs" not in reference
 
 
-def test_prompt_logprobs_with_chunked_prefill(qwen3_tiny, prompts):
+@pytest.mark.parametrize("loop", [{}, {"async_scheduling": "on"}, {"speculative_config": {"method": "ngram",
+                                                                                         "num_speculative_tokens": 2}}],
+                         ids=["plain", "async", "speculative"])
+def test_prompt_logprobs_with_chunked_prefill(qwen3_tiny, prompts, loop):
     """A 40-token prompt in chunks of 8 and 9 tokens (with the others in the same steps): each
-    chunk's positions are scored once, gathered in order."""
+    chunk's positions are scored once, gathered in order; so too when the step's tokens resolve
+    a step later (async scheduling) and through the speculative runner."""
     for budget in (8, 9):
-        with engine(qwen3_tiny, max_num_batched_tokens=budget, max_num_seqs=2) as llm:
+        with engine(qwen3_tiny, max_num_batched_tokens=budget, max_num_seqs=2, **loop) as llm:
             outs = llm.generate(prompts, greedy(2, prompt_logprobs=1), use_tqdm=False)
         for prompt, out in zip(prompts, outs):
             check_against_hf(qwen3_tiny, prompt, out["prompt_logprobs"], 1)
