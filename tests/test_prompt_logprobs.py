@@ -63,12 +63,14 @@ def test_prompt_logprobs_equal_hf(qwen3_tiny, prompts):
 
 
 @pytest.mark.parametrize("loop", [{}, {"async_scheduling": "on"}, {"speculative_config": {"method": "ngram",
-                                                                                         "num_speculative_tokens": 2}}],
-                         ids=["plain", "async", "speculative"])
+                                                                                         "num_speculative_tokens": 2}},
+                                  {"tensor_parallel_size": 2}],
+                         ids=["plain", "async", "speculative", "tensor_parallel"])
 def test_prompt_logprobs_with_chunked_prefill(qwen3_tiny, prompts, loop):
     """A 40-token prompt in chunks of 8 and 9 tokens (with the others in the same steps): each
     chunk's positions are scored once, gathered in order; so too when the step's tokens resolve
-    a step later (async scheduling) and through the speculative runner."""
+    a step later (async scheduling), through the speculative runner, and with the LM head split
+    across two ranks (its gather a collective every rank joins)."""
     for budget in (8, 9):
         with engine(qwen3_tiny, max_num_batched_tokens=budget, max_num_seqs=2, **loop) as llm:
             outs = llm.generate(prompts, greedy(2, prompt_logprobs=1), use_tqdm=False)
@@ -187,3 +189,19 @@ def test_prompt_logprobs_field_equals_offline(server, qwen3_tiny, prompts):
             assert info["decoded_token"] == reference[token_id]["decoded_token"]
             assert info["logprob"] == pytest.approx(reference[token_id]["logprob"], abs=TOLERANCE)
     check_against_hf(qwen3_tiny, prompt, [None] + got, 2)
+
+
+def test_chat_prompt_logprobs(server, qwen3_tiny):
+    """Chat's prompt_logprobs (vLLM's top-level field) score the rendered conversation; with
+    stream=true they are refused, as vLLM refuses them."""
+    messages = [{"role": "user", "content": "The cache is split into blocks."}]
+    with httpx.Client(base_url=server.base_url, timeout=120) as http:
+        body = {"messages": messages, "max_tokens": 2, "temperature": 0, "prompt_logprobs": 1}
+        response = http.post("/chat/completions", json=body).json()
+        refused = http.post("/chat/completions", json={**body, "stream": True})
+    with engine(qwen3_tiny) as llm:
+        expected = llm.chat(messages, greedy(2, prompt_logprobs=1), use_tqdm=False)[0]
+    prompt = expected["prompt_token_ids"]
+    got = [None] + [{int(t): info for t, info in entry.items()} for entry in response["prompt_logprobs"][1:]]
+    check_against_hf(qwen3_tiny, prompt, got, 1)
+    assert refused.status_code == 400 and refused.json()["error"]["param"] == "prompt_logprobs"
