@@ -111,14 +111,14 @@ def test_streams_and_the_online_api(qwen3_tiny):
     assert all(t >= 0 for t in seen)
     assert llm.abort(doomed)
     final = llm.pop_output(doomed)
-    assert final.finished and final.final["finish_reason"] == "abort"
-    popped = len(final.final["token_ids"])
+    assert final.finished and final.final.outputs[0].finish_reason == "abort"
+    popped = len(final.final.outputs[0].token_ids)
     while not llm.is_finished():
         llm.step()
     result = llm.pop_output(keep)
     while not result.finished:
         result = llm.pop_output(keep)
-    assert result.final["token_ids"] == plain[0]["token_ids"]
+    assert result.final.outputs[0].token_ids == plain[0]["token_ids"]
     assert popped < 12
 
 

@@ -103,8 +103,8 @@ def test_prompt_logprobs_streamed_once_and_with_n(qwen3_tiny, prompts):
             carried.append(out.prompt_logprobs)
             final = out.final
     given = [p for p in carried if p is not None]
-    assert len(given) == 1 and given[0] == final["prompt_logprobs"]
-    check_against_hf(qwen3_tiny, prompt, final["prompt_logprobs"], 0)
+    assert len(given) == 1 and given[0] == final.prompt_logprobs
+    check_against_hf(qwen3_tiny, prompt, final.prompt_logprobs, 0)
 
 
 def test_prompt_logprobs_refused_out_of_range():

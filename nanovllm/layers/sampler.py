@@ -42,9 +42,6 @@ class SamplerOutput(NamedTuple):
     # Sequences (index into the step's) whose sampling inputs raised: no real token; the engine
     # fails their requests alone. None: every row sampled.
     failed: dict[int, Exception] | None = None
-    # Per sequence of the step, its prompt logprobs from this step (runner/prompt_logprobs.py's
-    # PromptLogprobs) or None; None when no sequence asked.
-    prompt_logprobs: list | None = None
 
 
 # The pipeline's temperature step, compiled with the engine's compile mode (the torch path only:
