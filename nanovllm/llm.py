@@ -107,8 +107,8 @@ class LLM(LLMEngine):
                         del unfinished[request_id]
                         pbar.update(1)
                 if use_tqdm:
-                    pbar.set_postfix({"Prefill": f"{int(self._prefill_tps)}tok/s",
-                                      "Decode": f"{int(self._decode_tps)}tok/s"})
+                    pbar.set_postfix({"Prefill": f"{int(self.core.prefill_tps)}tok/s",
+                                      "Decode": f"{int(self.core.decode_tps)}tok/s"})
             return [to_nanovllm_dict(self._table.final(r)) for r in requests]
         finally:
             pbar.close()

@@ -107,7 +107,7 @@ def test_streams_and_the_online_api(qwen3_tiny):
         for request_id in llm.step().request_ids:
             out = llm.pop_output(request_id)
             seen += [t for s in out.samples for t in s.token_ids]
-    assert llm._in_flight is not None  # the loop really runs a step ahead
+    assert llm.core.in_flight is not None  # the loop really runs a step ahead
     assert all(t >= 0 for t in seen)
     assert llm.abort(doomed)
     final = llm.pop_output(doomed)

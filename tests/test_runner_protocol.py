@@ -15,8 +15,8 @@ from nanovllm.runner.protocol import OverlappedRunner, Runner, RunnerOutput
 from nanovllm.runner.speculative import SpeculativeRunner
 from nanovllm.runner.tensor_parallel import TensorParallelRunner
 
-LOOP = Path(__file__).resolve().parents[1] / "nanovllm" / "llm_engine.py"
-STEP_FUNCTIONS = ("step", "_step", "_run_step", "_drain", "_resolve", "_report", "_no_tokens")
+LOOP = Path(__file__).resolve().parents[1] / "nanovllm" / "engine_core.py"
+STEP_FUNCTIONS = ("step", "_run_step", "drain", "_resolve", "_report", "_no_tokens")
 NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
 
 
@@ -62,7 +62,7 @@ def test_the_step_functions_never_branch_on_speculation():
     assert set(STEP_FUNCTIONS) <= set(functions)
     for name in STEP_FUNCTIONS:
         text = ast.unparse(functions[name])
-        assert "speculat" not in text, f"LLMEngine.{name} mentions speculation"
+        assert "speculat" not in text, f"EngineCore.{name} mentions speculation"
     assert not hasattr(Scheduler, "postprocess_speculative")
 
 
