@@ -5,6 +5,8 @@ of prompt and output decoded together; the non-streamed text is the same as the 
 no delta ends in a character still incomplete (U+FFFD) before the end, and a token whose text is
 complete gives exactly one delta. End to end, an engine whose checkpoint has the SentencePiece
 tokenizer streams and returns its first token's leading space."""
+import json
+
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -13,6 +15,7 @@ from transformers import AutoTokenizer
 from helpers import greedy
 from nanovllm import LLM, SamplingParams
 from nanovllm.engine.detokenizer import REPLACEMENT_CHAR, Detokenizer, decode_after
+from serving import httpx, server_thread
 from tokenizer_families import FAMILIES, NON_ASCII, build_family_tokenizer, with_tokenizer
 
 # Prompt text: ASCII words and punctuation, the corpus' non-ASCII characters, and characters no
@@ -128,3 +131,22 @@ def test_engine_keeps_the_first_tokens_leading_space(sentencepiece_checkpoint):
     whole = tokenizer.decode(prompt + out["token_ids"])
     assert out["text"].startswith(" ") and tokenizer.decode(prompt) + out["text"] == whole
     assert "".join(deltas) == out["text"] and len([d for d in deltas if d]) == len(out["token_ids"])
+
+
+def test_server_keeps_the_first_tokens_leading_space(sentencepiece_checkpoint):
+    """The same over HTTP: /v1/completions' text, streamed or not, is the completion as decoded
+    after the prompt (" t..." where decoding it alone gives "t...")."""
+    tokenizer = AutoTokenizer.from_pretrained(sentencepiece_checkpoint)
+    spaced = next(t for t in range(len(tokenizer)) if tokenizer.convert_ids_to_tokens(t).startswith("\u2581")
+                  and len(tokenizer.convert_ids_to_tokens(t)) > 1)
+    body = {"prompt": "the cache is", "max_tokens": 6, "temperature": 0, "logit_bias": {str(spaced): 100},
+            "ignore_eos": True}
+    with server_thread(sentencepiece_checkpoint) as server, httpx.Client(base_url=server.base_url, timeout=120) as http:
+        text = http.post("/completions", json=body).json()["choices"][0]["text"]
+        deltas = []
+        with http.stream("POST", "/completions", json={**body, "stream": True}) as response:
+            for line in response.iter_lines():
+                if line.startswith("data: {"):
+                    deltas += [c["text"] for c in json.loads(line[6:])["choices"]]
+    assert text.startswith(" ") and text == "".join(deltas)
+    assert len([d for d in deltas if d]) == body["max_tokens"]  # one delta per token
