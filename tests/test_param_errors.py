@@ -123,3 +123,26 @@ def test_server_400_carries_the_param_error_field_and_message(server):
         assert error["param"] == param and error["type"] == "invalid_request_error", (body, error)
         if expected is not None:
             assert error["message"] == str(expected)
+
+
+@pytest.mark.parametrize("case,param", [
+    (dict(prompt=[1, 2, 10**9]), "prompt"),
+    (dict(prompt=[]), "prompt"),
+    (dict(prompt=list(range(1, 600))), "prompt"),  # longer than max_model_len
+    (dict(params=SamplingParams(max_tokens=10_000)), "max_tokens"),  # more KV blocks than the whole cache
+    (dict(request_id=""), "request_id"),
+    (dict(priority="high"), "priority"),
+    (dict(params="greedy"), "sampling_params"),
+])
+def test_the_engines_request_checks_are_param_errors(qwen3_tiny, case, param):
+    """The request builder's own refusals name their field too, so the server's param needs no guess."""
+    from nanovllm import LLM
+    llm = LLM(qwen3_tiny, device="cpu", max_model_len=512, kvcache_block_size=16, num_kvcache_blocks=20)
+    try:
+        with pytest.raises(ParamError) as refused:
+            llm.add_request(case.get("prompt", [1, 2, 3]), case.get("params", SamplingParams()),
+                            request_id=case.get("request_id"), priority=case.get("priority", 0))
+        assert refused.value.param == param
+        assert not llm._requests  # nothing was queued
+    finally:
+        llm.exit()

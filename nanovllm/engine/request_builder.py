@@ -20,7 +20,7 @@ from nanovllm.engine.request import Request
 from nanovllm.engine.sequence import Sequence, SequenceStatus
 from nanovllm.sampling_params import SamplingParams
 from nanovllm.utils.math_utils import cdiv
-from nanovllm.utils.validation import first_surrogate, is_int, shown
+from nanovllm.utils.validation import ParamError, first_surrogate, is_int, shown
 
 Prompt = str | list[int]
 
@@ -30,12 +30,12 @@ def encode_text(tokenizer: PreTrainedTokenizerBase, text: str, name: str, **kwar
     are refused, not replaced, and any tokenizer error is a ValueError naming the field."""
     bad = first_surrogate(text)
     if bad is not None:
-        raise ValueError(f"{name} has a lone surrogate (U+{ord(text[bad]):04X}) at index {bad}; {name} must be "
+        raise ParamError(name, f"{name} has a lone surrogate (U+{ord(text[bad]):04X}) at index {bad}; {name} must be "
                          "valid Unicode text")
     try:
         return tokenizer.encode(text, **kwargs)
     except Exception as exc:
-        raise ValueError(f"{name}={shown(text)} could not be tokenized; {name} must be text the tokenizer "
+        raise ParamError(name, f"{name}={shown(text)} could not be tokenized; {name} must be text the tokenizer "
                          "accepts") from exc
 
 
@@ -60,22 +60,22 @@ class RequestBuilder:
         ValueError. With `deltas`, every sample detokenizes as it goes (for stream() and
         pop_output()). `live`: the request ids in use, which a given id must not repeat."""
         if not isinstance(prompts, (list, tuple)):
-            raise ValueError(f"prompts={prompts!r:.80} is not allowed; prompts must be a list of str or of token-id lists")
+            raise ParamError("prompt", f"prompts={prompts!r:.80} is not allowed; prompts must be a list of str or of token-id lists")
         if isinstance(sampling_params, (list, tuple)):
             if len(sampling_params) != len(prompts):
-                raise ValueError(f"sampling_params has {len(sampling_params)} entries for {len(prompts)} prompts; "
+                raise ParamError("sampling_params", f"sampling_params has {len(sampling_params)} entries for {len(prompts)} prompts; "
                                  "give one per prompt or a single SamplingParams")
         else:
             sampling_params = [sampling_params] * len(prompts)
         if priority is None:
             priority = [0] * len(prompts)
         elif not isinstance(priority, (list, tuple)) or len(priority) != len(prompts):
-            raise ValueError(f"priority={priority!r:.80} is not allowed; give a list of one int per prompt "
+            raise ParamError("priority", f"priority={priority!r:.80} is not allowed; give a list of one int per prompt "
                              f"({len(prompts)}), or None for all 0")
         if request_ids is None:
             request_ids = [None] * len(prompts)
         elif not isinstance(request_ids, (list, tuple)) or len(request_ids) != len(prompts):
-            raise ValueError(f"request_ids={request_ids!r:.80} is not allowed; give a list of one id (a str, or None "
+            raise ParamError("request_ids", f"request_ids={request_ids!r:.80} is not allowed; give a list of one id (a str, or None "
                              f"for a new one) per prompt ({len(prompts)}), or None")
         requests, taken = [], set()
         for i, (prompt, params, pr, request_id) in enumerate(zip(prompts, sampling_params, priority, request_ids)):
@@ -93,9 +93,9 @@ class RequestBuilder:
         if request_id is None:
             return
         if not isinstance(request_id, str) or not request_id:
-            raise ValueError(f"request_id={request_id!r} is not allowed; it must be None or a non-empty str")
+            raise ParamError("request_id", f"request_id={request_id!r} is not allowed; it must be None or a non-empty str")
         if request_id in live or request_id in taken:
-            raise ValueError(f"request_id={request_id!r} is already a live request; request ids must be unique")
+            raise ParamError("request_id", f"request_id={request_id!r} is already a live request; request ids must be unique")
         taken.add(request_id)
 
     def build(self, index: int, prompt: Prompt, params: SamplingParams, inbox: dict[str, None],
@@ -121,36 +121,36 @@ class RequestBuilder:
               deltas: bool, request_id: str | None, priority: int) -> Request:
         """Check one prompt and build its sequences."""
         if not isinstance(priority, int) or isinstance(priority, bool):
-            raise ValueError(f"priority={priority!r} is not allowed; a priority must be an int (lower runs first)")
+            raise ParamError("priority", f"priority={priority!r} is not allowed; a priority must be an int (lower runs first)")
         if not isinstance(params, SamplingParams):
-            raise ValueError(f"sampling_params={params!r} is not allowed; it must be a SamplingParams")
+            raise ParamError("sampling_params", f"sampling_params={params!r} is not allowed; it must be a SamplingParams")
         if isinstance(prompt, str):
             if self.tokenizer is None:
-                raise ValueError(f"prompt={prompt!r:.80} is a string, but this engine has no tokenizer "
+                raise ParamError("prompt", f"prompt={prompt!r:.80} is a string, but this engine has no tokenizer "
                                  "(skip_tokenizer_init=True); give each prompt as a list of token ids")
             token_ids = encode_text(self.tokenizer, prompt, "prompt")
         elif isinstance(prompt, (list, tuple)) and all(is_int(t) for t in prompt):
             token_ids = list(prompt)
         else:
-            raise ValueError(f"prompt={prompt!r:.80} is not allowed; a prompt must be a str or a list of int token ids")
+            raise ParamError("prompt", f"prompt={prompt!r:.80} is not allowed; a prompt must be a str or a list of int token ids")
         if not token_ids:
-            raise ValueError(f"prompt={prompt!r} is empty; a prompt needs at least one token")
+            raise ParamError("prompt", f"prompt={prompt!r} is empty; a prompt needs at least one token")
         bad = next((t for t in token_ids if not 0 <= t < self.vocab_size), None)
         if bad is not None:
-            raise ValueError(f"prompt token id {bad} is outside the vocabulary; token ids must be in "
+            raise ParamError("prompt", f"prompt token id {bad} is outside the vocabulary; token ids must be in "
                              f"[0, {self.vocab_size})")
         if params.stop_strings and self.tokenizer is None:
-            raise ValueError(f"stop={list(params.stop_strings)!r} needs a tokenizer to find the strings in the text, "
+            raise ParamError("stop", f"stop={list(params.stop_strings)!r} needs a tokenizer to find the strings in the text, "
                              "but this engine has none (skip_tokenizer_init=True); use stop_token_ids instead")
         params.check_vocabulary(self.vocab_size)
         max_len = self.max_model_len
         if len(token_ids) > max_len:
-            raise ValueError(f"prompt length {len(token_ids)} is longer than max_model_len={max_len}")
+            raise ParamError("prompt", f"prompt length {len(token_ids)} is longer than max_model_len={max_len}")
         # The longest this sequence can grow must fit in the whole cache, or it could never run.
         bs = self.block_size
         needed = cdiv(min(len(token_ids) + params.max_tokens, max_len), bs)
         if needed > self.num_blocks:
-            raise ValueError(f"a request of {len(token_ids)} prompt tokens and max_tokens={params.max_tokens} "
+            raise ParamError("max_tokens", f"a request of {len(token_ids)} prompt tokens and max_tokens={params.max_tokens} "
                              f"needs {needed} KV blocks of {bs} tokens, more than the whole cache "
                              f"({self.num_blocks} blocks); shorten it or enlarge the cache")
         seqs = []
@@ -171,21 +171,21 @@ class RequestBuilder:
         """One conversation (a list of {"role", "content"} dicts) or a list of them, checked and
         rendered by the tokenizer's chat template, as token ids."""
         if self.tokenizer is None:
-            raise ValueError("chat() needs the tokenizer's chat template, but this engine has no tokenizer "
+            raise ParamError("messages", "chat() needs the tokenizer's chat template, but this engine has no tokenizer "
                              "(skip_tokenizer_init=True); render the conversation yourself and call generate() "
                              "with token ids")
         if not isinstance(messages, list) or not messages:
-            raise ValueError("messages must be a non-empty list of {'role', 'content'} dicts, or a list of such lists")
+            raise ParamError("messages", "messages must be a non-empty list of {'role', 'content'} dicts, or a list of such lists")
         conversations = [messages] if isinstance(messages[0], dict) else messages
         for conversation in conversations:
             if not isinstance(conversation, list) or not all(
                     isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
                     for m in conversation):
-                raise ValueError(f"conversation {conversation!r:.80} is not allowed; "
+                raise ParamError("messages", f"conversation {conversation!r:.80} is not allowed; "
                                  "it must be a list of {'role': str, 'content': str} dicts")
             for m in conversation:
                 bad = first_surrogate(m["role"] + m["content"])
                 if bad is not None:
-                    raise ValueError(f"messages has a lone surrogate in {m!r:.80}; messages must be valid "
+                    raise ParamError("messages", f"messages has a lone surrogate in {m!r:.80}; messages must be valid "
                                      "Unicode text")
         return [render_chat(self.tokenizer, c, options) for c in conversations]
