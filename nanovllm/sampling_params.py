@@ -90,6 +90,9 @@ class SamplingParams:
     skip_special_tokens: bool = True  # leave special tokens out of the text
     # token id -> a value in [-100, 100] added to its logit before anything else (OpenAI's logit_bias)
     logit_bias: dict[int, float] | None = None
+    # top-N logprobs of every prompt token after the first (the token's own too, with its rank), as
+    # vLLM's prompt_logprobs; the prompt then computes in full (no prefix-cache hit) until they are all in
+    prompt_logprobs: int | None = None
 
     def __post_init__(self) -> None:
         require(is_int(self.n) and 1 <= self.n <= MAX_N, "n", self.n, f"an integer in [1, {MAX_N}]")
@@ -123,6 +126,9 @@ class SamplingParams:
                 f"an integer in [0, max_tokens={self.max_tokens}]")
         require(self.logprobs is None or (is_int(self.logprobs) and 0 <= self.logprobs <= MAX_LOGPROBS),
                 "logprobs", self.logprobs, f"None or an integer in [0, {MAX_LOGPROBS}]")
+        require(self.prompt_logprobs is None or (is_int(self.prompt_logprobs) and
+                                                 0 <= self.prompt_logprobs <= MAX_LOGPROBS),
+                "prompt_logprobs", self.prompt_logprobs, f"None or an integer in [0, {MAX_LOGPROBS}]")
         require(is_number(self.repetition_penalty) and
                 MIN_REPETITION_PENALTY <= self.repetition_penalty <= MAX_REPETITION_PENALTY, "repetition_penalty",
                 self.repetition_penalty, f"a number in [{MIN_REPETITION_PENALTY}, {MAX_REPETITION_PENALTY}] (1 = off)")

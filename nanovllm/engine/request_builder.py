@@ -157,11 +157,13 @@ class RequestBuilder:
         for i in range(params.n):
             seq = Sequence(next(self._seq_ids), token_ids, params, bs, priority=priority)
             seq.seed = None if params.seed is None else params.seed + i
+            if i > 0:  # the prompt's logprobs are the request's: sample 0 computes them
+                seq.prompt_logprobs = None
             # generate() decodes a sample's text once, at the end, unless stop strings need it on the
             # way. A sample with a detokenizer reports each new token to its caller (LLMEngine._report):
             # so every sample of stream() and add_requests() does.
             if deltas or params.stop_strings:
-                seq.detokenizer = Detokenizer(self.tokenizer, params)
+                seq.detokenizer = Detokenizer(self.tokenizer, params, token_ids)
             seqs.append(seq)
         return Request(index, token_ids, params, seqs, request_id, inbox, prompt if isinstance(prompt, str) else None)
 

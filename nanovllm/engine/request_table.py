@@ -63,7 +63,9 @@ class RequestTable:
                 self.fail(request, BUILDING, request.fault)
                 continue
             self.scheduler.add(first)
-            if self.enable_prefix_caching:  # the other samples follow once the prompt is cached
+            # The other samples follow once the prompt is computed: so they hit its cached blocks,
+            # and none gets a token before sample 0 has the prompt's logprobs.
+            if self.enable_prefix_caching or request.params.prompt_logprobs is not None:
                 first.pending_siblings = others
             else:
                 for seq in others:

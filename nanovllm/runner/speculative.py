@@ -164,7 +164,7 @@ class SpeculativeRunner:
         logprobs: list[TokenLogprobs | None] = [None] * n
         num_proposed = [len(p) for p in proposals]
         if not step.sample_indices:
-            return RunnerOutput(token_ids, logprobs, None, accepted, num_proposed)
+            return RunnerOutput(token_ids, logprobs, None, accepted, num_proposed, step.prompt_logprobs)
         # The logits hold 1 + proposed rows per sampling sequence, in order.
         plain, plain_rows, spec, spec_rows = [], [], [], []
         row = 0
@@ -188,7 +188,7 @@ class SpeculativeRunner:
         if spec:
             self._verify_proposals(seqs, step.logits[torch.tensor(spec_rows, device=device)], spec, proposals,
                                    token_ids, accepted)
-        return RunnerOutput(token_ids, logprobs, failed, accepted, num_proposed)
+        return RunnerOutput(token_ids, logprobs, failed, accepted, num_proposed, step.prompt_logprobs)
 
     def _verify_proposals(self, seqs: list[Sequence], logits: torch.Tensor, spec: list[int],
                           proposals: list[list[int]], token_ids: list[int], accepted: list[list[int]]) -> None:

@@ -313,10 +313,24 @@ def _completion_logprobs(tokenizer: PreTrainedTokenizerBase, token_ids: list[int
             top.append(None)
             continue
         token_logprobs.append(entry["logprob"])
-        alternatives = {_token_text(tokenizer, t): lp for t, lp in entry["top_logprobs"].items()}
+        alternatives: dict[str, float] = {}
+        for t, lp in entry["top_logprobs"].items():  # most likely first: of tokens with one text, it stays
+            alternatives.setdefault(_token_text(tokenizer, t), lp)
         alternatives.setdefault(text, entry["logprob"])
         top.append(alternatives)
     return CompletionLogprobs(tokens=tokens, token_logprobs=token_logprobs, top_logprobs=top, text_offset=offsets)
+
+
+def _echoed_entries(prompt_token_ids: list[int], prompt_logprobs: list[dict | None] | None) -> list[dict | None]:
+    """An echoed prompt's entries for _completion_logprobs: None for the first token (and for every
+    token when the prompt has no logprobs), else the token's logprob and its top alternatives."""
+    if prompt_logprobs is None:
+        return [None] * len(prompt_token_ids)
+    entries: list[dict | None] = [None]
+    for token_id, position in zip(prompt_token_ids[1:], prompt_logprobs[1:]):
+        top = sorted(position.items(), key=lambda item: -item[1]["logprob"])  # most likely first
+        entries.append({"logprob": position[token_id]["logprob"], "top_logprobs": {t: info["logprob"] for t, info in top}})
+    return entries
 
 
 def _chat_logprobs(tokenizer: PreTrainedTokenizerBase, entries: list[dict]) -> ChatLogprobs:
@@ -339,6 +353,8 @@ async def create_completion(body: CompletionRequest, request: Request) -> Respon
     _check_model(request, body.model)
     prompts = body.prompts()
     requested = body.max_tokens if "max_tokens" in body.model_fields_set else None
+    if requested == 0:  # echo alone (to_sampling_params refuses it otherwise): one token is run, then dropped
+        requested = 1
     try:
         params = body.to_sampling_params()
         prompt_ids = await _in_prompt_thread(request, _encode, prompts, body.add_special_tokens)
@@ -369,20 +385,25 @@ async def _completion_response(state, body: CompletionRequest, params: SamplingP
     _check_finals(state, finals, request_id)
     tokenizer = state.tokenizer
     choices = []
+    echo_only = body.echo_only  # the one token sampled is dropped: the prompt alone
     for i, final in enumerate(finals):
         prompt_text = _prompt_text(tokenizer, prompts[i]) if body.echo else ""
         for j, sample in enumerate(final.outputs):
             logprobs = None
+            ids, text = ([], "") if echo_only else (sample.token_ids, sample.text)
             if params.logprobs is not None:
-                ids, entries = sample.token_ids, list(sample.logprobs)
+                entries = [] if echo_only else list(sample.logprobs)
                 if body.echo:
-                    ids, entries = final.prompt_token_ids + ids, [None] * len(final.prompt_token_ids) + entries
+                    prompt_ids = final.prompt_token_ids
+                    ids, entries = prompt_ids + ids, _echoed_entries(prompt_ids, final.prompt_logprobs) + entries
                 logprobs = _completion_logprobs(tokenizer, ids, entries, 0)
-            choices.append(CompletionChoice(index=i * params.n + j, text=prompt_text + sample.text,
-                                            logprobs=logprobs, finish_reason=sample.finish_reason,
-                                            stop_reason=sample.stop_reason))
+            choices.append(CompletionChoice(
+                index=i * params.n + j, text=prompt_text + text, logprobs=logprobs,
+                finish_reason="length" if echo_only else sample.finish_reason,
+                stop_reason=None if echo_only else sample.stop_reason,
+                prompt_logprobs=final.prompt_logprobs if body.prompt_logprobs is not None else None))
     usage = _usage(sum(len(f.prompt_token_ids) for f in finals),
-                   sum(len(s.token_ids) for f in finals for s in f.outputs))
+                   0 if echo_only else sum(len(s.token_ids) for f in finals for s in f.outputs))
     response = CompletionResponse(id=request_id, model=state.settings.model_name, choices=choices, usage=usage)
     return JSONResponse(response.model_dump())
 
@@ -392,32 +413,41 @@ async def _completion_events(state, body: CompletionRequest, params: SamplingPar
     tokenizer, model = state.tokenizer, state.settings.model_name
     offsets: dict[int, int] = {}  # choice index -> characters sent so far (for logprobs' text_offset)
     prompt_tokens: dict[int, int] = {}
+    prompt_logprobs: dict[int, list] = {}  # prompt index -> its prompt logprobs, once they came
     completion_tokens = 0
+    echo_only = body.echo_only  # the one token sampled is dropped: the prompt alone
     error = None  # the engine's message, if it failed one of the prompts
     try:
         async for output in submission:
             error = error or output.error
             i = submission.index(output.request_id)
             prompt_tokens[i] = len(output.prompt_token_ids)
+            if output.prompt_logprobs is not None:  # with the first token (sample 0's is never behind)
+                prompt_logprobs[i] = output.prompt_logprobs
             for sample in output.samples:
                 choice = i * params.n + sample.index
                 text, ids, entries = sample.text, sample.token_ids, list(sample.logprobs)
+                if echo_only:
+                    text, ids, entries = "", [], []
                 completion_tokens += len(ids)
-                if choice not in offsets:  # the first chunk of this choice
+                first_chunk = choice not in offsets
+                if first_chunk:
                     offsets[choice] = 0
                     if body.echo:
                         text = _prompt_text(tokenizer, prompts[i]) + text
                         ids = output.prompt_token_ids + ids
-                        entries = [None] * len(output.prompt_token_ids) + entries
+                        entries = _echoed_entries(output.prompt_token_ids, prompt_logprobs.get(i)) + entries
                 logprobs = None
                 if params.logprobs is not None and ids:
                     logprobs = _completion_logprobs(tokenizer, ids, entries, offsets[choice])
                 offsets[choice] += len(text)
                 if not (text or logprobs or sample.finished):
                     continue  # text held back (a partial character or a possible stop string)
-                chunk = CompletionChoice(index=choice, text=text, logprobs=logprobs,
-                                         finish_reason=sample.finish_reason if sample.finished else None,
-                                         stop_reason=sample.stop_reason if sample.finished else None)
+                finish_reason = ("length" if echo_only else sample.finish_reason) if sample.finished else None
+                chunk = CompletionChoice(index=choice, text=text, logprobs=logprobs, finish_reason=finish_reason,
+                                         stop_reason=sample.stop_reason if sample.finished and not echo_only else None,
+                                         prompt_logprobs=prompt_logprobs.get(i) if first_chunk and
+                                         body.prompt_logprobs is not None else None)
                 yield _sse(CompletionResponse(id=request_id, model=model, choices=[chunk]),
                            with_usage=body.include_usage)
         if error is not None:
@@ -528,7 +558,8 @@ async def _chat_response(state, body: ChatCompletionRequest, params: SamplingPar
                                             logprobs=logprobs, finish_reason=sample.finish_reason,
                                             stop_reason=sample.stop_reason))
     usage = _usage(len(final.prompt_token_ids), sum(len(s.token_ids) for s in final.outputs))
-    response = ChatCompletionResponse(id=request_id, model=state.settings.model_name, choices=choices, usage=usage)
+    response = ChatCompletionResponse(id=request_id, model=state.settings.model_name, choices=choices, usage=usage,
+                                      prompt_logprobs=final.prompt_logprobs)
     return JSONResponse(response.model_dump())
 
 

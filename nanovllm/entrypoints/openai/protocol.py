@@ -230,13 +230,16 @@ class SamplingFields(Strict):
     # vLLM's: keep only the prompt's last k tokens (-1: the last max_model_len)
     truncate_prompt_tokens: Annotated[Int, Field(ge=-1, le=MAX_COUNT)] | None = None
     priority: Annotated[Int, Field(ge=-MAX_COUNT, le=MAX_COUNT)] = 0  # vLLM's: lower is scheduled first
+    # vLLM's extension: top-N logprobs of every prompt token, returned as the choice's prompt_logprobs
+    prompt_logprobs: Annotated[Int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
 
     @model_validator(mode="before")
     @classmethod
     def _screen_fields(cls, data: Any) -> Any:
         return screen_fields(set(cls.model_fields), data)
 
-    def sampling_params(self, max_tokens: int, logprobs: int | None) -> SamplingParams:
+    def sampling_params(self, max_tokens: int, logprobs: int | None,
+                        prompt_logprobs: int | None = None) -> SamplingParams:
         """SamplingParams for this request (its checks raise ParamError naming the field)."""
         logit_bias = None
         if self.logit_bias:
@@ -252,6 +255,7 @@ class SamplingFields(Strict):
             include_stop_str_in_output=self.include_stop_str_in_output, min_tokens=self.min_tokens,
             max_tokens=max_tokens, ignore_eos=self.ignore_eos, logprobs=logprobs,
             skip_special_tokens=self.skip_special_tokens, logit_bias=logit_bias,
+            prompt_logprobs=self.prompt_logprobs if prompt_logprobs is None else prompt_logprobs,
             **{name: value for name, value in given.items() if value is not None})
 
     @property
@@ -267,7 +271,8 @@ class CompletionRequest(SamplingFields):
         {"type": "array", "minItems": 1, "items": {"type": "integer", "minimum": 0, "maximum": MAX_COUNT}},
         {"type": "array", "minItems": 1, "items": {"type": "array", "minItems": 1, "items": {
             "type": "integer", "minimum": 0, "maximum": MAX_COUNT}}}]})
-    max_tokens: Annotated[Int, Field(ge=1, le=MAX_COUNT)] | None = DEFAULT_COMPLETION_MAX_TOKENS
+    # 0 only with echo: the prompt's text and logprobs alone, as vLLM (what lm-eval's scoring sends)
+    max_tokens: Annotated[Int, Field(ge=0, le=MAX_COUNT)] | None = DEFAULT_COMPLETION_MAX_TOKENS
     logprobs: Annotated[Int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
     echo: bool = False
     suffix: Text | None = None  # refused: no fill-in-the-middle
@@ -307,7 +312,18 @@ class CompletionRequest(SamplingFields):
         if self.best_of is not None and self.best_of != self.n:
             raise ParamError("best_of", f"best_of={self.best_of} is not supported; best_of must be left out or equal n={self.n}")
         max_tokens = DEFAULT_COMPLETION_MAX_TOKENS if self.max_tokens is None else self.max_tokens
-        return self.sampling_params(max_tokens, self.logprobs)
+        if max_tokens == 0 and not self.echo:
+            raise ParamError("max_tokens", "max_tokens=0 is allowed only with echo=true (the prompt's text and "
+                             "logprobs alone); max_tokens must be at least 1 otherwise")
+        # Echoed with logprobs, the prompt's tokens carry theirs too (vLLM's rule).
+        prompt_logprobs = self.logprobs if self.echo and self.prompt_logprobs is None else None
+        # max_tokens 0 runs as 1 (the engine always samples once) and the server drops that token.
+        return self.sampling_params(max(max_tokens, 1), self.logprobs, prompt_logprobs)
+
+    @property
+    def echo_only(self) -> bool:
+        """echo with max_tokens 0: the response is the prompt alone."""
+        return self.echo and self.max_tokens == 0
 
 
 class TextPart(Strict):
@@ -366,6 +382,9 @@ class ChatCompletionRequest(SamplingFields):
     def to_sampling_params(self, default_max_tokens: int) -> SamplingParams:
         if self.tools:
             raise ParamError("tools", "tools is not supported by this server; leave it out")
+        if self.stream and self.prompt_logprobs is not None:
+            raise ParamError("prompt_logprobs", f"prompt_logprobs={self.prompt_logprobs} is not available with "
+                             "stream=true (as vLLM); leave it out or do not stream")
         if self.top_logprobs and not self.logprobs:  # 0 asks for nothing, as vLLM takes it
             raise ParamError("top_logprobs", f"top_logprobs={self.top_logprobs} needs logprobs=true")
         max_tokens = next((m for m in (self.max_completion_tokens, self.max_tokens) if m is not None),
@@ -389,12 +408,22 @@ class CompletionLogprobs(BaseModel):
     text_offset: list[int]
 
 
+class PromptLogprob(BaseModel):
+    """vLLM's Logprob: one token's logprob at a prompt position, its rank and its text."""
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
 class CompletionChoice(BaseModel):
     index: int
     text: str
     logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None  # vLLM's extension: the stop token or string that ended it
+    # vLLM's extension, with the request's prompt_logprobs: None for the first prompt token, then
+    # token id -> its Logprob, the prompt token's own and the top-N
+    prompt_logprobs: list[dict[int, PromptLogprob] | None] | None = None
 
 
 def _now() -> int:
@@ -449,6 +478,7 @@ class ChatCompletionResponse(BaseModel):
     model: str
     choices: list[ChatCompletionChoice]
     usage: UsageInfo | None = None
+    prompt_logprobs: list[dict[int, PromptLogprob] | None] | None = None  # vLLM's, as CompletionChoice's
 
 
 class DeltaMessage(BaseModel):
