@@ -45,6 +45,7 @@ from nanovllm.runner.pending_tokens import PendingTokens
 from nanovllm.runner.tensor_parallel import create_model_runner
 from nanovllm.runner.worker_group import TensorParallelError
 from nanovllm.sampling_params import SamplingParams
+from nanovllm.structured_outputs import GrammarCompiler
 from nanovllm.utils.math_utils import cdiv
 from nanovllm.utils.validation import first_surrogate, is_int, shown
 
@@ -123,6 +124,9 @@ class LLMEngine:
         # None with skip_tokenizer_init: token-id prompts only, and outputs have empty text.
         self.tokenizer = config.tokenizer
         self.model_runner = create_model_runner(config)  # tensor_parallel_size > 1 spawns the other ranks
+        # Compiles structured_outputs constraints (thread-safe and cached: the server compiles in its
+        # prompt thread first, so building the request here finds them compiled).
+        self.grammars = GrammarCompiler(self.tokenizer, config.hf_config.vocab_size, config.eos)
         self.attention_backend: str = self.model_runner.attention_backend  # what "auto" chose
         # The one exit hook of the whole engine (tensor-parallel workers included). It holds the
         # runner, not the engine, so dropping the engine lets the garbage collector run it; it
@@ -233,6 +237,9 @@ class LLMEngine:
         bad = next((t for t in token_ids if not 0 <= t < vocab_size), None)
         if bad is not None:
             raise ValueError(f"prompt token id {bad} is outside the vocabulary; token ids must be in [0, {vocab_size})")
+        if params.structured_outputs and self.tokenizer is None:
+            raise ValueError("structured_outputs needs the tokenizer's vocabulary to compile its constraint, but this "
+                             "engine has none (skip_tokenizer_init=True)")
         if params.stop_strings and self.tokenizer is None:
             raise ValueError(f"stop={list(params.stop_strings)!r} needs a tokenizer to find the strings in the text, "
                              "but this engine has none (skip_tokenizer_init=True); use stop_token_ids instead")
@@ -248,9 +255,11 @@ class LLMEngine:
             raise ValueError(f"a request of {len(token_ids)} prompt tokens and max_tokens={params.max_tokens} "
                              f"needs {needed} KV blocks of {bs} tokens, more than the whole cache "
                              f"({self.block_manager.num_blocks} blocks); shorten it or enlarge the cache")
+        grammar = self.grammars.compile(params.structured_outputs) if params.structured_outputs else None
         seqs = []
         for i in range(params.n):
             seq = Sequence(next(self._seq_ids), token_ids, params, bs, priority=priority)
+            seq.grammar = None if grammar is None else self.grammars.new_state(grammar)  # one matcher per sample
             seq.seed = None if params.seed is None else params.seed + i
             # generate() decodes a sample's text once, at the end, unless stop strings need it on the
             # way. A sample with a detokenizer reports each new token to its caller (see _step): so
@@ -324,7 +333,7 @@ class LLMEngine:
             if request.request_id is None:
                 request.request_id = self._new_request_id()
             self._requests[request.request_id] = request
-            self._num_plain_only += request.params.has_penalties
+            self._num_plain_only += request.params.reads_output_tokens
             first, *others = request.seqs
             for seq in request.seqs:
                 seq.request_id = request.request_id
@@ -352,7 +361,7 @@ class LLMEngine:
 
     def _unregister(self, request: Request) -> None:
         del self._requests[request.request_id]
-        self._num_plain_only -= request.params.has_penalties
+        self._num_plain_only -= request.params.reads_output_tokens
 
     def _release(self, requests: list[Request]) -> None:
         """_forget() from a call that has ended (a stream closed, finished or dropped), which may

@@ -3,7 +3,8 @@
 A batch's `SamplingTensors` carry the processors its rows need, in vLLM's order:
 
 1. before temperature, on every row (a greedy row's argmax sees them too):
-   logit bias → min_tokens bans → penalties (repetition, presence, frequency);
+   grammar mask (structured outputs) → logit bias → min_tokens bans → penalties (repetition,
+   presence, frequency);
 2. temperature (0 = greedy: the row takes the argmax of step 1's logits);
 3. after temperature, on sampled rows only: min_p → top_k / top_p.
 
@@ -25,6 +26,7 @@ from typing import Callable, NamedTuple, Protocol
 import torch
 
 from nanovllm.sampling_params import SamplingParams
+from nanovllm.utils.math_utils import cdiv
 
 
 class SamplingRow(Protocol):
@@ -32,6 +34,13 @@ class SamplingRow(Protocol):
     sampling_params: SamplingParams
     prompt_token_ids: list[int]
     completion_token_ids: list[int]
+    grammar: "GrammarRow | None"  # its structured_outputs matcher (structured_outputs/state.py)
+
+
+class GrammarRow(Protocol):
+    """What the grammar mask reads of a row's matcher (structured_outputs/state.py, GrammarState)."""
+
+    def fill_bitmask(self, bitmask: torch.Tensor, row: int, draft: list[int]) -> None: ...
 
 
 class RowsView(NamedTuple):
@@ -42,6 +51,9 @@ class RowsView(NamedTuple):
     column: Callable[[list, torch.dtype], torch.Tensor]  # values -> a [len] tensor on the sampling device
     device: torch.device
     vocab_size: int
+    # Per row, proposed tokens it comes after that its sequence does not hold yet (speculative
+    # verification and drafting); None: every row is its sequence's next token.
+    drafts: list[list[int]] | None = None
 
 
 class LogitsProcessor:
@@ -54,6 +66,40 @@ class LogitsProcessor:
 
     def __call__(self, logits: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError
+
+
+BITS_PER_WORD = 32  # xgrammar's token bitmask: int32 words, token i is bit i % 32 of word i // 32
+
+
+@dataclass(frozen=True)
+class GrammarMask(LogitsProcessor):
+    """Structured outputs: a constrained row keeps only the tokens its grammar allows next (the
+    others get -inf), from its matcher's token bitmask. First in the pipeline, so every later
+    processor and every sampling mode sees only allowed tokens."""
+    rows: torch.Tensor  # [m] int64: the constrained rows
+    allowed: torch.Tensor  # [m, vocab] bool
+
+    @classmethod
+    def build(cls, rows: RowsView) -> "GrammarMask | None":
+        constrained = [row for row, r in enumerate(rows.rows) if r.grammar is not None]
+        if not constrained:
+            return None
+        # [m, words] int32 on the CPU, where xgrammar writes; all ones = every token allowed.
+        bitmask = torch.full((len(constrained), cdiv(rows.vocab_size, BITS_PER_WORD)), -1, dtype=torch.int32)
+        for i, row in enumerate(constrained):
+            rows.rows[row].grammar.fill_bitmask(bitmask, i, rows.drafts[row] if rows.drafts else ())
+        return cls(rows.column(constrained, torch.int64), unpack_bitmask(bitmask.to(rows.device), rows.vocab_size))
+
+    def __call__(self, logits: torch.Tensor) -> torch.Tensor:
+        masked = logits[self.rows].masked_fill(~self.allowed, float("-inf"))
+        return logits.index_copy(0, self.rows, masked)
+
+
+def unpack_bitmask(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """[rows, words] int32 token bitmask -> [rows, vocab_size] bool, True where the bit is set."""
+    shifts = torch.arange(BITS_PER_WORD, dtype=torch.int32, device=bitmask.device)
+    bits = (bitmask.unsqueeze(-1) >> shifts) & 1  # [rows, words, 32]: an arithmetic shift, then the low bit
+    return bits.bool().flatten(1)[:, :vocab_size]
 
 
 @dataclass(frozen=True)
@@ -153,7 +199,7 @@ class TopKTopP(LogitsProcessor):
 
 
 # The pipeline, in order: steps 1 and 3 (see the module's docstring).
-BEFORE_TEMPERATURE: tuple[type[LogitsProcessor], ...] = (LogitBias, TokenBans, Penalties)
+BEFORE_TEMPERATURE: tuple[type[LogitsProcessor], ...] = (GrammarMask, LogitBias, TokenBans, Penalties)
 AFTER_TEMPERATURE: tuple[type[LogitsProcessor], ...] = (MinP, TopKTopP)
 
 

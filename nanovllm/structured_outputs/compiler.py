@@ -1,0 +1,71 @@
+"""Compiles a request's StructuredOutputsParams into an xgrammar grammar for one tokenizer.
+
+The tokenizer's vocabulary is read once (xgrammar.TokenizerInfo: byte-level BPE, SentencePiece
+and WordPiece vocabularies alike), at the first constrained request, so an engine that never
+sees one pays nothing but the import. Compiling is thread-safe and cached by xgrammar per constraint text
+(the schema is kept as canonical JSON, so equal schemas hit the cache): the server compiles in
+its prompt thread, and the engine's own call as it builds the request finds the result there.
+A constraint xgrammar cannot compile is a ValueError naming the field and xgrammar's reason.
+"""
+import json
+import re
+import threading
+
+import xgrammar
+from transformers import PreTrainedTokenizerBase
+
+from nanovllm.sampling_params import StructuredOutputsParams
+from nanovllm.structured_outputs.state import GrammarState
+
+# A compiled grammar per constraint: a few hundred KB each for a large vocabulary; this bounds
+# the cache to what a server serving many distinct schemas can afford.
+CACHE_LIMIT_BYTES = 512 * 1024 * 1024
+# xgrammar's errors open with "[hh:mm:ss] /path/file.cc:123: "; the client needs only the rest.
+_XGRAMMAR_PREFIX = re.compile(r"^\[[\d:]+\] \S+:\d+: ")
+
+
+class GrammarCompiler:
+
+    def __init__(self, tokenizer: PreTrainedTokenizerBase, vocab_size: int, eos: int):
+        self.tokenizer = tokenizer
+        self.vocab_size = vocab_size  # the model's (the logits' width), which may exceed the tokenizer's
+        self.eos = eos  # what ends a completed grammar: the engine's end-of-text token
+        self._compiler = None
+        self._lock = threading.Lock()
+
+    def _xgrammar_compiler(self) -> xgrammar.GrammarCompiler:
+        with self._lock:  # the first two constrained requests may come from two threads
+            if self._compiler is None:
+                info = xgrammar.TokenizerInfo.from_huggingface(self.tokenizer, vocab_size=self.vocab_size,
+                                                               stop_token_ids=[self.eos])
+                self._compiler = xgrammar.GrammarCompiler(info, cache_limit_bytes=CACHE_LIMIT_BYTES)
+            return self._compiler
+
+    def compile(self, params: StructuredOutputsParams) -> xgrammar.CompiledGrammar:
+        """The compiled grammar; a ValueError naming the field if it does not compile."""
+        compiler = self._xgrammar_compiler()
+        kind = params.kind
+        try:
+            if kind == "json":
+                return compiler.compile_json_schema(params.json, any_whitespace=not params.disable_any_whitespace)
+            if kind == "json_object":  # any JSON object, as OpenAI's json_object mode (not an array or a scalar)
+                return compiler.compile_json_schema('{"type": "object"}', strict_mode=False,
+                                                    any_whitespace=not params.disable_any_whitespace)
+            if kind == "regex":
+                return compiler.compile_regex(params.regex)
+            if kind == "choice":
+                return compiler.compile_grammar(choice_grammar(params.choice))
+            return compiler.compile_grammar(params.grammar)
+        except RuntimeError as exc:
+            reason = _XGRAMMAR_PREFIX.sub("", str(exc).strip()).strip()
+            raise ValueError(f"structured_outputs.{kind} could not be compiled: {reason}") from None
+
+    def new_state(self, compiled: xgrammar.CompiledGrammar) -> GrammarState:
+        """A fresh matcher over a compiled grammar, for one sample."""
+        return GrammarState(compiled)
+
+
+def choice_grammar(choices: tuple[str, ...]) -> str:
+    """An EBNF grammar whose only sentences are the given strings (JSON string literals are
+    xgrammar's EBNF literals: quotes, backslashes and control characters escaped)."""
+    return "root ::= " + " | ".join(json.dumps(choice, ensure_ascii=False) for choice in choices)
