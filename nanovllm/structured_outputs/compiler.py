@@ -1,8 +1,10 @@
 """Compiles a request's StructuredOutputsParams into an xgrammar grammar for one tokenizer.
 
-The tokenizer's vocabulary is read once (xgrammar.TokenizerInfo: byte-level BPE, SentencePiece
-and WordPiece vocabularies alike), at the first constrained request, so an engine that never
-sees one pays nothing but the import. Compiling is thread-safe and cached by xgrammar per constraint text
+The tokenizer's vocabulary is read once (xgrammar.TokenizerInfo: byte-level BPE and
+SentencePiece vocabularies, byte fallback included), at the first constrained request, so an
+engine that never sees one pays nothing but the import. A WordPiece tokenizer (BERT's) is
+refused: its decoder puts spaces between words that no token holds, so no grammar over the
+tokens' text can say what the decoded output will be. Compiling is thread-safe and cached by xgrammar per constraint text
 (the schema is kept as canonical JSON, so equal schemas hit the cache): the server compiles in
 its prompt thread, and the engine's own call as it builds the request finds the result there.
 A constraint xgrammar cannot compile is a ValueError naming the field and xgrammar's reason.
@@ -36,6 +38,11 @@ class GrammarCompiler:
     def _xgrammar_compiler(self) -> xgrammar.GrammarCompiler:
         with self._lock:  # the first two constrained requests may come from two threads
             if self._compiler is None:
+                backend = getattr(self.tokenizer, "backend_tokenizer", None)
+                if backend is not None and type(backend.model).__name__ == "WordPiece":
+                    raise ValueError("structured_outputs is not supported for this model: its tokenizer is WordPiece, "
+                                     "whose decoding adds spaces between tokens that the tokens do not hold, so a "
+                                     "grammar cannot constrain the decoded text")
                 info = xgrammar.TokenizerInfo.from_huggingface(self.tokenizer, vocab_size=self.vocab_size,
                                                                stop_token_ids=[self.eos])
                 self._compiler = xgrammar.GrammarCompiler(info, cache_limit_bytes=CACHE_LIMIT_BYTES)
