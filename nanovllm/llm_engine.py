@@ -764,13 +764,16 @@ class LLMEngine:
                 raise ValueError("messages must be a non-empty list of {'role', 'content'} dicts, or a list of such lists")
             conversations = [messages] if isinstance(messages[0], dict) else messages
             for conversation in conversations:
+                # content may be None only in an assistant message that made tool calls (OpenAI's shape)
                 if not isinstance(conversation, list) or not all(
-                        isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
+                        isinstance(m, dict) and isinstance(m.get("role"), str) and (isinstance(m.get("content"), str) or (
+                            m.get("content") is None and m["role"] == "assistant" and m.get("tool_calls")))
                         for m in conversation):
-                    raise ValueError(f"conversation {conversation!r:.80} is not allowed; "
-                                     "it must be a list of {'role': str, 'content': str} dicts")
+                    raise ValueError(f"conversation {conversation!r:.80} is not allowed; it must be a list of "
+                                     "{'role': str, 'content': str} dicts (content None only in an assistant "
+                                     "message with tool_calls)")
                 for m in conversation:
-                    bad = first_surrogate(m["role"] + m["content"])
+                    bad = first_surrogate(m["role"] + (m["content"] or ""))
                     if bad is not None:
                         raise ValueError(f"messages has a lone surrogate in {m!r:.80}; messages must be valid "
                                          "Unicode text")

@@ -35,14 +35,25 @@ class GrammarCompiler:
         self._compiler = None
         self._lock = threading.Lock()
 
+    def _unsupported_reason(self) -> str | None:
+        backend = getattr(self.tokenizer, "backend_tokenizer", None)
+        if backend is not None and type(backend.model).__name__ == "WordPiece":
+            return ("structured_outputs is not supported for this model: its tokenizer is WordPiece, whose decoding "
+                    "adds spaces between tokens that the tokens do not hold, so a grammar cannot constrain the text")
+        return None
+
+    def load(self) -> None:
+        """Read the vocabulary now, if the tokenizer can be constrained at all: the server does this
+        in the engine's thread, so no other thread reads the engine's tokenizer later."""
+        if self.tokenizer is not None and self._unsupported_reason() is None:
+            self._xgrammar_compiler()
+
     def _xgrammar_compiler(self) -> xgrammar.GrammarCompiler:
         with self._lock:  # the first two constrained requests may come from two threads
             if self._compiler is None:
-                backend = getattr(self.tokenizer, "backend_tokenizer", None)
-                if backend is not None and type(backend.model).__name__ == "WordPiece":
-                    raise ValueError("structured_outputs is not supported for this model: its tokenizer is WordPiece, "
-                                     "whose decoding adds spaces between tokens that the tokens do not hold, so a "
-                                     "grammar cannot constrain the decoded text")
+                reason = self._unsupported_reason()
+                if reason is not None:
+                    raise ValueError(reason)
                 info = xgrammar.TokenizerInfo.from_huggingface(self.tokenizer, vocab_size=self.vocab_size,
                                                                stop_token_ids=[self.eos])
                 self._compiler = xgrammar.GrammarCompiler(info, cache_limit_bytes=CACHE_LIMIT_BYTES)

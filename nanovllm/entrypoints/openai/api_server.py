@@ -41,6 +41,7 @@ from nanovllm.entrypoints.openai.protocol import (APIError, AssistantMessage, Ch
                                            ChatLogprobs, CompletionChoice, CompletionLogprobs, CompletionRequest,
                                            CompletionResponse, DeltaMessage, ModelCard, ModelList, TokenLogprob,
                                            TopLogprob, UsageInfo, request_error, validation_error)
+from nanovllm.entrypoints.openai.serving_tools import ToolDeltas, ToolOutput, ToolPlan, finish_reason, plan_tools
 from nanovllm.entrypoints.openai.server_settings import (DEFAULT_HOST, DEFAULT_PORT, DEFAULT_SHUTDOWN_TIMEOUT,
                                                   RETRY_AFTER_SECONDS, ServerSettings)
 from nanovllm.sampling_params import SamplingParams
@@ -168,6 +169,20 @@ async def _in_prompt_thread(request: Request, work: Callable, *args):
     """Run work(prompt_tokenizer, *args) in the prompt thread (tokenizing and chat templates)."""
     state = request.app.state
     return await asyncio.get_running_loop().run_in_executor(state.prompt_pool, work, state.prompt_tokenizer, *args)
+
+
+async def _compile_constraint(request: Request, params: SamplingParams, source: str | None) -> None:
+    """Compile the request's structured-outputs constraint in the prompt thread, off the event loop
+    and the engine's (xgrammar caches it, so the engine's own compile as it builds the request is a
+    lookup); one that does not compile is a 400 naming the request field that gave it."""
+    if params.structured_outputs is None:
+        return
+    state = request.app.state
+    try:
+        await asyncio.get_running_loop().run_in_executor(state.prompt_pool, state.engine_client.grammars.compile,
+                                                         params.structured_outputs)
+    except ValueError as exc:
+        raise APIError(400, str(exc).replace("structured_outputs", source, 1), param=source) from None
 
 
 def _encode(tokenizer: PreTrainedTokenizerBase, prompts: list[str | list[int]]) -> list[list[int]]:
@@ -313,6 +328,7 @@ async def create_completion(body: CompletionRequest, request: Request) -> Respon
     requested = body.max_tokens if "max_tokens" in body.model_fields_set else None
     try:
         params = body.to_sampling_params()
+        await _compile_constraint(request, params, (body.constraint() or (None,))[0])
         prompt_ids = await _in_prompt_thread(request, _encode, prompts)
         params = _fit_context(request, params, prompt_ids, requested, params.max_tokens, "prompt", "max_tokens")
     except ValueError as exc:
@@ -406,10 +422,12 @@ async def _completion_events(state, body: CompletionRequest, params: SamplingPar
 _CHAT_FIELDS = set(ChatCompletionRequest.model_fields)
 
 
-def _chat_prompt(tokenizer: PreTrainedTokenizerBase, body: ChatCompletionRequest) -> list[int]:
+def _chat_prompt(tokenizer: PreTrainedTokenizerBase, body: ChatCompletionRequest, tools: list[dict] | None
+                 ) -> list[int]:
     """The conversation rendered by the tokenizer's chat template, as token ids (as LLM.chat does)."""
     try:
-        return render_chat(tokenizer, body.conversation(), ChatOptions(add_generation_prompt=body.add_generation_prompt))
+        return render_chat(tokenizer, body.conversation(),
+                           ChatOptions(add_generation_prompt=body.add_generation_prompt, tools=tools))
     except BrokenChatTemplateError as exc:  # the model's template is broken: the server's fault, not the client's
         logger.error("%s", exc)
         raise APIError(500, "this model's chat template is broken; the server's log has the details",
@@ -426,8 +444,13 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
     given = next((name for name in ("max_completion_tokens", "max_tokens") if getattr(body, name) is not None),
                  "max_tokens")
     try:
-        params = body.to_sampling_params(default_max_tokens=client.config.max_model_len)  # checked before any work
-        prompt = await _in_prompt_thread(request, _chat_prompt, body)
+        plan = plan_tools(body, state.settings.tool_call_parser)
+        structured = plan.structured if plan is not None else None
+        # checked before any work
+        params = body.to_sampling_params(default_max_tokens=client.config.max_model_len, structured=structured)
+        await _compile_constraint(request, params, "tools" if structured is not None else (body.constraint() or
+                                                                                            (None,))[0])
+        prompt = await _in_prompt_thread(request, _chat_prompt, body, plan.tools if plan is not None else None)
         # With no max_tokens, the answer may fill what the context (and the KV cache) has left.
         room = min(client.config.max_model_len, client.cache_capacity_tokens) - len(prompt)
         params = _fit_context(request, params, [prompt], getattr(body, given), max(room, 1), "messages", given)
@@ -436,8 +459,9 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
     request_id = f"chatcmpl-{request.state.request_id}"
     submission = await _submit(request, [prompt], params, request_id, _CHAT_FIELDS, "messages")
     if body.stream:
-        return _sse_response(_chat_events(state, body, params, submission, request_id))
-    return await _unless_disconnected(request, _chat_response(state, params, submission, request_id), submission)
+        return _sse_response(_chat_events(state, body, params, submission, request_id, plan))
+    return await _unless_disconnected(request, _chat_response(state, params, submission, request_id, plan),
+                                      submission)
 
 
 async def _final_output(submission: Submission) -> dict:
@@ -447,14 +471,19 @@ async def _final_output(submission: Submission) -> dict:
     raise AssertionError("a submission ended without a final output")
 
 
-async def _chat_response(state, params: SamplingParams, submission: Submission, request_id: str) -> Response:
+async def _chat_response(state, params: SamplingParams, submission: Submission, request_id: str,
+                         plan: ToolPlan | None = None) -> Response:
     final = await _final_output(submission)
     _check_finals(state, [final], request_id)
     choices = []
     for j, sample in enumerate(_samples(final)):
         logprobs = _chat_logprobs(state.tokenizer, sample["logprobs"]) if params.logprobs is not None else None
-        choices.append(ChatCompletionChoice(index=j, message=AssistantMessage(content=sample["text"]),
-                                            logprobs=logprobs, finish_reason=sample["finish_reason"],
+        message, reason = AssistantMessage(content=sample["text"]), sample["finish_reason"]
+        if plan is not None:
+            out = ToolOutput(plan, sample["text"])
+            message = AssistantMessage(content=out.content, tool_calls=out.tool_calls)
+            reason = finish_reason(reason, bool(out.tool_calls))
+        choices.append(ChatCompletionChoice(index=j, message=message, logprobs=logprobs, finish_reason=reason,
                                             stop_reason=sample["stop_reason"]))
     usage = _usage(len(final["prompt_token_ids"]), sum(len(s["token_ids"]) for s in _samples(final)))
     response = ChatCompletionResponse(id=request_id, model=state.settings.model_name, choices=choices, usage=usage)
@@ -462,8 +491,9 @@ async def _chat_response(state, params: SamplingParams, submission: Submission, 
 
 
 async def _chat_events(state, body: ChatCompletionRequest, params: SamplingParams, submission: Submission,
-                       request_id: str) -> AsyncIterator[str]:
+                       request_id: str, plan: ToolPlan | None = None) -> AsyncIterator[str]:
     model = state.settings.model_name
+    tool_deltas = [ToolDeltas(plan) for _ in range(params.n)] if plan is not None else None
 
     def chunk(choices: list[ChatCompletionStreamChoice], usage: UsageInfo | None = None) -> str:
         return _sse(ChatCompletionChunk(id=request_id, model=model, choices=choices, usage=usage))
@@ -483,6 +513,16 @@ async def _chat_events(state, body: ChatCompletionRequest, params: SamplingParam
                 logprobs = None
                 if params.logprobs is not None and sample.logprobs:
                     logprobs = _chat_logprobs(state.tokenizer, sample.logprobs)
+                if tool_deltas is not None:  # content and tool calls in pieces, the last piece ending the choice
+                    tools = tool_deltas[sample.index]
+                    deltas = tools.feed(sample.text) + (tools.finish() if sample.finished else [])
+                    for k, delta in enumerate(deltas or ([DeltaMessage()] if sample.finished else [])):
+                        last = sample.finished and k == max(len(deltas) - 1, 0)
+                        yield chunk([ChatCompletionStreamChoice(
+                            index=sample.index, delta=delta, logprobs=logprobs if k == 0 else None,
+                            finish_reason=finish_reason(sample.finish_reason, tools.called) if last else None,
+                            stop_reason=sample.stop_reason if last else None)])
+                    continue
                 if not (sample.text or logprobs or sample.finished):
                     continue
                 yield chunk([ChatCompletionStreamChoice(

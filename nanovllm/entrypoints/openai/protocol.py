@@ -9,19 +9,20 @@ integers past what a tensor holds (`top_k=2**63`), strings that are not valid Un
 surrogate, which JSON's `"\ud800"` makes), and lists longer than any real request needs. It does
 not know the engine, HTTP routing or tokenization.
 """
+import json
 import re
 import time
 from typing import Annotated, Any, Literal
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_serializer, field_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationInfo, field_serializer, field_validator
 
-from nanovllm.sampling_params import MAX_LOGPROBS, MAX_SEED, MIN_SEED, SamplingParams
+from nanovllm.sampling_params import MAX_LOGPROBS, MAX_SEED, MIN_SEED, SamplingParams, StructuredOutputsParams
 from nanovllm.utils.validation import first_surrogate
 
 # OpenAI's default for /v1/completions; chat completions default to what the context has left.
 DEFAULT_COMPLETION_MAX_TOKENS = 16
 # Roles the chat template is given; others are refused (a template would render them blindly).
-CHAT_ROLES = ("system", "developer", "user", "assistant")
+CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
 # Counts, token ids and top_k fit an int32 (what the sampler's and scheduler's tensors hold);
 # the engine bounds them further (top_k and token ids to the vocabulary, n to the queue).
 MAX_COUNT = 2**31 - 1
@@ -32,6 +33,8 @@ MAX_STOP = 64
 MAX_STOP_CHARS = 1024
 # logit_bias entries a request may give: each is one element of the sampler's bias, every step.
 MAX_LOGIT_BIAS_ENTRIES = 1024
+# Functions a chat request may offer: each is rendered into the prompt (OpenAI allows 128).
+MAX_TOOLS = 128
 
 
 def _valid_unicode(text: str) -> str:
@@ -139,6 +142,29 @@ class StreamOptions(Strict):
     include_usage: bool = False
 
 
+class JsonSchemaFormat(Strict):
+    name: Text
+    description: Text | None = None
+    schema_: dict | None = Field(default=None, alias="schema")  # None: any JSON object
+    strict: bool | None = None
+
+
+class ResponseFormat(Strict):
+    """OpenAI's response_format: free text, any JSON object, or JSON under a schema."""
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
+class StructuredOutputsRequest(Strict):
+    """vLLM's structured_outputs request field: exactly one constraint (StructuredOutputsParams)."""
+    json_: dict | Text | None = Field(default=None, alias="json")
+    regex: Text | None = None
+    choice: Annotated[list[Text], Field(max_length=1024)] | None = None
+    grammar: Text | None = None
+    json_object: bool | None = None
+    disable_any_whitespace: bool = False
+
+
 class SamplingFields(Strict):
     """The sampling knobs both endpoints share, with vLLM's extensions; None means the default."""
     model: Text | None = None
@@ -162,8 +188,46 @@ class SamplingFields(Strict):
     user: Text | None = None  # accepted and ignored, as OpenAI's
     # OpenAI's logit_bias: token ids (as JSON object keys, so strings) -> a value in [-100, 100]
     logit_bias: Annotated[dict[Text, float], Field(max_length=MAX_LOGIT_BIAS_ENTRIES)] | None = None
+    # Structured outputs, at most one of: vLLM's field, OpenAI's response_format, vLLM's older guided_* names
+    structured_outputs: StructuredOutputsRequest | None = None
+    response_format: ResponseFormat | None = None
+    guided_json: dict | Text | None = None
+    guided_regex: Text | None = None
+    guided_choice: Annotated[list[Text], Field(max_length=1024)] | None = None
+    guided_grammar: Text | None = None
 
-    def sampling_params(self, max_tokens: int, logprobs: int | None) -> SamplingParams:
+    def constraint(self) -> tuple[str, StructuredOutputsParams] | None:
+        """The request's structured-outputs constraint and the field that gave it, or None."""
+        given = {}
+        if self.structured_outputs is not None:
+            fields = self.structured_outputs.model_dump(by_alias=True, exclude_none=True)
+            given["structured_outputs"] = lambda: StructuredOutputsParams(**fields)
+        format_ = self.response_format
+        if format_ is not None and format_.type == "json_object":
+            given["response_format"] = lambda: StructuredOutputsParams(json_object=True)
+        elif format_ is not None and format_.type == "json_schema":
+            if format_.json_schema is None:
+                raise ValueError("response_format: type 'json_schema' needs a json_schema object with the schema")
+            schema = format_.json_schema.schema_
+            given["response_format"] = lambda: StructuredOutputsParams(
+                json=schema) if schema is not None else StructuredOutputsParams(json_object=True)
+        for name in ("json", "regex", "choice", "grammar"):
+            value = getattr(self, f"guided_{name}")
+            if value is not None:
+                given[f"guided_{name}"] = lambda name=name, value=value: StructuredOutputsParams(**{name: value})
+        if len(given) > 1:
+            raise ValueError(f"{', '.join(given)} are given together; constrain the output one way only")
+        if not given:
+            return None
+        (source, make), = given.items()
+        try:
+            return source, make()
+        except ValueError as exc:  # named by the request's own field
+            raise ValueError(str(exc).replace("structured_outputs", source, 1)
+                             if source != "structured_outputs" else str(exc)) from None
+
+    def sampling_params(self, max_tokens: int, logprobs: int | None,
+                        structured: StructuredOutputsParams | None = None) -> SamplingParams:
         """SamplingParams for this request (its checks raise ValueError naming the field)."""
         logit_bias = None
         if self.logit_bias:
@@ -179,6 +243,7 @@ class SamplingFields(Strict):
             include_stop_str_in_output=self.include_stop_str_in_output, min_tokens=self.min_tokens,
             max_tokens=max_tokens, ignore_eos=self.ignore_eos, logprobs=logprobs,
             skip_special_tokens=self.skip_special_tokens, logit_bias=logit_bias,
+            structured_outputs=structured if structured is not None else (self.constraint() or (None, None))[1],
             **{name: value for name, value in given.items() if value is not None})
 
     @property
@@ -241,13 +306,78 @@ class TextPart(Strict):
     text: Text
 
 
+class FunctionCall(Strict):
+    name: Text
+    arguments: Text  # JSON text
+
+
+class ToolCall(Strict):
+    id: Text
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class FunctionDefinition(Strict):
+    name: Annotated[Text, Field(pattern=r"^[a-zA-Z0-9_-]{1,64}$")]
+    description: Text | None = None
+    parameters: dict | None = None  # a JSON schema of the arguments object
+    strict: bool | None = None
+
+
+class ChatTool(Strict):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class FunctionName(Strict):
+    name: Text
+
+
+class NamedToolChoice(Strict):
+    type: Literal["function"]
+    function: FunctionName
+
+
 class ChatMessage(Strict):
     role: Literal[CHAT_ROLES]
-    content: Text | list[TextPart]
+    tool_calls: list[ToolCall] | None = None  # an assistant's earlier calls
+    # None only in an assistant message with tool_calls (checked after role and tool_calls, declared first)
+    content: Text | list[TextPart] | None = Field(default=None, validate_default=True)
     name: Text | None = None
+    tool_call_id: Text | None = None  # a tool message: the call it answers
+
+    @field_validator("content")
+    @classmethod
+    def _content_or_tool_calls(cls, content, info: ValidationInfo):
+        if content is None and not (info.data.get("role") == "assistant" and info.data.get("tool_calls")):
+            raise ValueError("content is required; it may be null only in an assistant message with tool_calls")
+        return content
 
     def text(self) -> str:
+        if self.content is None:
+            return ""
         return self.content if isinstance(self.content, str) else "".join(part.text for part in self.content)
+
+    def for_template(self) -> dict:
+        """The message as chat templates read it: tool calls' arguments as objects (as vLLM gives them)."""
+        message: dict = {"role": self.role, "content": self.text()}
+        if self.tool_calls:
+            message["tool_calls"] = [{"id": call.id, "type": "function", "function": {
+                "name": call.function.name, "arguments": _arguments_object(call.function.arguments)}}
+                for call in self.tool_calls]
+        if self.tool_call_id is not None:
+            message["tool_call_id"] = self.tool_call_id
+        if self.name is not None:
+            message["name"] = self.name
+        return message
+
+
+def _arguments_object(arguments: str) -> dict | str:
+    try:
+        value = json.loads(arguments)
+    except ValueError:
+        return arguments
+    return value if isinstance(value, dict) else arguments
 
 
 class ChatCompletionRequest(SamplingFields):
@@ -258,20 +388,23 @@ class ChatCompletionRequest(SamplingFields):
     logprobs: bool = False
     top_logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
     add_generation_prompt: bool = True  # vLLM's extension: end the prompt with the assistant header
-    tools: list[dict] | None = None  # refused: no tool calling
+    tools: Annotated[list[ChatTool], Field(max_length=MAX_TOOLS)] | None = None
+    # "none", "auto" (the default with tools), "required", or a named function
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool = True  # False: "required" makes exactly one call
 
-    def conversation(self) -> list[dict[str, str]]:
-        return [{"role": m.role, "content": m.text()} for m in self.messages]
+    def conversation(self) -> list[dict]:
+        return [m.for_template() for m in self.messages]
 
-    def to_sampling_params(self, default_max_tokens: int) -> SamplingParams:
-        if self.tools:
-            raise ValueError("tools is not supported by this server; leave it out")
+    def to_sampling_params(self, default_max_tokens: int,
+                           structured: StructuredOutputsParams | None = None) -> SamplingParams:
+        """`structured`: a constraint the tools ask for (tool_choice "required" or named), in place of the request's own."""
         if self.top_logprobs is not None and not self.logprobs:
             raise ValueError(f"top_logprobs={self.top_logprobs} needs logprobs=true")
         max_tokens = next((m for m in (self.max_completion_tokens, self.max_tokens) if m is not None),
                           default_max_tokens)
         logprobs = (self.top_logprobs or 0) if self.logprobs else None
-        return self.sampling_params(max_tokens, logprobs)
+        return self.sampling_params(max_tokens, logprobs, structured)
 
 
 # ---- responses ----
@@ -326,7 +459,8 @@ class ChatLogprobs(BaseModel):
 
 class AssistantMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: str | None
+    tool_calls: list[ToolCall] = Field(default_factory=list)
 
 
 class ChatCompletionChoice(BaseModel):
@@ -346,9 +480,23 @@ class ChatCompletionResponse(BaseModel):
     usage: UsageInfo | None = None
 
 
+class DeltaFunctionCall(BaseModel):
+    name: str | None = None
+    arguments: str | None = None
+
+
+class DeltaToolCall(BaseModel):
+    """A piece of a streamed tool call: the first carries its id, type and name; the others more arguments."""
+    index: int
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: DeltaFunctionCall
+
+
 class DeltaMessage(BaseModel):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    tool_calls: list[DeltaToolCall] | None = None
 
 
 class ChatCompletionStreamChoice(BaseModel):

@@ -44,6 +44,8 @@ class ServerSettings:
     # seconds a client has to send a request's headers (from connecting, or after its previous response)
     header_timeout: float = DEFAULT_HEADER_TIMEOUT
     body_timeout: float = DEFAULT_BODY_TIMEOUT  # seconds a client has to send a whole request body; then 408
+    # how tool calls are found in a chat answer under tool_choice "auto" (e.g. hermes, as Qwen writes them)
+    tool_call_parser: str | None = None
 
     @property
     def model_name(self) -> str:
@@ -69,6 +71,11 @@ class ServerSettings:
                                                    or not self.served_model_name.strip()):
             raise ValueError(f"served_model_name={self.served_model_name!r} is not allowed; it must be a non-empty "
                              "name, or left out to serve MODEL under the name it was given as")
+        if self.tool_call_parser is not None:
+            from nanovllm.entrypoints.openai.tool_parsers import TOOL_PARSERS  # plain Python, no web stack
+            if self.tool_call_parser not in TOOL_PARSERS:
+                raise ValueError(f"tool_call_parser={self.tool_call_parser!r} is not allowed; it must be one of "
+                                 f"{sorted(TOOL_PARSERS)}")
         if self.engine_kwargs.get("skip_tokenizer_init"):
             raise ValueError("skip_tokenizer_init=True is not allowed when serving: the OpenAI API takes and "
                              "returns text, which needs the tokenizer")
