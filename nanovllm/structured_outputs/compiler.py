@@ -22,6 +22,9 @@ from nanovllm.structured_outputs.state import GrammarState
 # A compiled grammar per constraint: a few hundred KB each for a large vocabulary; this bounds
 # the cache to what a server serving many distinct schemas can afford.
 CACHE_LIMIT_BYTES = 512 * 1024 * 1024
+# Whitespace characters allowed in a row between JSON tokens: pretty-printed JSON ten levels deep
+# fits, but a model cannot loop on blanks forever (a small model's favourite failure under JSON).
+MAX_JSON_WHITESPACE_RUN = 32
 # xgrammar's errors open with "[hh:mm:ss] /path/file.cc:123: "; the client needs only the rest.
 _XGRAMMAR_PREFIX = re.compile(r"^\[[\d:]+\] \S+:\d+: ")
 
@@ -64,11 +67,12 @@ class GrammarCompiler:
         compiler = self._xgrammar_compiler()
         kind = params.kind
         try:
-            if kind == "json":
-                return compiler.compile_json_schema(params.json, any_whitespace=not params.disable_any_whitespace)
-            if kind == "json_object":  # any JSON object, as OpenAI's json_object mode (not an array or a scalar)
-                return compiler.compile_json_schema('{"type": "object"}', strict_mode=False,
-                                                    any_whitespace=not params.disable_any_whitespace)
+            if kind in ("json", "json_object"):
+                # json_object: any JSON object, as OpenAI's mode (not an array or a scalar)
+                schema, strict = (params.json, True) if kind == "json" else ('{"type": "object"}', False)
+                whitespace = not params.disable_any_whitespace
+                return compiler.compile_json_schema(schema, strict_mode=strict, any_whitespace=whitespace,
+                                                    max_whitespace_cnt=MAX_JSON_WHITESPACE_RUN if whitespace else None)
             if kind == "regex":
                 return compiler.compile_regex(params.regex)
             if kind == "choice":

@@ -72,8 +72,8 @@ def plan_tools(body: ChatCompletionRequest, parser_name: str | None) -> ToolPlan
 
 
 def _schema(schema: dict, param: str) -> StructuredOutputsParams:
-    try:
-        return StructuredOutputsParams(json=schema)
+    try:  # compact JSON: arguments are read by programs, and a model cannot wander off into blanks
+        return StructuredOutputsParams(json=schema, disable_any_whitespace=True)
     except ValueError as exc:
         raise APIError(400, f"{param}: {exc}", param=param) from None
 
