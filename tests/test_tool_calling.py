@@ -145,8 +145,9 @@ def test_required_makes_calls_to_offered_functions_with_valid_arguments(client, 
     choice = client.chat.completions.create(**kwargs).choices[0]
     assert choice.finish_reason == "tool_calls"
     assert_valid_calls(choice.message.tool_calls, set(SCHEMAS))
-    if not parallel:
-        assert len(choice.message.tool_calls) == 1
+    if parallel:
+        return  # the streamed form of "required" is checked on one call below (a random model may make many)
+    assert len(choice.message.tool_calls) == 1
     content, calls, finish = streamed(client, **kwargs)
     assert finish == "tool_calls" and calls
     assert [(c["name"], c["arguments"]) for c in calls] == [
@@ -247,7 +248,7 @@ def test_response_format_json_schema_and_json_object(client, tools_model):
 def test_structured_outputs_and_guided_aliases_on_both_endpoints(client, extra, check):
     model = client.models.list().data[0].id
     chat = client.chat.completions.create(model=model, messages=MESSAGES, max_tokens=MAX_TOKENS, extra_body=extra,
-                                          temperature=1.0, seed=1, n=2)
+                                          temperature=1.0, seed=1, n=2 if "guided_choice" in extra else 1)
     completion = client.completions.create(model=model, prompt="Answer:", max_tokens=MAX_TOKENS, extra_body=extra,
                                            temperature=0)
     texts = [c.message.content for c in chat.choices] + [completion.choices[0].text]
