@@ -76,30 +76,27 @@ class GrammarMask(LogitsProcessor):
     """Structured outputs: a constrained row keeps only the tokens its grammar allows next (the
     others get -inf), from its matcher's token bitmask. First in the pipeline, so every later
     processor and every sampling mode sees only allowed tokens."""
-    rows: torch.Tensor  # [m] int64: the constrained rows
-    allowed: torch.Tensor  # [m, vocab] bool
+    bitmask: torch.Tensor  # [batch, ceil(vocab / 32)] int32 on the logits' device; a set bit = allowed
+    rows: list[int]  # the constrained rows (the others' words are all ones, and skipped)
 
     @classmethod
     def build(cls, rows: RowsView) -> "GrammarMask | None":
         constrained = [row for row, r in enumerate(rows.rows) if r.grammar is not None]
         if not constrained:
             return None
-        # [m, words] int32 on the CPU, where xgrammar writes; all ones = every token allowed.
-        bitmask = torch.full((len(constrained), cdiv(rows.vocab_size, BITS_PER_WORD)), -1, dtype=torch.int32)
-        for i, row in enumerate(constrained):
-            rows.rows[row].grammar.fill_bitmask(bitmask, i, rows.drafts[row] if rows.drafts else ())
-        return cls(rows.column(constrained, torch.int64), unpack_bitmask(bitmask.to(rows.device), rows.vocab_size))
+        # Filled on the CPU, where xgrammar writes, then copied once.
+        bitmask = torch.full((len(rows.rows), cdiv(rows.vocab_size, BITS_PER_WORD)), -1, dtype=torch.int32)
+        for row in constrained:
+            rows.rows[row].grammar.fill_bitmask(bitmask, row, rows.drafts[row] if rows.drafts else ())
+        return cls(bitmask.to(rows.device, non_blocking=True), constrained)
 
     def __call__(self, logits: torch.Tensor) -> torch.Tensor:
-        masked = logits[self.rows].masked_fill(~self.allowed, float("-inf"))
-        return logits.index_copy(0, self.rows, masked)
-
-
-def unpack_bitmask(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
-    """[rows, words] int32 token bitmask -> [rows, vocab_size] bool, True where the bit is set."""
-    shifts = torch.arange(BITS_PER_WORD, dtype=torch.int32, device=bitmask.device)
-    bits = (bitmask.unsqueeze(-1) >> shifts) & 1  # [rows, words, 32]: an arithmetic shift, then the low bit
-    return bits.bool().flatten(1)[:, :vocab_size]
+        # xgrammar's own kernel (C++ on the CPU, CUDA on a GPU): unpacking the bits in torch costs
+        # far more. Imported here, where a grammar exists, so xgrammar is installed and wanted.
+        from xgrammar import apply_token_bitmask_inplace
+        masked = logits.clone()
+        apply_token_bitmask_inplace(masked, self.bitmask, vocab_size=logits.size(-1), indices=self.rows)
+        return masked
 
 
 @dataclass(frozen=True)
