@@ -187,6 +187,9 @@ def parse_line(raw: str | bytes, line: int | None, defaults: dict[str, Any] | No
     except ValidationError as exc:
         api_error = validation_error(exc.errors())
         return error(api_error.message, api_error.param)
+    if chat and (request.tools or request.tool_choice not in (None, "none")):  # the server's tool calling only
+        return error("tools and tool_choice are not supported in batch jobs (only by the server's chat completions); "
+                     "leave them out", "tools")
     try:
         if chat:
             params = request.to_sampling_params(default_max_tokens=_DEFAULT_MAX_TOKENS)

@@ -3,8 +3,10 @@
 Owns the routes (`/v1/completions`, `/v1/chat/completions`, `/v1/models`, `/health`,
 `/metrics`), the API-key check, turning prompts into token ids off the event loop (and refusing
 what does not fit the context), turning engine outputs into OpenAI's responses and SSE chunks,
-aborting requests whose client went away, and a graceful exit on SIGTERM/SIGINT. Request
-shapes and error JSON come from `protocol.py`; connection and body limits, request ids and the
+aborting requests whose client went away, and a graceful exit on SIGTERM/SIGINT. A request's
+structured-outputs constraint is compiled in the prompt thread before it is queued (a 400 if it
+does not compile); tools and tool_choice are planned and their calls parsed by
+`serving_tools.py`. Request shapes and error JSON come from `protocol.py`; connection and body limits, request ids and the
 last-resort 500 from `http_guard.py`; the engine is reached only through the engine client held
 in `app.state` (started and stopped by the app's lifespan).
 """
