@@ -200,6 +200,8 @@ def test_a_tool_round_trip_renders_the_call_and_the_answer(client, tools_model):
     ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "bogus"}}}},
      400, "response_format"),
     ({"guided_regex": "(unclosed"}, 400, "guided_regex"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "bogus"}}}],
+      "tool_choice": "required"}, 400, "tools"),
     ({"structured_outputs": {"grammar": "root ::= \"x"}}, 400, "structured_outputs"),
     ({"guided_choice": ["a"], "guided_regex": "a"}, 400, None),
 ])

@@ -42,7 +42,8 @@ from nanovllm.entrypoints.openai.protocol import (APIError, AssistantMessage, Ch
                                            ChatCompletionRequest, ChatCompletionResponse, ChatCompletionStreamChoice,
                                            ChatLogprobs, CompletionChoice, CompletionLogprobs, CompletionRequest,
                                            CompletionResponse, DeltaMessage, ModelCard, ModelList, TokenLogprob,
-                                           TopLogprob, UsageInfo, request_error, validation_error)
+                                           TopLogprob, UsageInfo, constraint_error, request_error,
+                                           validation_error)
 from nanovllm.entrypoints.openai.serving_tools import ToolDeltas, ToolOutput, ToolPlan, finish_reason, plan_tools
 from nanovllm.entrypoints.openai.server_settings import (DEFAULT_HOST, DEFAULT_PORT, DEFAULT_SHUTDOWN_TIMEOUT,
                                                   RETRY_AFTER_SECONDS, ServerSettings)
@@ -184,7 +185,7 @@ async def _compile_constraint(request: Request, params: SamplingParams, source: 
         await asyncio.get_running_loop().run_in_executor(state.prompt_pool, state.engine_client.grammars.compile,
                                                          params.structured_outputs)
     except ValueError as exc:
-        raise APIError(400, str(exc).replace("structured_outputs", source, 1), param=source) from None
+        raise APIError(400, constraint_error(str(exc), source), param=source) from None
 
 
 def _encode(tokenizer: PreTrainedTokenizerBase, prompts: list[str | list[int]]) -> list[list[int]]:

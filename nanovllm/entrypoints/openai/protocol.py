@@ -165,6 +165,20 @@ class StructuredOutputsRequest(Strict):
     disable_any_whitespace: bool = False
 
 
+# Where each way of asking for a constraint puts it, for errors: StructuredOutputsParams' field -> the request's.
+_CONSTRAINT_FIELDS = {"response_format": {"json": "response_format.json_schema.schema"},
+                      "tools": {"json": "tools[].function.parameters"},  # tool_choice "required" or named
+                      **{f"guided_{name}": {name: f"guided_{name}"} for name in ("json", "regex", "choice", "grammar")}}
+
+
+def constraint_error(message: str, source: str) -> str:
+    """A StructuredOutputsParams error ("structured_outputs.json ...") named by the request field
+    that gave the constraint (`source`: "response_format", "guided_json", ...)."""
+    for name, field in _CONSTRAINT_FIELDS.get(source, {}).items():
+        message = message.replace(f"structured_outputs.{name}", field)
+    return message.replace("structured_outputs", source) if source in _CONSTRAINT_FIELDS else message
+
+
 class SamplingFields(Strict):
     """The sampling knobs both endpoints share, with vLLM's extensions; None means the default."""
     model: Text | None = None
@@ -222,9 +236,8 @@ class SamplingFields(Strict):
         (source, make), = given.items()
         try:
             return source, make()
-        except ValueError as exc:  # named by the request's own field
-            raise ValueError(str(exc).replace("structured_outputs", source, 1)
-                             if source != "structured_outputs" else str(exc)) from None
+        except ValueError as exc:
+            raise ValueError(constraint_error(str(exc), source)) from None
 
     def sampling_params(self, max_tokens: int, logprobs: int | None,
                         structured: StructuredOutputsParams | None = None) -> SamplingParams:
