@@ -18,6 +18,7 @@ from transformers import PreTrainedTokenizerBase
 
 from nanovllm.sampling_params import StructuredOutputsParams
 from nanovllm.structured_outputs.state import GrammarState
+from nanovllm.utils.validation import ParamError
 
 # A compiled grammar per constraint: a few hundred KB each for a large vocabulary; this bounds
 # the cache to what a server serving many distinct schemas can afford.
@@ -56,7 +57,7 @@ class GrammarCompiler:
             if self._compiler is None:
                 reason = self._unsupported_reason()
                 if reason is not None:
-                    raise ValueError(reason)
+                    raise ParamError("structured_outputs", reason)
                 info = xgrammar.TokenizerInfo.from_huggingface(self.tokenizer, vocab_size=self.vocab_size,
                                                                stop_token_ids=[self.eos])
                 self._compiler = xgrammar.GrammarCompiler(info, cache_limit_bytes=CACHE_LIMIT_BYTES)
@@ -80,7 +81,7 @@ class GrammarCompiler:
             return compiler.compile_grammar(params.grammar)
         except RuntimeError as exc:
             reason = _XGRAMMAR_PREFIX.sub("", str(exc).strip()).strip()
-            raise ValueError(f"structured_outputs.{kind} could not be compiled: {reason}") from None
+            raise ParamError("structured_outputs", f"structured_outputs.{kind} could not be compiled: {reason}") from None
 
     def new_state(self, compiled: xgrammar.CompiledGrammar) -> GrammarState:
         """A fresh matcher over a compiled grammar, for one sample."""
