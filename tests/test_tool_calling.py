@@ -257,3 +257,19 @@ def test_structured_outputs_and_guided_aliases_on_both_endpoints(client, extra, 
     assert all(c.finish_reason == "stop" for c in [*chat.choices, *completion.choices])
     for text in texts:
         assert check(text) is not False, text
+
+
+def test_llm_chat_takes_tools_and_a_tool_call_history(tools_model):
+    """Offline: LLM.chat renders tools and a history with a call (content None) and its answer,
+    and a structured_outputs constraint holds there too; content None elsewhere is refused."""
+    from nanovllm import LLM, SamplingParams
+    history = MESSAGES + [
+        {"role": "assistant", "content": None, "tool_calls": [
+            {"id": "call_1", "type": "function", "function": {"name": "get_time", "arguments": {"zone": "UTC"}}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "12:00"}]
+    params = SamplingParams(max_tokens=8, temperature=0, structured_outputs={"choice": ["noon", "midnight"]})
+    with LLM(tools_model, kvcache_block_size=16, num_kvcache_blocks=64) as llm:
+        out = llm.chat(history, params, use_tqdm=False, tools=TOOLS)
+        assert out[0]["text"] in ("noon", "midnight")
+        with pytest.raises(ValueError, match="content None only in an assistant message with tool_calls"):
+            llm.chat([{"role": "user", "content": None}], params, use_tqdm=False)
