@@ -134,6 +134,24 @@ def test_speculative_decoding_keeps_the_grammar_and_greedy_output(llm, spec_llm,
     assert spec_llm.scheduler.stats.spec_proposed_tokens > before  # proposals were made and verified
 
 
+def test_a_draft_model_proposes_under_the_grammar_too(llm, reference, qwen3_tiny):
+    """Draft-model speculation (the draft is the target itself, so it proposes often): its
+    proposals are masked after the tokens proposed before them, greedy output equals the plain
+    engine's, and sampled output (drawn through the draft's masked q) obeys the grammar."""
+    spec = {"method": "draft_model", "model": qwen3_tiny, "num_speculative_tokens": 3}
+    with LLM(qwen3_tiny, kvcache_block_size=16, num_kvcache_blocks=256, speculative_config=spec) as draft_llm:
+        for kind in ("regex", "json"):
+            greedy = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, structured_outputs=CONSTRAINTS[kind])
+            out = draft_llm.generate([PROMPT], greedy, use_tqdm=False)[0]
+            assert out["token_ids"] == llm.generate([PROMPT], greedy, use_tqdm=False)[0]["token_ids"]
+            check_sample(reference, kind, out)
+            sampled = SamplingParams(temperature=1.0, seed=9, n=2, max_tokens=MAX_TOKENS,
+                                     structured_outputs=CONSTRAINTS[kind])
+            for sample in samples(draft_llm.generate([PROMPT], sampled, use_tqdm=False)[0]):
+                check_sample(reference, kind, sample)
+        assert draft_llm.scheduler.stats.spec_accepted_tokens > 0
+
+
 def test_grammar_mask_rejects_a_forbidden_proposal_and_masks_the_token_in_its_place(llm):
     """The rejection sampler over rows whose logits favour a token the grammar forbids, proposed:
     rejected (greedy and sampled), and the token emitted instead is one the grammar allows."""
