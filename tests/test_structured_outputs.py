@@ -291,3 +291,20 @@ def test_a_wordpiece_tokenizer_is_refused_with_the_reason():
     grammars = GrammarCompiler(tokenizer, len(tokenizer), tokenizer.eos_token_id)
     with pytest.raises(ValueError, match="tokenizer is WordPiece"):
         grammars.compile(StructuredOutputsParams(regex="[0-9]+"))
+
+
+def test_the_overlapped_loop_steps_plainly_while_a_grammar_is_live(qwen3_tiny, reference):
+    """async_scheduling builds step N+1's sampling inputs before step N's tokens reach the host;
+    a grammar's mask needs them, so the engine keeps to the plain loop while one is live (else
+    the mask would lag a token and the matcher refuse the next one). Unconstrained requests in
+    the same call are unaffected."""
+    with LLM(qwen3_tiny, kvcache_block_size=16, num_kvcache_blocks=256, async_scheduling="on") as engine:
+        plain = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+        outs = engine.generate([PROMPT, PROMPT, "Hello"], [
+            SamplingParams(temperature=1.0, seed=1, max_tokens=MAX_TOKENS, structured_outputs=CONSTRAINTS["json"]),
+            SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, structured_outputs=CONSTRAINTS["regex"]), plain],
+            use_tqdm=False)
+        check_sample(reference, "json", outs[0])
+        check_sample(reference, "regex", outs[1])
+        assert len(outs[2]["token_ids"]) == 16
+        assert engine.generate(["Hello"], plain, use_tqdm=False)[0]["token_ids"] == outs[2]["token_ids"]
