@@ -308,3 +308,17 @@ def test_the_overlapped_loop_steps_plainly_while_a_grammar_is_live(qwen3_tiny, r
         check_sample(reference, "regex", outs[1])
         assert len(outs[2]["token_ids"]) == 16
         assert engine.generate(["Hello"], plain, use_tqdm=False)[0]["token_ids"] == outs[2]["token_ids"]
+
+
+def test_the_mask_kernels_of_both_devices_agree():
+    """GrammarMask uses xgrammar's C++ kernel on the CPU and its plain-torch one elsewhere: on the
+    same bits (here, on the CPU) they mask the same logits, and only the constrained rows."""
+    generator = torch.Generator().manual_seed(0)
+    bitmask = torch.randint(-2**31, 2**31 - 1, (4, 20), dtype=torch.int32, generator=generator)
+    logits = torch.randn(4, 630, generator=generator)  # a vocabulary that does not fill the last word
+    masked = {}
+    for backend in ("cpu", "torch_native"):
+        masked[backend] = logits.clone()
+        xgrammar.apply_token_bitmask_inplace(masked[backend], bitmask, vocab_size=630, indices=[0, 2], backend=backend)
+    assert torch.equal(masked["cpu"], masked["torch_native"])
+    assert torch.equal(masked["cpu"][[1, 3]], logits[[1, 3]]) and masked["cpu"][0].isinf().any()
