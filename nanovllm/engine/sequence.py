@@ -70,6 +70,9 @@ class Sequence:
         # so they find its prefix blocks in the cache.
         self.pending_siblings: list["Sequence"] = []
         self.detokenizer = None  # an engine Detokenizer, for streaming or stop strings
+        # Its structured_outputs matcher (a structured_outputs.GrammarState, which this module does
+        # not import): the sampler masks its next token with it, the stop checker advances it.
+        self.grammar = None
         # Set by the engine loop for its inter-token latency counters: when the newest token came
         # (perf_counter seconds) and how many steps with prefill work had run by then.
         self.last_token_time: float | None = None

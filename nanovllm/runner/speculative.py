@@ -141,7 +141,7 @@ class SpeculativeRunner:
             step = StepMessage(False, tokens, [n - 1 for n in lengths], lengths, lengths,
                                [seq.block_table for seq in seqs])
             logits = self.draft.forward(step).logits.float()  # [live, vocab]
-            t = prepare_sampling(seqs, vocab, eos, device)
+            t = prepare_sampling(seqs, vocab, eos, device, drafts=[proposals[r] for r in live])
             adjusted = t.adjust(logits)
             chosen = adjusted.argmax(dim=-1)
             if not t.all_greedy:
@@ -196,8 +196,10 @@ class SpeculativeRunner:
         one's 1 + proposed rows, in order); each one's accepted proposals go into `accepted`,
         the token after them into `token_ids`."""
         rows_of = [[seqs[i]] * (len(proposals[i]) + 1) for i in spec]
+        # Row j of a sequence judges proposal j, after proposals 0..j-1 (a grammar's mask follows them).
+        drafts = [proposals[i][:j] for i in spec for j in range(len(proposals[i]) + 1)]
         t = prepare_sampling([seq for rows in rows_of for seq in rows], logits.size(-1), self.config.eos,
-                             logits.device)
+                             logits.device, drafts=drafts)
         proposed = torch.tensor([tok for i in spec for tok in proposals[i] + [-1]], dtype=torch.int64,
                                 device=logits.device)
         draft_probs = None

@@ -197,6 +197,9 @@ def parse_line(raw: str | bytes, line: int | None, defaults: dict[str, Any] | No
     if refused is not None:
         return error(f"{refused}={getattr(request, refused)!r:.80} is not supported in a batch job; leave it out",
                      refused)
+    if chat and (request.tools or request.tool_choice not in (None, "none")):  # the server's tool calling only
+        return error("tools and tool_choice are not supported in batch jobs (only by the server's chat completions); "
+                     "leave them out", "tools")
     try:
         if chat:
             params = request.to_sampling_params(default_max_tokens=_DEFAULT_MAX_TOKENS)

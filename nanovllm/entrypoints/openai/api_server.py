@@ -4,10 +4,13 @@ Owns the routes (`/v1/completions`, `/v1/chat/completions`, `/v1/models[/{id}]`,
 `/metrics`, `/version`), the API-key check, turning prompts into token ids off the event loop
 (and refusing what does not fit the context), turning engine outputs into OpenAI's responses and
 SSE chunks (a chat answer split by the --reasoning-parser, from `reasoning.py`), aborting
-requests whose client went away, and a graceful exit on SIGTERM/SIGINT. Request shapes and error
-JSON come from `protocol.py`; connection and body limits, request ids and the last-resort 500
-from `http_guard.py`; /tokenize and /detokenize from `serving_tokens.py`; the engine is reached
-only through the engine client held in `app.state` (started and stopped by the app's lifespan).
+requests whose client went away, and a graceful exit on SIGTERM/SIGINT. A request's
+structured-outputs constraint is compiled in the prompt thread before it is queued (a 400 if it
+does not compile); tools and tool_choice are planned and their calls parsed by
+`serving_tools.py`. Request shapes and error JSON come from `protocol.py`; connection and body
+limits, request ids and the last-resort 500 from `http_guard.py`; /tokenize and /detokenize from
+`serving_tokens.py`; the engine is reached only through the engine client held in `app.state`
+(started and stopped by the app's lifespan).
 """
 import asyncio
 import hmac
@@ -42,12 +45,14 @@ from nanovllm.entrypoints.openai.protocol import (APIError, AssistantMessage, Ch
                                            ChatCompletionRequest, ChatCompletionResponse, ChatCompletionStreamChoice,
                                            ChatLogprobs, CompletionChoice, CompletionLogprobs, CompletionRequest,
                                            CompletionResponse, DeltaMessage, ModelCard, ModelList, TokenLogprob,
-                                           TopLogprob, UsageInfo, request_error, validation_error)
+                                           TopLogprob, UsageInfo, constraint_error, request_error,
+                                           validation_error)
 from nanovllm.entrypoints.openai.reasoning import REASONING_PARSERS, ReasoningDelta, TagReasoningParser
 from nanovllm.entrypoints.openai.serving_common import check_model as _check_model
 from nanovllm.entrypoints.openai.serving_common import check_request_template, render_request_chat
 from nanovllm.entrypoints.openai.serving_common import in_prompt_thread as _in_prompt_thread
 from nanovllm.entrypoints.openai.serving_tokens import router as tokens_router
+from nanovllm.entrypoints.openai.serving_tools import ToolDeltas, ToolOutput, ToolPlan, finish_reason, plan_tools
 from nanovllm.entrypoints.openai.server_settings import (DEFAULT_HOST, DEFAULT_PORT, DEFAULT_SHUTDOWN_TIMEOUT,
                                                   RETRY_AFTER_SECONDS, ServerSettings)
 from nanovllm.sampling_params import SamplingParams
@@ -199,6 +204,20 @@ def _truncate(request: Request, prompts: list[list[int]], keep: int | None) -> l
                             " or -1 (keep the last max_model_len tokens)", param="truncate_prompt_tokens")
     keep = max_len if keep == -1 else keep
     return [prompt[-keep:] for prompt in prompts]
+
+
+async def _compile_constraint(request: Request, params: SamplingParams, source: str | None) -> None:
+    """Compile the request's structured-outputs constraint in the prompt thread, off the event loop
+    and the engine's (xgrammar caches it, so the engine's own compile as it builds the request is a
+    lookup); one that does not compile is a 400 naming the request field that gave it."""
+    if params.structured_outputs is None:
+        return
+    state = request.app.state
+    try:
+        await asyncio.get_running_loop().run_in_executor(state.prompt_pool, state.engine_client.grammars.compile,
+                                                         params.structured_outputs)
+    except ValueError as exc:
+        raise APIError(400, constraint_error(str(exc), source), param=source) from None
 
 
 def _fit_context(request: Request, params: SamplingParams, prompts: list[list[int]], requested: int | None,
@@ -357,6 +376,7 @@ async def create_completion(body: CompletionRequest, request: Request) -> Respon
         requested = 1
     try:
         params = body.to_sampling_params()
+        await _compile_constraint(request, params, (body.constraint() or (None,))[0])
         prompt_ids = await _in_prompt_thread(request, _encode, prompts, body.add_special_tokens)
         if body.truncate_prompt_tokens is not None:  # echo shows the prompt the model saw
             prompts = prompt_ids = _truncate(request, prompt_ids, body.truncate_prompt_tokens)
@@ -467,11 +487,11 @@ async def _completion_events(state, body: CompletionRequest, params: SamplingPar
 _CHAT_FIELDS = set(ChatCompletionRequest.model_fields)
 
 
-def _chat_prompt(tokenizer: PreTrainedTokenizerBase, body: ChatCompletionRequest,
-                 server_template: str | None) -> list[int]:
+def _chat_prompt(tokenizer: PreTrainedTokenizerBase, body: ChatCompletionRequest, server_template: str | None,
+                 tools: list[dict] | None) -> list[int]:
     """The conversation rendered by the chat template (the request's, the server's --chat-template
-    or the tokenizer's), as token ids (as LLM.chat does)."""
-    return render_request_chat(tokenizer, body.conversation(), body.chat_options(server_template),
+    or the tokenizer's), with the tools the plan hands it, as token ids (as LLM.chat does)."""
+    return render_request_chat(tokenizer, body.conversation(), body.chat_options(server_template, tools),
                                from_request=body.chat_template is not None)
 
 
@@ -484,8 +504,14 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
                  "max_tokens")
     check_request_template(request, body.chat_template)
     try:
-        params = body.to_sampling_params(default_max_tokens=client.config.max_model_len)  # checked before any work
-        prompt = await _in_prompt_thread(request, _chat_prompt, body, state.chat_template)
+        plan = plan_tools(body, state.settings.tool_call_parser)
+        structured = plan.structured if plan is not None else None
+        # checked before any work
+        params = body.to_sampling_params(default_max_tokens=client.config.max_model_len, structured=structured)
+        await _compile_constraint(request, params, "tools" if structured is not None else (body.constraint() or
+                                                                                            (None,))[0])
+        prompt = await _in_prompt_thread(request, _chat_prompt, body, state.chat_template,
+                                         plan.tools if plan is not None else None)
         prompt = _truncate(request, [prompt], body.truncate_prompt_tokens)[0]
         # With no max_tokens, the answer may fill what the context (and the KV cache) has left.
         room = min(client.config.max_model_len, client.cache_capacity_tokens) - len(prompt)
@@ -496,9 +522,9 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
     reasoning = _reasoning_parser_factory(state, body, prompt)
     submission = await _submit(request, [prompt], params, request_id, _CHAT_FIELDS, "messages", body.priority)
     if body.stream:
-        return _sse_response(_chat_events(state, body, params, submission, request_id, reasoning))
-    return await _unless_disconnected(request, _chat_response(state, body, params, submission, request_id, reasoning),
-                                      submission)
+        return _sse_response(_chat_events(state, body, params, submission, request_id, reasoning, plan))
+    return await _unless_disconnected(
+        request, _chat_response(state, body, params, submission, request_id, reasoning, plan), submission)
 
 
 # Prompt tokens decoded to see whether the template opened the reasoning itself: a start tag
@@ -548,14 +574,19 @@ async def _final_output(submission: Submission) -> RequestOutput:
 
 
 async def _chat_response(state, body: ChatCompletionRequest, params: SamplingParams, submission: Submission,
-                         request_id: str, reasoning: ReasoningParserFactory | None) -> Response:
+                         request_id: str, reasoning: ReasoningParserFactory | None, plan: ToolPlan | None) -> Response:
     final = await _final_output(submission)
     _check_finals(state, [final], request_id)
     choices = []
     for j, sample in enumerate(final.outputs):
         logprobs = _chat_logprobs(state.tokenizer, sample.logprobs) if params.logprobs is not None else None
-        choices.append(ChatCompletionChoice(index=j, message=_assistant_message(sample.text, body, reasoning),
-                                            logprobs=logprobs, finish_reason=sample.finish_reason,
+        message, reason = _assistant_message(sample.text, body, reasoning), sample.finish_reason
+        if plan is not None:  # the tool calls are parsed out of the answer (after any reasoning)
+            out = ToolOutput(plan, message.content or "")
+            message = AssistantMessage(content=out.content, reasoning_content=message.reasoning_content,
+                                       tool_calls=out.tool_calls)
+            reason = finish_reason(reason, bool(out.tool_calls))
+        choices.append(ChatCompletionChoice(index=j, message=message, logprobs=logprobs, finish_reason=reason,
                                             stop_reason=sample.stop_reason))
     usage = _usage(len(final.prompt_token_ids), sum(len(s.token_ids) for s in final.outputs))
     response = ChatCompletionResponse(id=request_id, model=state.settings.model_name, choices=choices, usage=usage,
@@ -564,9 +595,11 @@ async def _chat_response(state, body: ChatCompletionRequest, params: SamplingPar
 
 
 async def _chat_events(state, body: ChatCompletionRequest, params: SamplingParams, submission: Submission,
-                       request_id: str, reasoning: ReasoningParserFactory | None) -> AsyncIterator[str]:
+                       request_id: str, reasoning: ReasoningParserFactory | None,
+                       plan: ToolPlan | None) -> AsyncIterator[str]:
     model = state.settings.model_name
     parsers = [reasoning() if reasoning is not None else None for _ in range(params.n)]  # one per sample
+    tool_deltas = [ToolDeltas(plan) for _ in range(params.n)] if plan is not None else None
 
     def chunk(choices: list[ChatCompletionStreamChoice], usage: UsageInfo | None = None) -> str:
         return _sse(ChatCompletionChunk(id=request_id, model=model, choices=choices, usage=usage),
@@ -591,13 +624,23 @@ async def _chat_events(state, body: ChatCompletionRequest, params: SamplingParam
                 if params.logprobs is not None and sample.logprobs:
                     logprobs = _chat_logprobs(state.tokenizer, sample.logprobs)
                 deltas = _stream_deltas(sample.text, sample.finished, parsers[sample.index], body.include_reasoning)
+                reason = sample.finish_reason
+                if tool_deltas is not None:  # the content goes through the tool parser, in pieces
+                    tools = tool_deltas[sample.index]
+                    content = "".join(delta.content or "" for delta in deltas)
+                    deltas = ([delta for delta in deltas if delta.reasoning_content] + tools.feed(content)
+                              + (tools.finish() if sample.finished else []))
+                    if not deltas and sample.finished:
+                        deltas = [DeltaMessage()]
+                    reason = finish_reason(sample.finish_reason, tools.called)
                 for k, delta in enumerate(deltas):
                     last = k == len(deltas) - 1
-                    if last and not (delta.content or delta.reasoning_content or logprobs or sample.finished):
-                        continue  # text held back (a partial character, stop string or reasoning tag)
+                    if last and not (delta.content or delta.reasoning_content or delta.tool_calls or logprobs
+                                     or sample.finished):
+                        continue  # text held back (a partial character, stop string, reasoning tag or tool call)
                     yield chunk([ChatCompletionStreamChoice(
                         index=sample.index, delta=delta, logprobs=logprobs if k == 0 else None,
-                        finish_reason=sample.finish_reason if sample.finished and last else None,
+                        finish_reason=reason if sample.finished and last else None,
                         stop_reason=sample.stop_reason if sample.finished and last else None)])
         if error is not None:
             yield _error_event(error)

@@ -30,6 +30,7 @@ from nanovllm.llm_engine import LLMEngine
 from nanovllm.engine.outputs import CompletionOutput, RequestDelta, RequestOutput, SampleDelta
 from nanovllm.entrypoints.openai.metrics import ServerMetrics
 from nanovllm.sampling_params import SamplingParams
+from nanovllm.structured_outputs import GrammarCompiler
 from nanovllm.utils.validation import ParamError
 
 logger = logging.getLogger("nanovllm")
@@ -131,6 +132,7 @@ class EngineClient:
         self.shutting_down = False  # set by begin_shutdown(): every request is aborted, new ones refused
         self.config: Config | None = None  # the engine's, once started (read-only from here on)
         self.cache_capacity_tokens = 0  # tokens the whole KV cache holds, once started
+        self.grammars: GrammarCompiler | None = None  # the engine's structured-outputs compiler, once started
 
     # --- lifetime ---
 
@@ -255,6 +257,11 @@ class EngineClient:
             return
         self.config = engine.config
         self.cache_capacity_tokens = engine.block_manager.num_blocks * engine.config.kvcache_block_size
+        try:  # here, in the tokenizer's own thread: the prompt thread then only compiles
+            engine.grammars.load()
+        except Exception:  # a vocabulary xgrammar cannot read: each constrained request is refused with why
+            logger.warning("structured outputs are unavailable for this tokenizer", exc_info=True)
+        self.grammars = engine.grammars
         self.metrics.observe_engine(engine.stats())  # every metric shows from the start
         self._post(_settle, ready, None)
         live: dict[str, _Timing] = {}

@@ -12,22 +12,23 @@ field's default, and integer/number fields take 4.0 and "4" (`Int`, `Float`). Fi
 does not declare go through `request_fields.screen_fields` (vLLM's refused by name, unknown
 ones logged once). It does not know the engine, HTTP routing or tokenization.
 """
+import json
 import time
 from http import HTTPStatus
 from typing import Annotated, Any, Literal
 
-from pydantic import (AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, field_serializer, field_validator,
-                      model_validator)
+from pydantic import (AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, ValidationInfo, field_serializer,
+                      field_validator, model_validator)
 
 from nanovllm.engine.chat import ChatOptions
 from nanovllm.entrypoints.openai.request_fields import UNSUPPORTED_FIELD_ERROR, screen_fields
-from nanovllm.sampling_params import MAX_LOGPROBS, MAX_SEED, MIN_SEED, SamplingParams
+from nanovllm.sampling_params import MAX_LOGPROBS, MAX_SEED, MIN_SEED, SamplingParams, StructuredOutputsParams
 from nanovllm.utils.validation import ParamError, first_surrogate
 
 # OpenAI's default for /v1/completions; chat completions default to what the context has left.
 DEFAULT_COMPLETION_MAX_TOKENS = 16
 # Roles the chat template is given; others are refused (a template would render them blindly).
-CHAT_ROLES = ("system", "developer", "user", "assistant")
+CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
 # Counts, token ids and top_k fit an int32 (what the sampler's and scheduler's tensors hold);
 # the engine bounds them further (top_k and token ids to the vocabulary, n to the queue).
 MAX_COUNT = 2**31 - 1
@@ -38,6 +39,8 @@ MAX_STOP = 64
 MAX_STOP_CHARS = 1024
 # logit_bias entries a request may give: each is one element of the sampler's bias, every step.
 MAX_LOGIT_BIAS_ENTRIES = 1024
+# Functions a chat request may offer: each is rendered into the prompt (OpenAI allows 128).
+MAX_TOOLS = 128
 
 
 def _valid_unicode(text: str) -> str:
@@ -204,6 +207,43 @@ class StreamOptions(Strict):
     continuous_usage_stats: Literal[False] = False  # refused: usage comes in the last chunk only
 
 
+class JsonSchemaFormat(Strict):
+    name: Text
+    description: Text | None = None
+    schema_: dict | None = Field(default=None, alias="schema")  # None: any JSON object
+    strict: bool | None = None
+
+
+class ResponseFormat(Strict):
+    """OpenAI's response_format: free text, any JSON object, or JSON under a schema."""
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
+class StructuredOutputsRequest(Strict):
+    """vLLM's structured_outputs request field: exactly one constraint (StructuredOutputsParams)."""
+    json_: dict | Text | None = Field(default=None, alias="json")
+    regex: Text | None = None
+    choice: Annotated[list[Text], Field(max_length=1024)] | None = None
+    grammar: Text | None = None
+    json_object: bool | None = None
+    disable_any_whitespace: bool = False
+
+
+# Where each way of asking for a constraint puts it, for errors: StructuredOutputsParams' field -> the request's.
+_CONSTRAINT_FIELDS = {"response_format": {"json": "response_format.json_schema.schema"},
+                      "tools": {"json": "tools[].function.parameters"},  # tool_choice "required" or named
+                      **{f"guided_{name}": {name: f"guided_{name}"} for name in ("json", "regex", "choice", "grammar")}}
+
+
+def constraint_error(message: str, source: str) -> str:
+    """A StructuredOutputsParams error ("structured_outputs.json ...") named by the request field
+    that gave the constraint (`source`: "response_format", "guided_json", ...)."""
+    for name, field in _CONSTRAINT_FIELDS.get(source, {}).items():
+        message = message.replace(f"structured_outputs.{name}", field)
+    return message.replace("structured_outputs", source) if source in _CONSTRAINT_FIELDS else message
+
+
 class SamplingFields(Strict):
     """The sampling knobs both endpoints share, with vLLM's extensions; None means the default."""
     model: Text | None = None
@@ -232,14 +272,50 @@ class SamplingFields(Strict):
     priority: Annotated[Int, Field(ge=-MAX_COUNT, le=MAX_COUNT)] = 0  # vLLM's: lower is scheduled first
     # vLLM's extension: top-N logprobs of every prompt token, returned as the choice's prompt_logprobs
     prompt_logprobs: Annotated[Int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
+    # Structured outputs, at most one of: vLLM's field, OpenAI's response_format, vLLM's older guided_* names
+    structured_outputs: StructuredOutputsRequest | None = None
+    response_format: ResponseFormat | None = None
+    guided_json: dict | Text | None = None
+    guided_regex: Text | None = None
+    guided_choice: Annotated[list[Text], Field(max_length=1024)] | None = None
+    guided_grammar: Text | None = None
+
+    def constraint(self) -> tuple[str, StructuredOutputsParams] | None:
+        """The request's structured-outputs constraint and the field that gave it, or None."""
+        given = {}
+        if self.structured_outputs is not None:
+            fields = self.structured_outputs.model_dump(by_alias=True, exclude_none=True)
+            given["structured_outputs"] = lambda: StructuredOutputsParams(**fields)
+        format_ = self.response_format
+        if format_ is not None and format_.type == "json_object":
+            given["response_format"] = lambda: StructuredOutputsParams(json_object=True)
+        elif format_ is not None and format_.type == "json_schema":
+            if format_.json_schema is None:
+                raise ParamError("response_format", "response_format: type 'json_schema' needs a json_schema object with the schema")
+            schema = format_.json_schema.schema_
+            given["response_format"] = lambda: StructuredOutputsParams(
+                json=schema) if schema is not None else StructuredOutputsParams(json_object=True)
+        for name in ("json", "regex", "choice", "grammar"):
+            value = getattr(self, f"guided_{name}")
+            if value is not None:
+                given[f"guided_{name}"] = lambda name=name, value=value: StructuredOutputsParams(**{name: value})
+        if len(given) > 1:
+            raise ParamError(next(iter(given)), f"{', '.join(given)} are given together; constrain the output one way only")
+        if not given:
+            return None
+        (source, make), = given.items()
+        try:
+            return source, make()
+        except ValueError as exc:
+            raise ParamError(source, constraint_error(str(exc), source)) from None
 
     @model_validator(mode="before")
     @classmethod
     def _screen_fields(cls, data: Any) -> Any:
         return screen_fields(set(cls.model_fields), data)
 
-    def sampling_params(self, max_tokens: int, logprobs: int | None,
-                        prompt_logprobs: int | None = None) -> SamplingParams:
+    def sampling_params(self, max_tokens: int, logprobs: int | None, prompt_logprobs: int | None = None,
+                        structured: StructuredOutputsParams | None = None) -> SamplingParams:
         """SamplingParams for this request (its checks raise ParamError naming the field)."""
         logit_bias = None
         if self.logit_bias:
@@ -256,6 +332,7 @@ class SamplingFields(Strict):
             max_tokens=max_tokens, ignore_eos=self.ignore_eos, logprobs=logprobs,
             skip_special_tokens=self.skip_special_tokens, logit_bias=logit_bias,
             prompt_logprobs=self.prompt_logprobs if prompt_logprobs is None else prompt_logprobs,
+            structured_outputs=structured if structured is not None else (self.constraint() or (None, None))[1],
             **{name: value for name, value in given.items() if value is not None})
 
     @property
@@ -331,13 +408,78 @@ class TextPart(Strict):
     text: Text
 
 
+class FunctionCall(Strict):
+    name: Text
+    arguments: Text  # JSON text
+
+
+class ToolCall(Strict):
+    id: Text
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class FunctionDefinition(Strict):
+    name: Annotated[Text, Field(pattern=r"^[a-zA-Z0-9_-]{1,64}$")]
+    description: Text | None = None
+    parameters: dict | None = None  # a JSON schema of the arguments object
+    strict: bool | None = None
+
+
+class ChatTool(Strict):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class FunctionName(Strict):
+    name: Text
+
+
+class NamedToolChoice(Strict):
+    type: Literal["function"]
+    function: FunctionName
+
+
 class ChatMessage(Strict):
     role: Literal[CHAT_ROLES]
-    content: Text | list[TextPart]
+    tool_calls: list[ToolCall] | None = None  # an assistant's earlier calls
+    # None only in an assistant message with tool_calls (checked after role and tool_calls, declared first)
+    content: Text | list[TextPart] | None = Field(default=None, validate_default=True)
     name: Text | None = None
+    tool_call_id: Text | None = None  # a tool message: the call it answers
+
+    @field_validator("content")
+    @classmethod
+    def _content_or_tool_calls(cls, content, info: ValidationInfo):
+        if content is None and not (info.data.get("role") == "assistant" and info.data.get("tool_calls")):
+            raise ValueError("content is required; it may be null only in an assistant message with tool_calls")
+        return content
 
     def text(self) -> str:
+        if self.content is None:
+            return ""
         return self.content if isinstance(self.content, str) else "".join(part.text for part in self.content)
+
+    def for_template(self) -> dict:
+        """The message as chat templates read it: tool calls' arguments as objects (as vLLM gives them)."""
+        message: dict = {"role": self.role, "content": self.text()}
+        if self.tool_calls:
+            message["tool_calls"] = [{"id": call.id, "type": "function", "function": {
+                "name": call.function.name, "arguments": _arguments_object(call.function.arguments)}}
+                for call in self.tool_calls]
+        if self.tool_call_id is not None:
+            message["tool_call_id"] = self.tool_call_id
+        if self.name is not None:
+            message["name"] = self.name
+        return message
+
+
+def _arguments_object(arguments: str) -> dict | str:
+    try:
+        value = json.loads(arguments)
+    except ValueError:
+        return arguments
+    return value if isinstance(value, dict) else arguments
 
 
 class ChatCompletionRequest(SamplingFields):
@@ -347,7 +489,10 @@ class ChatCompletionRequest(SamplingFields):
     max_completion_tokens: Annotated[Int, Field(ge=1, le=MAX_COUNT)] | None = None
     logprobs: bool = False
     top_logprobs: Annotated[Int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
-    tools: list[dict] | None = None  # refused: no tool calling
+    tools: Annotated[list[ChatTool], Field(max_length=MAX_TOOLS)] | None = None
+    # "none", "auto" (the default with tools), "required", or a named function
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool = True  # False: "required" makes exactly one call
     # How the conversation is rendered (vLLM's extensions; engine/chat.py's ChatOptions).
     add_generation_prompt: bool = True  # end the prompt with the assistant header
     continue_final_message: bool = False  # leave the last (assistant) message open, to be continued
@@ -366,22 +511,23 @@ class ChatCompletionRequest(SamplingFields):
         role = "assistant" if self.add_generation_prompt else last.role
         return last.text() if self.echo and last.role == role else ""
 
-    def conversation(self) -> list[dict[str, str]]:
-        return [{"role": m.role, "content": m.text()} for m in self.messages]
+    def conversation(self) -> list[dict]:
+        return [m.for_template() for m in self.messages]
 
-    def chat_options(self, server_template: str | None) -> ChatOptions:
-        """How to render this request's conversation (ValueError naming the field if not allowed)."""
+    def chat_options(self, server_template: str | None, tools: list[dict] | None = None) -> ChatOptions:
+        """How to render this request's conversation (ValueError naming the field if not allowed);
+        `tools`: the function schemas the template is handed (serving_tools' plan)."""
         kwargs = dict(self.chat_template_kwargs or {})
         if self.reasoning_effort is not None:
             kwargs.setdefault("reasoning_effort", self.reasoning_effort)
         return ChatOptions(add_generation_prompt=self.add_generation_prompt,
                            continue_final_message=self.continue_final_message,
                            chat_template=self.chat_template or server_template, chat_template_kwargs=kwargs,
-                           documents=self.documents, add_special_tokens=self.add_special_tokens)
+                           tools=tools, documents=self.documents, add_special_tokens=self.add_special_tokens)
 
-    def to_sampling_params(self, default_max_tokens: int) -> SamplingParams:
-        if self.tools:
-            raise ParamError("tools", "tools is not supported by this server; leave it out")
+    def to_sampling_params(self, default_max_tokens: int,
+                           structured: StructuredOutputsParams | None = None) -> SamplingParams:
+        """`structured`: a constraint the tools ask for (tool_choice "required" or named), in place of the request's own."""
         if self.stream and self.prompt_logprobs is not None:
             raise ParamError("prompt_logprobs", f"prompt_logprobs={self.prompt_logprobs} is not available with "
                              "stream=true (as vLLM); leave it out or do not stream")
@@ -390,7 +536,7 @@ class ChatCompletionRequest(SamplingFields):
         max_tokens = next((m for m in (self.max_completion_tokens, self.max_tokens) if m is not None),
                           default_max_tokens)
         logprobs = (self.top_logprobs or 0) if self.logprobs else None
-        return self.sampling_params(max_tokens, logprobs)
+        return self.sampling_params(max_tokens, logprobs, structured=structured)
 
 
 # ---- responses ----
@@ -455,8 +601,9 @@ class ChatLogprobs(BaseModel):
 
 class AssistantMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
-    content: str | None  # None when a reasoning parser found only reasoning
+    content: str | None  # None when a reasoning parser found only reasoning, or with tool calls only
     reasoning_content: str | None = None  # vLLM's: the <think> part, with a --reasoning-parser
+    tool_calls: list[ToolCall] = Field(default_factory=list)
 
 
 class ChatCompletionChoice(BaseModel):
@@ -481,10 +628,24 @@ class ChatCompletionResponse(BaseModel):
     prompt_logprobs: list[dict[int, PromptLogprob] | None] | None = None  # vLLM's, as CompletionChoice's
 
 
+class DeltaFunctionCall(BaseModel):
+    name: str | None = None
+    arguments: str | None = None
+
+
+class DeltaToolCall(BaseModel):
+    """A piece of a streamed tool call: the first carries its id, type and name; the others more arguments."""
+    index: int
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: DeltaFunctionCall
+
+
 class DeltaMessage(BaseModel):
     role: Literal["assistant"] | None = None
     content: str | None = None
     reasoning_content: str | None = None
+    tool_calls: list[DeltaToolCall] | None = None
 
 
 class ChatCompletionStreamChoice(BaseModel):

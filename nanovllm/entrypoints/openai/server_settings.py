@@ -52,6 +52,8 @@ class ServerSettings:
     trust_request_chat_template: bool = False
     # split <think>...</think> off chat answers into reasoning_content: one of REASONING_PARSERS (qwen3)
     reasoning_parser: str | None = None
+    # how tool calls are found in a chat answer under tool_choice "auto" (e.g. hermes, as Qwen writes them)
+    tool_call_parser: str | None = None
 
     @property
     def model_name(self) -> str:
@@ -84,6 +86,11 @@ class ServerSettings:
             # Here, not at the top: the CLI builds its flags from this module without transformers.
             from nanovllm.engine.chat import load_chat_template
             load_chat_template(self.chat_template)
+        if self.tool_call_parser is not None:
+            from nanovllm.entrypoints.openai.tool_parsers import TOOL_PARSERS  # plain Python, no web stack
+            if self.tool_call_parser not in TOOL_PARSERS:
+                raise ValueError(f"tool_call_parser={self.tool_call_parser!r} is not allowed; it must be one of "
+                                 f"{sorted(TOOL_PARSERS)}")
         if self.engine_kwargs.get("skip_tokenizer_init"):
             raise ValueError("skip_tokenizer_init=True is not allowed when serving: the OpenAI API takes and "
                              "returns text, which needs the tokenizer")
