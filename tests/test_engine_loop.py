@@ -32,6 +32,7 @@ class StandInEngine:
         self.news: dict[str, None] = {}
         self.exited = False
         self.num_steps = 0
+        self.grammars = SimpleNamespace(load=lambda: None)  # the structured-outputs compiler, unused here
 
     def add_requests(self, prompts, params, request_ids, priority=None):
         if "bad" in prompts:  # all or none, as the engine
@@ -172,6 +173,28 @@ def test_an_engine_that_cannot_step_stops_the_loop():
         with pytest.raises(EngineDeadError):
             await client.add(["a"], SamplingParams(max_tokens=1), "late")
     run_client(test, engine_factory=Broken)
+
+
+def test_a_failure_after_the_build_is_raised_by_start_and_frees_the_engine():
+    """Start-up past the build (reading the engine's config, stats, compiler) failing must not
+    leave start() waiting forever: it raises, and the built engine is exited."""
+    built = []
+
+    class NoStats(StandInEngine):
+        def stats(self):
+            raise RuntimeError("stats are broken")
+
+    def build():
+        built.append(NoStats())
+        return built[-1]
+
+    async def main():
+        client = EngineClient(build, 4)
+        with pytest.raises(RuntimeError, match="stats are broken"):
+            await asyncio.wait_for(client.start(), timeout=30)
+        assert not client.is_running and built[0].exited
+        await client.shutdown()
+    asyncio.run(main())
 
 
 def test_a_failed_build_is_raised_by_start():

@@ -248,21 +248,24 @@ class EngineClient:
     # --- the loop thread ---
 
     def _run(self, ready: asyncio.Future) -> None:
+        engine = None
         try:
             engine = self._build_engine()
+            self.config = engine.config
+            self.cache_capacity_tokens = engine.block_manager.num_blocks * engine.config.kvcache_block_size
+            self.grammars = engine.grammars
+            self.metrics.observe_engine(engine.stats())  # every metric shows from the start
         except BaseException as exc:  # handed to start(), which re-raises it
             self._dead = exc
             self._close_inbox([], exc)
             self._post(_settle, ready, exc)
+            if engine is not None:
+                engine.exit()
             return
-        self.config = engine.config
-        self.cache_capacity_tokens = engine.block_manager.num_blocks * engine.config.kvcache_block_size
         try:  # here, in the tokenizer's own thread: the prompt thread then only compiles
             engine.grammars.load()
         except Exception:  # a vocabulary xgrammar cannot read: each constrained request is refused with why
             logger.warning("structured outputs are unavailable for this tokenizer", exc_info=True)
-        self.grammars = engine.grammars
-        self.metrics.observe_engine(engine.stats())  # every metric shows from the start
         self._post(_settle, ready, None)
         live: dict[str, _Timing] = {}
         try:
