@@ -37,7 +37,7 @@ logger = logging.getLogger("nanovllm")
 # Each vocabulary is written once, here, and a field takes it as its Literal type: the checks below
 # and the CLI's choices (entrypoints/cli/args.py) both read it.
 DEVICES = ("auto", "cuda", "cpu")
-ATTENTION_BACKENDS = ("auto", "flash_attn", "triton", "torch")
+ATTENTION_BACKENDS = ("auto", "flash_attn", "triton", "torch", "cpu")
 COMPILE_MODES = ("auto", "on", "off")
 FUSED_KERNELS = ("auto", "triton", "torch")
 ASYNC_SCHEDULING_MODES = ("auto", "on", "off")
@@ -90,7 +90,9 @@ class Config:
     # (4x on CPU's float32) at a small accuracy cost (README). Scales come from the checkpoint's
     # `self_attn.k_scale`/`v_scale` tensors when it has them, else from the start-up warm-up.
     kv_cache_dtype: KvCacheDtype = "auto"
-    attention_backend: AttentionBackend = "auto"  # "auto" = flash_attn on CUDA when installed, else triton on CUDA, else torch
+    # "auto" = flash_attn on CUDA when installed, else triton on CUDA; on CPU "cpu" (the in-place
+    # paged C++ kernel) when it builds, else torch
+    attention_backend: AttentionBackend = "auto"
     enable_prefix_caching: bool = True  # reuse the KV blocks of a prompt prefix already computed
     # On CPU there is no device to measure, so the KV cache gets this fixed budget (as vLLM's
     # VLLM_CPU_KVCACHE_SPACE), per tensor-parallel rank; it is capped by what max_num_seqs sequences

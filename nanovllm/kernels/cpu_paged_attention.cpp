@@ -11,8 +11,9 @@
 // holds its group of query heads for each query of its tile as rows of float32 (GQA: K/V are
 // read once for the whole group, never repeated per query head) and walks the sequence's
 // blocks once: each block's K is converted to float32 and transposed to [head_dim][tokens] so
-// that the scores of a row are a vector over the block's tokens (no horizontal sums), then an
-// online softmax (running max and sum per row) folds the block's V into float32 accumulators.
+// that scores are vectors over the block's tokens (no horizontal sums), computed for ROWS query
+// rows at a time in registers, then an online softmax (running max and sum per row) folds the
+// block's V into float32 accumulators, again ROWS rows per V vector loaded.
 // Caches and queries are float32, bfloat16 or float16, the same type for both; all arithmetic
 // is float32.
 //
@@ -22,7 +23,10 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 #include <vector>
+
+#include <omp.h>
 
 namespace {
 
@@ -85,9 +89,105 @@ inline float exp_nonpositive(float x) {
   return x < -87.0f ? 0.0f : r;
 }
 
+constexpr int LANES = 16;  // floats per AVX-512 vector (two AVX2 vectors): the unit of the inner loops
+constexpr int ROWS = 4;  // query rows per register block: each K/V vector loaded serves ROWS rows
+constexpr int CACHE_LINE = 64;  // bytes per prefetch
+// A head's rows (queries x group, padded to ROWS) from which the block's K is transposed to
+// [head_dim][tokens] so scores are vectors over tokens (no horizontal sums); fewer rows (decode)
+// read each K row as it lies and sum horizontally, which costs less than the transposition.
+constexpr int TRANSPOSE_MIN_ROWS = 16;
+// Work items per thread below which each KV head is an item of its own; above it an item takes
+// all of a sequence's KV heads, so each block is read front to back (measured ~1.5x in decode).
+constexpr int ITEMS_PER_THREAD = 4;
+
+inline int round_up(int x, int m) { return (x + m - 1) / m * m; }
+
 struct Item {
-  int32_t seq, head, q_begin, q_end;  // queries q_begin..q_end-1 of the sequence, KV head `head`
+  int32_t seq, head_begin, head_end, q_begin, q_end;  // KV heads and queries of one sequence
 };
+
+// acc[r][0:CHUNK] += sum over t < n of p[r][t] * v[t][0:CHUNK] for ROWS rows, held in registers.
+// V rows are read from the cache where they lie (token stride `token_stride`), converted in registers.
+template <typename T, int CHUNK>
+inline void accumulate_pv(float* acc, const float* p, const typename T::storage* v, int64_t token_stride, int n,
+                          int head_dim, int p_stride) {
+  float a[ROWS][CHUNK];
+  for (int i = 0; i < ROWS; ++i)
+    for (int j = 0; j < CHUNK; ++j) a[i][j] = acc[static_cast<size_t>(i) * head_dim + j];
+  for (int t = 0; t < n; ++t) {
+    float vt[CHUNK];
+#pragma omp simd
+    for (int j = 0; j < CHUNK; ++j) vt[j] = load<T>(v + t * token_stride + j);
+    for (int i = 0; i < ROWS; ++i) {
+      const float pi = p[static_cast<size_t>(i) * p_stride + t];
+#pragma omp simd
+      for (int j = 0; j < CHUNK; ++j) a[i][j] += pi * vt[j];
+    }
+  }
+  for (int i = 0; i < ROWS; ++i)
+    for (int j = 0; j < CHUNK; ++j) acc[static_cast<size_t>(i) * head_dim + j] = a[i][j];
+}
+
+// s[r][t] = qf[r] . k[t] for `rows` rows (a multiple of ROWS) and the block's n tokens of one head.
+template <typename T>
+void scores_by_dot(float* s, const float* qf, const typename T::storage* k, int64_t token_stride, int n, int rows,
+                   int head_dim, int width, float* kf) {
+  for (int t = 0; t < n; ++t) {
+    const typename T::storage* kp = k + t * token_stride;
+    const float* kr = kf;
+    if constexpr (std::is_same_v<T, F32T>) {
+      kr = kp;  // already float32: read in place
+    } else {
+#pragma omp simd
+      for (int d = 0; d < head_dim; ++d) kf[d] = load<T>(kp + d);
+    }
+    for (int r0 = 0; r0 < rows; r0 += ROWS) {
+      float a[ROWS][LANES] = {};
+      int d0 = 0;
+      for (; d0 + LANES <= head_dim; d0 += LANES)
+        for (int i = 0; i < ROWS; ++i) {
+          const float* qr = qf + static_cast<size_t>(r0 + i) * head_dim + d0;
+#pragma omp simd
+          for (int j = 0; j < LANES; ++j) a[i][j] += qr[j] * kr[d0 + j];
+        }
+      for (; d0 < head_dim; ++d0)  // a head_dim that is not a multiple of LANES: the last columns one by one
+        for (int i = 0; i < ROWS; ++i) a[i][0] += qf[static_cast<size_t>(r0 + i) * head_dim + d0] * kr[d0];
+      for (int i = 0; i < ROWS; ++i) {  // a pairwise tree: vector halves added, not 16 scalar adds in a chain
+        for (int half = LANES / 2; half > 0; half /= 2)
+          for (int j = 0; j < half; ++j) a[i][j] += a[i][j + half];
+        s[static_cast<size_t>(r0 + i) * width + t] = a[i][0];
+      }
+    }
+  }
+}
+
+// The same scores through K transposed into kt [head_dim][width] (tokens n..padded zeroed).
+template <typename T>
+void scores_transposed(float* s, const float* qf, const typename T::storage* k, int64_t token_stride, int n, int rows,
+                       int head_dim, int width, float* kt) {
+  const int n_padded = round_up(n, LANES);
+  for (int t = 0; t < n; ++t) {
+    const typename T::storage* kp = k + t * token_stride;
+    for (int d = 0; d < head_dim; ++d) kt[static_cast<size_t>(d) * width + t] = load<T>(kp + d);
+  }
+  for (int d = 0; d < head_dim; ++d)
+    for (int t = n; t < n_padded; ++t) kt[static_cast<size_t>(d) * width + t] = 0.0f;
+  for (int r0 = 0; r0 < rows; r0 += ROWS) {
+    for (int t0 = 0; t0 < n_padded; t0 += LANES) {
+      float a[ROWS][LANES] = {};
+      for (int d = 0; d < head_dim; ++d) {
+        const float* kd = kt + static_cast<size_t>(d) * width + t0;
+        for (int i = 0; i < ROWS; ++i) {
+          const float qd = qf[static_cast<size_t>(r0 + i) * head_dim + d];
+#pragma omp simd
+          for (int j = 0; j < LANES; ++j) a[i][j] += qd * kd[j];
+        }
+      }
+      for (int i = 0; i < ROWS; ++i)
+        for (int j = 0; j < LANES; ++j) s[static_cast<size_t>(r0 + i) * width + t0 + j] = a[i][j];
+    }
+  }
+}
 
 template <typename T>
 void attend_item(const Item& item, const typename T::storage* q, typename T::storage* out,
@@ -96,99 +196,127 @@ void attend_item(const Item& item, const typename T::storage* q, typename T::sto
                  int64_t out_stride_token, int64_t out_stride_head, int32_t q_start, int32_t q_len,
                  int32_t k_len, int group, int num_kv_heads, int head_dim, int block_size, float scale,
                  std::vector<float>& scratch) {
+  using S = typename T::storage;
   const int queries = item.q_end - item.q_begin;
-  const int rows = queries * group;
+  const int heads = item.head_end - item.head_begin;
+  // Rows are head-major: head hl's rows start at hl * head_rows, query i's group at i * group
+  // within them; rows past queries * group pad each head's to a multiple of ROWS (zeros, dropped).
+  const int live_rows = queries * group;
+  const int head_rows = round_up(live_rows, ROWS);
+  const int rows = heads * head_rows;
+  const bool transpose = head_rows >= TRANSPOSE_MIN_ROWS;
+  const int width = round_up(block_size, LANES);  // a score row's stride
   const int64_t token_stride = static_cast<int64_t>(num_kv_heads) * head_dim;  // within a block
   const int64_t block_stride = token_stride * block_size;
-  // Scratch: q rows, accumulators, K transposed, V, scores; running max and sum per row.
-  const size_t need = static_cast<size_t>(rows) * head_dim * 2 + static_cast<size_t>(head_dim) * block_size * 2 +
-                      static_cast<size_t>(rows) * (block_size + 2);
+  // Scratch: q rows, accumulators, scores [rows][width], K in float32 (one row, or the block
+  // transposed); running max and sum per row.
+  const size_t q_size = static_cast<size_t>(rows) * head_dim;
+  const size_t s_size = static_cast<size_t>(rows) * width;
+  const size_t k_size = static_cast<size_t>(head_dim) * (transpose ? width : 1);
+  const size_t need = 2 * q_size + s_size + k_size + 2 * static_cast<size_t>(rows);
   if (scratch.size() < need) scratch.resize(need);
   float* qf = scratch.data();
-  float* acc = qf + static_cast<size_t>(rows) * head_dim;
-  float* kt = acc + static_cast<size_t>(rows) * head_dim;  // [head_dim][block_size]
-  float* vf = kt + static_cast<size_t>(head_dim) * block_size;  // [block_size][head_dim]
-  float* s = vf + static_cast<size_t>(head_dim) * block_size;  // [block_size] per row, reused
-  float* m = s + block_size;
+  float* acc = qf + q_size;
+  float* s = acc + q_size;
+  float* kbuf = s + s_size;
+  float* m = kbuf + k_size;
   float* l = m + rows;
-  // Row r = (query i, head g of the group): query head item.head * group + g.
-  for (int i = 0; i < queries; ++i) {
-    for (int g = 0; g < group; ++g) {
-      const typename T::storage* src = q + static_cast<int64_t>(q_start + item.q_begin + i) * q_stride_token +
-                                       static_cast<int64_t>(item.head * group + g) * q_stride_head;
-      float* dst = qf + static_cast<size_t>(i * group + g) * head_dim;
-      for (int d = 0; d < head_dim; ++d) dst[d] = load<T>(src + d) * scale;
-    }
-  }
-  std::fill(acc, acc + static_cast<size_t>(rows) * head_dim, 0.0f);
+  std::fill(qf, qf + q_size, 0.0f);
+  for (int hl = 0; hl < heads; ++hl)
+    for (int i = 0; i < queries; ++i)
+      for (int g = 0; g < group; ++g) {
+        const S* src = q + static_cast<int64_t>(q_start + item.q_begin + i) * q_stride_token +
+                       static_cast<int64_t>((item.head_begin + hl) * group + g) * q_stride_head;
+        float* dst = qf + static_cast<size_t>(hl * head_rows + i * group + g) * head_dim;
+        for (int d = 0; d < head_dim; ++d) dst[d] = load<T>(src + d) * scale;
+      }
+  std::fill(acc, acc + q_size, 0.0f);
   std::fill(m, m + rows, -INFINITY);
   std::fill(l, l + rows, 0.0f);
   // The last query of the tile sees the most keys: through position k_len - q_len + q_end - 1.
   const int visible_end = k_len - q_len + item.q_end;
   const int num_blocks = (visible_end + block_size - 1) / block_size;
+  const int head_bytes = head_dim * static_cast<int>(sizeof(S));
   for (int b = 0; b < num_blocks; ++b) {
     const int first = b * block_size;
     const int n = std::min(block_size, visible_end - first);
-    const int64_t base = static_cast<int64_t>(table[b]) * block_stride + static_cast<int64_t>(item.head) * head_dim;
-    for (int t = 0; t < n; ++t) {
-      const typename T::storage* kp = k_cache + base + t * token_stride;
-      const typename T::storage* vp = v_cache + base + t * token_stride;
-      for (int d = 0; d < head_dim; ++d) {
-        kt[static_cast<size_t>(d) * block_size + t] = load<T>(kp + d);
-        vf[static_cast<size_t>(t) * head_dim + d] = load<T>(vp + d);
+    const S* k_block = k_cache + static_cast<int64_t>(table[b]) * block_stride;
+    const S* v_block = v_cache + static_cast<int64_t>(table[b]) * block_stride;
+    if (b + 1 < num_blocks) {  // the next block's rows of these heads, fetched while this one computes
+      const int64_t next = static_cast<int64_t>(table[b + 1]) * block_stride;
+      for (int t = 0; t < block_size; ++t) {
+        const char* kp = reinterpret_cast<const char*>(k_cache + next + t * token_stride + item.head_begin * head_dim);
+        const char* vp = reinterpret_cast<const char*>(v_cache + next + t * token_stride + item.head_begin * head_dim);
+        for (int off = 0; off < heads * head_bytes; off += CACHE_LINE) {
+          __builtin_prefetch(kp + off, 0, 1);  // to L2: a whole block of all heads would overflow L1
+          __builtin_prefetch(vp + off, 0, 1);
+        }
       }
     }
-    for (int i = 0; i < queries; ++i) {
-      // Keys this query sees in the block: positions first..first+nv-1.
-      const int position = k_len - q_len + item.q_begin + i;
-      const int nv = std::min(n, position - first + 1);
-      if (nv <= 0) continue;
-      for (int g = 0; g < group; ++g) {
-        const int r = i * group + g;
-        const float* qr = qf + static_cast<size_t>(r) * head_dim;
-        std::fill(s, s + nv, 0.0f);
-        for (int d = 0; d < head_dim; ++d) {
-          const float qd = qr[d];
-          const float* kd = kt + static_cast<size_t>(d) * block_size;
-#pragma omp simd
-          for (int t = 0; t < nv; ++t) s[t] += qd * kd[t];
-        }
-        float block_max = s[0];
-        for (int t = 1; t < nv; ++t) block_max = std::max(block_max, s[t]);
-        const float new_max = std::max(m[r], block_max);
-        const float correction = exp_nonpositive(m[r] - new_max);  // 0 on the first block (-inf)
-        float sum = 0.0f;
+    for (int hl = 0; hl < heads; ++hl) {
+      const S* k = k_block + static_cast<int64_t>(item.head_begin + hl) * head_dim;
+      float* sh = s + static_cast<size_t>(hl) * head_rows * width;
+      const float* qh = qf + static_cast<size_t>(hl) * head_rows * head_dim;
+      if (transpose)
+        scores_transposed<T>(sh, qh, k, token_stride, n, head_rows, head_dim, width, kbuf);
+      else
+        scores_by_dot<T>(sh, qh, k, token_stride, n, head_rows, head_dim, width, kbuf);
+    }
+    // Online softmax per row over the keys it sees here (positions first..first+nv-1); the
+    // row's scores become its weights, zero past nv, and its accumulator is rescaled.
+    for (int r = 0; r < rows; ++r) {
+      float* sr = s + static_cast<size_t>(r) * width;
+      const int within = r % head_rows;
+      const int nv = within < live_rows ? std::min(n, k_len - q_len + item.q_begin + within / group - first + 1) : 0;
+      if (nv <= 0) {
+        std::fill(sr, sr + n, 0.0f);
+        continue;
+      }
+      float block_max = sr[0];
+      for (int t = 1; t < nv; ++t) block_max = std::max(block_max, sr[t]);
+      const float new_max = std::max(m[r], block_max);
+      const float correction = exp_nonpositive(m[r] - new_max);  // 0 on the first block (-inf)
+      float sum = 0.0f;
 #pragma omp simd reduction(+ : sum)
-        for (int t = 0; t < nv; ++t) {
-          s[t] = exp_nonpositive(s[t] - new_max);
-          sum += s[t];
-        }
-        float* ar = acc + static_cast<size_t>(r) * head_dim;
-        if (correction != 1.0f) {
-#pragma omp simd
-          for (int d = 0; d < head_dim; ++d) ar[d] *= correction;
-        }
-        for (int t = 0; t < nv; ++t) {
-          const float p = s[t];
-          const float* vt = vf + static_cast<size_t>(t) * head_dim;
-#pragma omp simd
-          for (int d = 0; d < head_dim; ++d) ar[d] += p * vt[d];
-        }
-        l[r] = l[r] * correction + sum;
-        m[r] = new_max;
+      for (int t = 0; t < nv; ++t) {
+        sr[t] = exp_nonpositive(sr[t] - new_max);
+        sum += sr[t];
       }
+      std::fill(sr + nv, sr + n, 0.0f);
+      if (correction != 1.0f) {
+        float* ar = acc + static_cast<size_t>(r) * head_dim;
+#pragma omp simd
+        for (int d = 0; d < head_dim; ++d) ar[d] *= correction;
+      }
+      l[r] = l[r] * correction + sum;
+      m[r] = new_max;
+    }
+    for (int r0 = 0; r0 < rows; r0 += ROWS) {
+      float* ar = acc + static_cast<size_t>(r0) * head_dim;
+      const float* pr = s + static_cast<size_t>(r0) * width;
+      const S* v = v_block + static_cast<int64_t>(item.head_begin + r0 / head_rows) * head_dim;
+      int d0 = 0;
+      for (; d0 + 4 * LANES <= head_dim; d0 += 4 * LANES)
+        accumulate_pv<T, 4 * LANES>(ar + d0, pr, v + d0, token_stride, n, head_dim, width);
+      for (; d0 + LANES <= head_dim; d0 += LANES)
+        accumulate_pv<T, LANES>(ar + d0, pr, v + d0, token_stride, n, head_dim, width);
+      for (; d0 < head_dim; ++d0)  // a head_dim that is not a multiple of LANES: the last columns one by one
+        for (int i = 0; i < ROWS; ++i)
+          for (int t = 0; t < n; ++t)
+            ar[static_cast<size_t>(i) * head_dim + d0] +=
+                pr[static_cast<size_t>(i) * width + t] * load<T>(v + t * token_stride + d0);
     }
   }
-  for (int i = 0; i < queries; ++i) {
-    for (int g = 0; g < group; ++g) {
-      const int r = i * group + g;
-      typename T::storage* dst = out + static_cast<int64_t>(q_start + item.q_begin + i) * out_stride_token +
-                                 static_cast<int64_t>(item.head * group + g) * out_stride_head;
-      const float inv = l[r] > 0.0f ? 1.0f / l[r] : 0.0f;  // no keys: zeros
-      const float* ar = acc + static_cast<size_t>(r) * head_dim;
-      for (int d = 0; d < head_dim; ++d) store<T>(dst + d, ar[d] * inv);
-    }
-  }
+  for (int hl = 0; hl < heads; ++hl)
+    for (int i = 0; i < queries; ++i)
+      for (int g = 0; g < group; ++g) {
+        const int r = hl * head_rows + i * group + g;
+        S* dst = out + static_cast<int64_t>(q_start + item.q_begin + i) * out_stride_token +
+                 static_cast<int64_t>((item.head_begin + hl) * group + g) * out_stride_head;
+        const float inv = l[r] > 0.0f ? 1.0f / l[r] : 0.0f;  // no keys: zeros
+        const float* ar = acc + static_cast<size_t>(r) * head_dim;
+        for (int d = 0; d < head_dim; ++d) store<T>(dst + d, ar[d] * inv);
+      }
 }
 
 template <typename T>
@@ -198,13 +326,15 @@ void run(const void* q, void* out, const void* k_cache, const void* v_cache, con
          int64_t q_stride_token, int64_t q_stride_head, int64_t out_stride_token, int64_t out_stride_head) {
   using S = typename T::storage;
   const int group = num_heads / num_kv_heads;
+  int64_t tiles = 0;
+  for (int s = 0; s < num_seqs; ++s) tiles += (q_len[s] + q_tile - 1) / q_tile;
+  const int heads_per_item = tiles >= static_cast<int64_t>(ITEMS_PER_THREAD) * omp_get_max_threads() ? num_kv_heads : 1;
   std::vector<Item> items;
-  for (int s = 0; s < num_seqs; ++s) {
+  for (int s = 0; s < num_seqs; ++s)
     for (int begin = 0; begin < q_len[s]; begin += q_tile) {
       const int end = std::min(q_len[s], begin + q_tile);
-      for (int h = 0; h < num_kv_heads; ++h) items.push_back({s, h, begin, end});
+      for (int h = 0; h < num_kv_heads; h += heads_per_item) items.push_back({s, h, h + heads_per_item, begin, end});
     }
-  }
   // Longest contexts first, so the dynamic schedule does not end on one long item.
   std::stable_sort(items.begin(), items.end(), [&](const Item& a, const Item& b) {
     return k_len[a.seq] - q_len[a.seq] + a.q_end > k_len[b.seq] - q_len[b.seq] + b.q_end;
