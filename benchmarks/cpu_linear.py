@@ -2,11 +2,12 @@
 on every call in bf16) against oneDNN on a weight packed once (utils/cpu.py pack_linear_weights,
 what the engine runs), per GEMM shape of issue 29's real-proportion model and per batch size.
 
-The variants alternate call after call, round after round, so load on a shared host falls on all;
-the table gives the median and minimum over rounds of the wall time per call and, from the
-minimum, GFLOP/s (2*M*N*K) and GB/s of weight streamed (what bounds batch 1).
+The variants alternate, round after round, so load on a shared host falls on all; the table gives
+the median and minimum over rounds of the process's CPU time per call (with one thread, the work
+done, little disturbed by other processes; with more it counts their spinning too) and, from the
+median, GFLOP/s (2*M*N*K) and GB/s of weight streamed (what bounds batch 1).
 
-Usage: python benchmarks/cpu_linear.py [--threads 2] [--rows 1,4,16,64,256] [--rounds 9]
+Usage: python benchmarks/cpu_linear.py [--threads 1] [--rows 1,4,16,64,256] [--rounds 9]
 """
 import argparse
 import statistics
@@ -22,7 +23,7 @@ SHAPES = [(1024, 512), (512, 512), (3072, 512), (512, 1536), (32000, 512)]
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--rows", default="1,4,16,64,256")
     parser.add_argument("--rounds", type=int, default=9)
     args = parser.parse_args()
@@ -41,15 +42,15 @@ def main() -> None:
                 times = {name: [] for name in variants}
                 for _ in range(args.rounds):
                     for name, fn in variants.items():
-                        start = time.perf_counter()
+                        start = time.process_time()
                         for _ in range(calls):
                             fn()
-                        times[name].append((time.perf_counter() - start) / calls)
+                        times[name].append((time.process_time() - start) / calls)
                 cells = []
                 for name, ts in times.items():
-                    best, weight_bytes = min(ts), n * k * weight.element_size()
-                    cells.append(f"{name} {statistics.median(ts) * 1e6:.0f} us (min {best * 1e6:.0f}: "
-                                 f"{2 * m * n * k / best / 1e9:.0f} GFLOP/s, {weight_bytes / best / 1e9:.0f} GB/s)")
+                    median, weight_bytes = statistics.median(ts), n * k * weight.element_size()
+                    cells.append(f"{name} {median * 1e6:.0f} us (min {min(ts) * 1e6:.0f}; "
+                                 f"{2 * m * n * k / median / 1e9:.0f} GFLOP/s, {weight_bytes / median / 1e9:.0f} GB/s)")
                 print(f"{str(dtype).removeprefix('torch.')} M={m} N={n} K={k}: " + " | ".join(cells), flush=True)
 
 

@@ -17,6 +17,9 @@
 // Caches and queries are float32, bfloat16 or float16, the same type for both; all arithmetic
 // is float32.
 //
+// Pointers into the scratch and the cache are __restrict__ in the inner loops: with float32
+// caches, the compiler could not otherwise tell the scratch written from the cache read.
+//
 // No torch headers: the library is plain C with an ABI of pointers and integers, built by
 // nanovllm/kernels/cpu_build.py with g++ in about a second and loaded with ctypes.
 #include <algorithm>
@@ -109,7 +112,8 @@ struct Item {
 // acc[r][0:CHUNK] += sum over t < n of p[r][t] * v[t][0:CHUNK] for ROWS rows, held in registers.
 // V rows are read from the cache where they lie (token stride `token_stride`), converted in registers.
 template <typename T, int CHUNK>
-inline void accumulate_pv(float* acc, const float* p, const typename T::storage* v, int64_t token_stride, int n,
+inline void accumulate_pv(float* __restrict__ acc, const float* __restrict__ p,
+                          const typename T::storage* __restrict__ v, int64_t token_stride, int n,
                           int head_dim, int p_stride) {
   float a[ROWS][CHUNK];
   for (int i = 0; i < ROWS; ++i)
@@ -130,8 +134,8 @@ inline void accumulate_pv(float* acc, const float* p, const typename T::storage*
 
 // s[r][t] = qf[r] . k[t] for `rows` rows (a multiple of ROWS) and the block's n tokens of one head.
 template <typename T>
-void scores_by_dot(float* s, const float* qf, const typename T::storage* k, int64_t token_stride, int n, int rows,
-                   int head_dim, int width, float* kf) {
+void scores_by_dot(float* __restrict__ s, const float* __restrict__ qf, const typename T::storage* __restrict__ k,
+                   int64_t token_stride, int n, int rows, int head_dim, int width, float* __restrict__ kf) {
   for (int t = 0; t < n; ++t) {
     const typename T::storage* kp = k + t * token_stride;
     const float* kr = kf;
@@ -163,8 +167,8 @@ void scores_by_dot(float* s, const float* qf, const typename T::storage* k, int6
 
 // The same scores through K transposed into kt [head_dim][width] (tokens n..padded zeroed).
 template <typename T>
-void scores_transposed(float* s, const float* qf, const typename T::storage* k, int64_t token_stride, int n, int rows,
-                       int head_dim, int width, float* kt) {
+void scores_transposed(float* __restrict__ s, const float* __restrict__ qf, const typename T::storage* __restrict__ k,
+                       int64_t token_stride, int n, int rows, int head_dim, int width, float* __restrict__ kt) {
   const int n_padded = round_up(n, LANES);
   for (int t = 0; t < n; ++t) {
     const typename T::storage* kp = k + t * token_stride;
