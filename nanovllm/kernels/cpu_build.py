@@ -32,7 +32,7 @@ SOURCE = Path(__file__).with_name("cpu_paged_attention.cpp")
 # -march=native: AVX-512/AVX2 as this CPU has them (the library is cached per CPU flags).
 # -fopenmp: the (sequence, KV head, query tile) loop runs on torch's OpenMP pool.
 CXX_FLAGS = ("-O3", "-march=native", "-fopenmp", "-std=c++17", "-shared", "-fPIC")
-ABI_VERSION = 1  # nanovllm_paged_attention_abi() of a library this module can call
+ABI_VERSION = 2  # nanovllm_paged_attention_abi() of a library this module can call
 BUILD_TIMEOUT_S = 120  # a build takes ~1 s alone; a loaded machine may stretch it
 DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 CPUINFO = "/proc/cpuinfo"
@@ -48,7 +48,7 @@ class PagedAttentionKernel:
         fn = library.nanovllm_paged_attention
         ptr, i32, i64 = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64
         fn.argtypes = [i32, ptr, ptr, ptr, ptr, ptr, i64, ptr, ptr, ptr, i32, i32, i32, i32, i32, ctypes.c_float, i32,
-                       i64, i64, i64, i64]
+                       i64, i64, i64, i64, i32]
         fn.restype = i32
         self._fn = fn
 
@@ -59,13 +59,14 @@ class PagedAttentionKernel:
         tokens of sequence s in the cache (bottom-right causal). q/out [rows, num_heads, head_dim]
         with unit stride in head_dim; caches [num_blocks, block_size, num_kv_heads, head_dim]
         contiguous; block_tables [num_seqs, width] int32 with unit stride in width; q_start, q_len,
-        k_len [num_seqs] int32 contiguous. All on the CPU; the caller checks (the C++ does not)."""
+        k_len [num_seqs] int32 contiguous. All on the CPU; the caller checks (the C++ does not).
+        Runs on torch.get_num_threads() threads, the count torch's own ops use in this thread."""
         num_heads, head_dim = q.shape[1:]
         _, block_size, num_kv_heads, _ = k_cache.shape
         rc = self._fn(DTYPE_CODES[q.dtype], q.data_ptr(), out.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
                       block_tables.data_ptr(), block_tables.stride(0), q_start.data_ptr(), q_len.data_ptr(),
                       k_len.data_ptr(), q_len.numel(), num_heads, num_kv_heads, head_dim, block_size, scale, q_tile,
-                      q.stride(0), q.stride(1), out.stride(0), out.stride(1))
+                      q.stride(0), q.stride(1), out.stride(0), out.stride(1), torch.get_num_threads())
         assert rc == 0, f"nanovllm_paged_attention returned {rc}"
 
 

@@ -7,7 +7,8 @@
 // k_len 0 outputs zeros.
 //
 // The work is cut into items of (sequence, KV head, tile of up to `q_tile` queries), run in
-// parallel by OpenMP (torch's own libgomp: the same soname, so the same thread pool). An item
+// parallel by OpenMP (torch's own libgomp: the same soname, so the same thread pool) on as many
+// threads as torch uses in the calling thread (passed in: OpenMP's count is per thread). An item
 // holds its group of query heads for each query of its tile as rows of float32 (GQA: K/V are
 // read once for the whole group, never repeated per query head) and walks the sequence's
 // blocks once: each block's K is converted to float32 and transposed to [head_dim][tokens] so
@@ -28,8 +29,6 @@
 #include <cstring>
 #include <type_traits>
 #include <vector>
-
-#include <omp.h>
 
 namespace {
 
@@ -327,12 +326,13 @@ template <typename T>
 void run(const void* q, void* out, const void* k_cache, const void* v_cache, const int32_t* block_tables,
          int64_t table_stride, const int32_t* q_start, const int32_t* q_len, const int32_t* k_len, int num_seqs,
          int num_heads, int num_kv_heads, int head_dim, int block_size, float scale, int q_tile,
-         int64_t q_stride_token, int64_t q_stride_head, int64_t out_stride_token, int64_t out_stride_head) {
+         int64_t q_stride_token, int64_t q_stride_head, int64_t out_stride_token, int64_t out_stride_head,
+         int num_threads) {
   using S = typename T::storage;
   const int group = num_heads / num_kv_heads;
   int64_t tiles = 0;
   for (int s = 0; s < num_seqs; ++s) tiles += (q_len[s] + q_tile - 1) / q_tile;
-  const int heads_per_item = tiles >= static_cast<int64_t>(ITEMS_PER_THREAD) * omp_get_max_threads() ? num_kv_heads : 1;
+  const int heads_per_item = tiles >= static_cast<int64_t>(ITEMS_PER_THREAD) * num_threads ? num_kv_heads : 1;
   std::vector<Item> items;
   for (int s = 0; s < num_seqs; ++s)
     for (int begin = 0; begin < q_len[s]; begin += q_tile) {
@@ -344,7 +344,7 @@ void run(const void* q, void* out, const void* k_cache, const void* v_cache, con
     return k_len[a.seq] - q_len[a.seq] + a.q_end > k_len[b.seq] - q_len[b.seq] + b.q_end;
   });
   const int64_t count = static_cast<int64_t>(items.size());
-#pragma omp parallel
+#pragma omp parallel num_threads(num_threads)
   {
     std::vector<float> scratch;
 #pragma omp for schedule(dynamic, 1)
@@ -363,7 +363,7 @@ void run(const void* q, void* out, const void* k_cache, const void* v_cache, con
 extern "C" {
 
 // The ABI version Python checks after loading, so a stale cached library is never called.
-int nanovllm_paged_attention_abi() { return 1; }
+int nanovllm_paged_attention_abi() { return 2; }
 
 // Returns 0, or -1 for a dtype code it does not know.
 int nanovllm_paged_attention(int dtype, const void* q, void* out, const void* k_cache, const void* v_cache,
@@ -371,22 +371,22 @@ int nanovllm_paged_attention(int dtype, const void* q, void* out, const void* k_
                              const int32_t* q_len, const int32_t* k_len, int num_seqs, int num_heads,
                              int num_kv_heads, int head_dim, int block_size, float scale, int q_tile,
                              int64_t q_stride_token, int64_t q_stride_head, int64_t out_stride_token,
-                             int64_t out_stride_head) {
+                             int64_t out_stride_head, int num_threads) {
   switch (dtype) {
     case F32:
       run<F32T>(q, out, k_cache, v_cache, block_tables, table_stride, q_start, q_len, k_len, num_seqs, num_heads,
                 num_kv_heads, head_dim, block_size, scale, q_tile, q_stride_token, q_stride_head, out_stride_token,
-                out_stride_head);
+                out_stride_head, num_threads);
       return 0;
     case BF16:
       run<BF16T>(q, out, k_cache, v_cache, block_tables, table_stride, q_start, q_len, k_len, num_seqs, num_heads,
                  num_kv_heads, head_dim, block_size, scale, q_tile, q_stride_token, q_stride_head, out_stride_token,
-                 out_stride_head);
+                 out_stride_head, num_threads);
       return 0;
     case F16:
       run<F16T>(q, out, k_cache, v_cache, block_tables, table_stride, q_start, q_len, k_len, num_seqs, num_heads,
                 num_kv_heads, head_dim, block_size, scale, q_tile, q_stride_token, q_stride_head, out_stride_token,
-                out_stride_head);
+                out_stride_head, num_threads);
       return 0;
     default:
       return -1;
