@@ -169,12 +169,12 @@ template <typename T>
 void scores_transposed(float* __restrict__ s, const float* __restrict__ qf, const typename T::storage* __restrict__ k,
                        int64_t token_stride, int n, int rows, int head_dim, int width, float* __restrict__ kt) {
   const int n_padded = round_up(n, LANES);
-  for (int t = 0; t < n; ++t) {
-    const typename T::storage* kp = k + t * token_stride;
-    for (int d = 0; d < head_dim; ++d) kt[static_cast<size_t>(d) * width + t] = load<T>(kp + d);
+  // Row by row of kt: its stores are contiguous and its strided loads vectorise as gathers.
+  for (int d = 0; d < head_dim; ++d) {
+    float* kd = kt + static_cast<size_t>(d) * width;
+    for (int t = 0; t < n; ++t) kd[t] = load<T>(k + t * token_stride + d);
+    for (int t = n; t < n_padded; ++t) kd[t] = 0.0f;
   }
-  for (int d = 0; d < head_dim; ++d)
-    for (int t = n; t < n_padded; ++t) kt[static_cast<size_t>(d) * width + t] = 0.0f;
   for (int r0 = 0; r0 < rows; r0 += ROWS) {
     for (int t0 = 0; t0 < n_padded; t0 += LANES) {
       float a[ROWS][LANES] = {};
