@@ -26,7 +26,7 @@ from nanovllm.attention.kv_quant import FP8_DTYPES
 from nanovllm.engine.scheduler import DEFAULT_SCHEDULING_POLICY, PREEMPTION_MODES, RECOMPUTE, SCHEDULING_POLICIES
 from nanovllm.kernels import MIN_DOT_SIZE
 from nanovllm.speculative_config import DRAFT_MODEL, SpeculativeConfig
-from nanovllm.utils.cpu import available_cpus
+from nanovllm.utils.cpu import available_cores
 from nanovllm.utils.tokenizer import end_of_text_id, load_tokenizer
 from nanovllm.utils.validation import ParamError, is_int, is_number, literal_values, require
 
@@ -38,7 +38,7 @@ logger = logging.getLogger("nanovllm")
 # (VOCABULARIES, at the end of this module) and the choices of the CLI's and bench.py's flags
 # (entrypoints/cli/args.py) read it from there.
 DEVICES = ("auto", "cuda", "cpu")
-ATTENTION_BACKENDS = ("auto", "flash_attn", "triton", "torch")
+ATTENTION_BACKENDS = ("auto", "flash_attn", "triton", "torch", "cpu")
 COMPILE_MODES = ("auto", "on", "off")
 FUSED_KERNELS = ("auto", "triton", "torch")
 ASYNC_SCHEDULING_MODES = ("auto", "on", "off")
@@ -56,6 +56,8 @@ PreemptionMode = Literal[PREEMPTION_MODES]
 # The metadata of a field the command line takes but leaves out of --help (entrypoints/cli/args.py):
 # knobs for tests and tuning, and settings a command that reads and prints text has no use for.
 CLI_HIDDEN = {"cli_hidden": True}
+# The environment variable that sets cpu_threads when the field is None (before OMP_NUM_THREADS).
+CPU_THREADS_ENV = "NANOVLLM_CPU_THREADS"
 # The smallest paged-KV block the backends accept: Triton's tl.dot needs tiles of at least this.
 MIN_BLOCK_SIZE = MIN_DOT_SIZE
 # kvcache_block_size when none is given, per device. CUDA: nano-vllm's 256, a page size flash-attn
@@ -91,7 +93,9 @@ class Config:
     # (4x on CPU's float32) at a small accuracy cost (README). Scales come from the checkpoint's
     # `self_attn.k_scale`/`v_scale` tensors when it has them, else from the start-up warm-up.
     kv_cache_dtype: KvCacheDtype = "auto"
-    attention_backend: AttentionBackend = "auto"  # "auto" = flash_attn on CUDA when installed, else triton on CUDA, else torch
+    # "auto" = flash_attn on CUDA when installed, else triton on CUDA; on CPU "cpu" (the in-place
+    # paged C++ kernel) when it builds, else torch
+    attention_backend: AttentionBackend = "auto"
     enable_prefix_caching: bool = True  # reuse the KV blocks of a prompt prefix already computed
     # On CPU there is no device to measure, so the KV cache gets this fixed budget (as vLLM's
     # VLLM_CPU_KVCACHE_SPACE), per tensor-parallel rank; it is capped by what max_num_seqs sequences
@@ -132,9 +136,10 @@ class Config:
     # {"method": "draft_model", "model": PATH, "num_speculative_tokens": k}. Output is exactly
     # the same as without it (greedy token for token; sampled, the same distribution).
     speculative_config: dict | None = None
-    # CPU only. torch threads per tensor-parallel rank; None = $OMP_NUM_THREADS when set, else the
-    # CPUs this process may run on (affinity mask, capped by a cgroup v2 CPU quota) shared among
-    # the ranks. Resolved to an int on CPU when the Config is made.
+    # CPU only. torch threads per tensor-parallel rank; None = $NANOVLLM_CPU_THREADS when set, else
+    # $OMP_NUM_THREADS when set, else one per physical core this process may run on (affinity mask,
+    # SMT siblings once, capped by a cgroup v2 CPU quota) shared among the ranks. Resolved to an
+    # int on CPU when the Config is made.
     cpu_threads: int | None = None
     # CPU only. True: keep freed activation memory for reuse instead of glibc returning it to the
     # OS after each op and faulting it in again (utils/cpu.py keep_freed_memory); the process keeps
@@ -212,7 +217,7 @@ class Config:
                 bs, f"None (the device's default) or a power of two >= {MIN_BLOCK_SIZE}")
         threads = self.cpu_threads
         require(threads is None or (is_int(threads) and threads >= 1), "cpu_threads", threads,
-                "None (from OMP_NUM_THREADS or the affinity mask) or an integer >= 1")
+                "None (from NANOVLLM_CPU_THREADS, OMP_NUM_THREADS or the cores) or an integer >= 1")
         n = self.num_kvcache_blocks
         require(is_int(n) and (n == -1 or n >= 1), "num_kvcache_blocks", n, "-1 (size from memory) or >= 1")
         for name in ("enforce_eager", "enable_prefix_caching", "skip_tokenizer_init", "cpu_malloc_tuning"):
@@ -325,13 +330,15 @@ class Config:
                                  "TRITON_INTERPRET=1 to run the kernels on CPU (slowly, for tests)")
         return self.fused_kernels
     def _default_cpu_threads(self) -> int:
-        """cpu_threads=None: OMP_NUM_THREADS when set (which torch follows anyway), else the
-        available CPUs shared among the ranks (no oversubscription: every rank computes at once)."""
-        omp = os.environ.get("OMP_NUM_THREADS")
-        if omp is not None:
-            require(omp.strip().isdigit() and int(omp) >= 1, "OMP_NUM_THREADS", omp, "an integer >= 1 when set")
-            return int(omp)
-        return max(1, available_cpus() // self.tensor_parallel_size)
+        """cpu_threads=None: $NANOVLLM_CPU_THREADS when set, else OMP_NUM_THREADS when set (which
+        torch follows anyway), else one thread per available physical core, the cores shared among
+        the ranks (no oversubscription: every rank computes at once)."""
+        for name in (CPU_THREADS_ENV, "OMP_NUM_THREADS"):
+            value = os.environ.get(name)
+            if value is not None:
+                require(value.strip().isdigit() and int(value) >= 1, name, value, "an integer >= 1 when set")
+                return int(value)
+        return max(1, available_cores() // self.tensor_parallel_size)
 
     def _resolve_dtype(self) -> torch.dtype:
         if isinstance(self.dtype, torch.dtype):

@@ -10,13 +10,20 @@ import torch
 from transformers import AutoModelForCausalLM, PreTrainedModel
 
 from nanovllm import SamplingParams
+from nanovllm.kernels import cpu_build
 
 HAS_CUDA = torch.cuda.is_available()
 # What device="auto" must resolve to on the machine the tests run on.
 AUTO_DEVICE = "cuda" if HAS_CUDA else "cpu"
+# What attention_backend="auto" picks on CPU: the in-place paged kernel where a C++ compiler can build it.
+AUTO_CPU_BACKEND = "cpu" if cpu_build.compiler() is not None else "torch"
 # What attention_backend="auto" must pick here for KV blocks smaller than flash-attn's pages of
-# 256 (the tests use 16 or 32): our Triton kernels on CUDA when triton is installed, else torch.
-AUTO_BACKEND_SMALL_BLOCKS = "triton" if HAS_CUDA and importlib.util.find_spec("triton") else "torch"
+# 256 (the tests use 16 or 32): our Triton kernels on CUDA when triton is installed, else torch;
+# on CPU, AUTO_CPU_BACKEND.
+if HAS_CUDA:
+    AUTO_BACKEND_SMALL_BLOCKS = "triton" if importlib.util.find_spec("triton") else "torch"
+else:
+    AUTO_BACKEND_SMALL_BLOCKS = AUTO_CPU_BACKEND
 # A test about the CUDA path: marked `gpu`, and skipped where torch sees no GPU.
 GPU_ONLY = [pytest.mark.gpu, pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU; torch sees none here")]
 # Parametrize a test with this to run it on CPU everywhere and on CUDA where there is a GPU.

@@ -9,7 +9,8 @@ import shutil
 import pytest
 import torch
 
-from helpers import AUTO_BACKEND_SMALL_BLOCKS, AUTO_DEVICE, EVERY_DEVICE, greedy, hf_greedy, random_prompts
+from helpers import (AUTO_BACKEND_SMALL_BLOCKS, AUTO_CPU_BACKEND, AUTO_DEVICE, EVERY_DEVICE, greedy, hf_greedy,
+                     random_prompts)
 from nanovllm import LLM, SamplingParams
 from nanovllm.attention import FLASH_ATTN_PAGE_MULTIPLE
 from nanovllm.config import DEFAULT_BLOCK_SIZE, Config
@@ -151,7 +152,7 @@ def test_start_up_log_names_backend_dtype_device_and_capacity(qwen3_tiny, caplog
     text = caplog.text
     # The checkpoint is float32, which is also "auto"'s dtype on CPU.
     assert f"device {device}, dtype torch.float32, attention " in text
-    backend = AUTO_BACKEND_SMALL_BLOCKS if device == "cuda" else "torch"
+    backend = AUTO_BACKEND_SMALL_BLOCKS if device == "cuda" else AUTO_CPU_BACKEND
     assert f"attention backend: {backend} (requested 'auto', device {device})" in text
     # Decode graphs are captured on CUDA with a backend that allows it (not the torch one).
     captured = device == "cuda" and backend != "torch"

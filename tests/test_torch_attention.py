@@ -294,7 +294,8 @@ def test_engine_greedy_equals_hf_and_logprobs_equal_the_oracle(qwen3_tiny, monke
     prompts = random_prompts(200, [1, 16, 17, 70], seed=51) + [shared + [3], shared + [4, 5]]
     outputs = {}
     for name in ("new", "oracle"):
-        llm = LLM(qwen3_tiny, kvcache_block_size=16, num_kvcache_blocks=64, max_num_batched_tokens=64)
+        llm = LLM(qwen3_tiny, attention_backend="torch", kvcache_block_size=16, num_kvcache_blocks=64,
+                  max_num_batched_tokens=64)
         llm.model_runner.backend.decode_tile_bytes = 16 << 10
         if name == "oracle":
             reference = ReferenceTorchBackend()
@@ -361,6 +362,7 @@ def test_native_half_matmul_check():
 
 def test_cpu_threads_follow_affinity_and_quota_unless_set(qwen3_tiny, monkeypatch, tmp_path):
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    monkeypatch.delenv("NANOVLLM_CPU_THREADS", raising=False)
     monkeypatch.setattr(cpu.os, "sched_getaffinity", lambda pid: {0, 1, 2, 5})
     monkeypatch.setattr(cpu, "CGROUP_CPU_MAX", str(tmp_path / "absent"))
     assert cpu.available_cpus() == 4
@@ -379,6 +381,28 @@ def test_cpu_threads_follow_affinity_and_quota_unless_set(qwen3_tiny, monkeypatc
         monkeypatch.setenv("OMP_NUM_THREADS", bad)
         with pytest.raises(ValueError, match="OMP_NUM_THREADS"):
             Config(qwen3_tiny, device="cpu")
+    monkeypatch.setenv("NANOVLLM_CPU_THREADS", "5")  # nanovllm's own setting wins over OMP_NUM_THREADS
+    assert Config(qwen3_tiny, device="cpu").cpu_threads == 5
+    monkeypatch.setenv("NANOVLLM_CPU_THREADS", "-1")
+    with pytest.raises(ValueError, match="NANOVLLM_CPU_THREADS='-1'"):
+        Config(qwen3_tiny, device="cpu")
+
+
+def test_cpu_threads_default_to_one_per_physical_core(qwen3_tiny, monkeypatch, tmp_path):
+    """Two hyper-threads of one core count once: CPUs 0 and 1 are siblings of core 0, CPU 2 is
+    core 1, CPU 3's topology cannot be read (a core of its own)."""
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    monkeypatch.delenv("NANOVLLM_CPU_THREADS", raising=False)
+    for n, core in ((0, 0), (1, 0), (2, 1)):
+        topology = tmp_path / f"cpu{n}" / "topology"
+        topology.mkdir(parents=True)
+        (topology / "physical_package_id").write_text("0\n")
+        (topology / "core_id").write_text(f"{core}\n")
+    monkeypatch.setattr(cpu, "SYSFS_CPU", str(tmp_path / "cpu{}"))
+    monkeypatch.setattr(cpu, "CGROUP_CPU_MAX", str(tmp_path / "absent"))
+    monkeypatch.setattr(cpu.os, "sched_getaffinity", lambda pid: {0, 1, 2, 3})
+    assert cpu.available_cpus() == 4 and cpu.available_cores() == 3
+    assert Config(qwen3_tiny, device="cpu").cpu_threads == 3
 
 
 def test_engine_applies_cpu_threads_and_malloc_tuning(qwen3_tiny, monkeypatch):

@@ -1,6 +1,8 @@
 """Attention backends behind one interface, and the choice among them, made once at start-up.
 
-"auto" picks flash_attn on CUDA when it imports, else our Triton kernels on CUDA, else torch.
+"auto" picks flash_attn on CUDA when it imports, else our Triton kernels on CUDA; on CPU the
+in-place paged kernel ("cpu", attention/cpu_backend.py) when it builds here (a C++ compiler is
+needed once per machine), else torch, with the reason logged.
 An fp8 KV cache rules flash_attn out (flash-attn 2 reads 16-bit caches only): "auto" then picks
 Triton, and asking for flash_attn is an error. Asking for a backend that cannot run here is an error that says why. Backends are imported
 lazily, so `import nanovllm` never imports flash-attn or triton.
@@ -36,7 +38,8 @@ def resolve_backend_name(requested: str, device: str, block_size: int, kv_cache_
                              f"conversions; this one is {capability[0]}.{capability[1]} (use kv_cache_dtype='auto')")
     if requested == "auto":
         if device != "cuda":
-            return "torch"
+            # An fp8 cache reads through the torch backend's dequantising path either way.
+            return "cpu" if device == "cpu" and not fp8_cache else "torch"
         if _installed("flash_attn") and block_size % FLASH_ATTN_PAGE_MULTIPLE == 0 and not fp8_cache:
             return "flash_attn"
         return "triton" if _installed("triton") else "torch"
@@ -53,6 +56,8 @@ def resolve_backend_name(requested: str, device: str, block_size: int, kv_cache_
             raise ValueError(f"attention_backend='flash_attn' cannot read an fp8 KV cache "
                              f"(kv_cache_dtype={kv_cache_dtype!r}); use attention_backend='triton' or 'auto', "
                              "or kv_cache_dtype='auto'")
+    if requested == "cpu" and device != "cpu":
+        raise ValueError(f"attention_backend='cpu' needs device 'cpu'; device is {device!r}")
     if requested == "triton":
         if not _installed("triton"):
             raise ValueError("attention_backend='triton' but triton is not installed (pip install triton)")
@@ -64,7 +69,18 @@ def resolve_backend_name(requested: str, device: str, block_size: int, kv_cache_
 
 def create_backend(requested: str, device: str, block_size: int, kv_cache_dtype: str = "auto") -> AttentionBackend:
     name = resolve_backend_name(requested, device, block_size, kv_cache_dtype)
+    if name == "cpu":
+        from nanovllm.kernels import cpu_build
+        kernel = cpu_build.load()
+        if isinstance(kernel, str):  # why it could not be built
+            if requested == "cpu":
+                raise ValueError(f"attention_backend='cpu': {kernel}")
+            logger.warning("%s; using the torch attention backend", kernel)
+            name = "torch"
     logger.info("attention backend: %s (requested %r, device %s)", name, requested, device)
+    if name == "cpu":
+        from nanovllm.attention.cpu_backend import CpuPagedBackend
+        return CpuPagedBackend(kernel)
     if name == "flash_attn":
         from nanovllm.attention.flash_attn_backend import FlashAttnBackend
         return FlashAttnBackend()

@@ -1,5 +1,7 @@
 """Triton kernels: attention on the paged KV cache (store_kv, decode, prefill/extend), the fused
-layer functions (rms_norm, qk_norm_rope, silu_mul) and the sampler's race (sampling).
+layer functions (rms_norm, qk_norm_rope, silu_mul) and the sampler's race (sampling). Beside
+them, CPU's paged attention in C++ (cpu_paged_attention.cpp, built and loaded by cpu_build.py;
+no Triton involved).
 
 Each kernel lives in its own module next to a wrapper that checks shapes, strides and dtypes.
 This file holds only the checks and tile rules those wrappers share, and imports nothing from

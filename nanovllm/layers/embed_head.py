@@ -40,10 +40,11 @@ class VocabParallelEmbedding(nn.Module):
 
 class ParallelLMHead(VocabParallelEmbedding):
     computes_in_weight_dtype = True  # its weight may be held in float32 (see layers/linear.py linear())
+    packed_weight: torch.Tensor | None = None  # set on CPU after loading (utils/cpu.py pack_linear_weights)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor | None:
         """x: [num_rows, hidden] -> logits [num_rows, vocab] on rank 0 (None on the others)."""
-        logits = linear(x, self.weight, None)
+        logits = linear(x, self.weight, None, self.packed_weight)
         if self.tp_size == 1:
             return logits
         parts = [torch.empty_like(logits) for _ in range(self.tp_size)] if self.tp_rank == 0 else None

@@ -24,10 +24,17 @@ def shard(loaded: torch.Tensor, dim: int, rank: int, size: int, world: int, name
     return loaded.narrow(dim, rank * size, size)
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+           packed: torch.Tensor | None = None) -> torch.Tensor:
     """F.linear computed in the weight's dtype and returned in x's. The two differ only where
     half-precision layers keep float32 weights (utils/cpu.py: a CPU that emulates bf16/fp16
-    matmul, ~10x slower there than float32); everywhere else this is F.linear."""
+    matmul, ~10x slower there than float32); everywhere else this is F.linear. With `packed`
+    (the same weight in oneDNN's blocked layout, utils/cpu.py pack_linear_weights) the product
+    is oneDNN's on it instead of a matmul that reorders the plain weight on every call."""
+    if packed is not None:
+        y = torch.ops.mkldnn._linear_pointwise(x.to(weight.dtype).reshape(-1, x.size(-1)), packed, bias, "none",
+                                               [], "")
+        return y.view(*x.shape[:-1], y.size(-1)).to(x.dtype)
     if weight.dtype == x.dtype:
         return F.linear(x, weight, bias)
     return F.linear(x.to(weight.dtype), weight, bias).to(x.dtype)
@@ -49,6 +56,7 @@ def _expect_shards(layer: nn.Module, shard_ids: tuple) -> None:
 
 class LinearBase(nn.Module):
     computes_in_weight_dtype = True  # its weights may be held in float32 (see linear())
+    packed_weight: torch.Tensor | None = None  # set on CPU after loading (utils/cpu.py pack_linear_weights)
 
     def __init__(self, input_size: int, output_size: int, bias: bool, tp_dim: int | None):
         super().__init__()
@@ -68,7 +76,7 @@ class LinearBase(nn.Module):
         copy_checked(param.data, loaded, name)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight, self.bias)
+        return linear(x, self.weight, self.bias, self.packed_weight)
 
 
 class ReplicatedLinear(LinearBase):
@@ -129,7 +137,7 @@ class RowParallelLinear(LinearBase):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # Only rank 0 adds the bias, so the all-reduce counts it once.
-        y = linear(x, self.weight, self.bias if self.tp_rank == 0 else None)
+        y = linear(x, self.weight, self.bias if self.tp_rank == 0 else None, self.packed_weight)
         if self.tp_size > 1:
             dist.all_reduce(y)
         return y

@@ -1,0 +1,138 @@
+"""Builds and loads the CPU paged-attention kernel (cpu_paged_attention.cpp) once per machine.
+
+The source is plain C++ with a C ABI (pointers and integers, no torch headers), so g++ builds it
+in about a second, where a torch C++ extension (torch.utils.cpp_extension) spends ~30-60 s of a
+shared 2-core machine on torch's headers and setuptools' import alone adds to every start-up.
+It is compiled with -march=native for the CPU it runs on and OpenMP, linked by soname to the
+libgomp torch already loaded (one thread pool), and cached under nanovllm's cache directory
+(utils/paths.py), keyed by the source, the flags, the compiler and the CPU's flags: later
+processes only load it (milliseconds). A machine without a C++ compiler, or a failed build,
+gets a reason string instead, which the attention backend choice logs before falling back to the
+torch backend.
+
+Owns the build, the cache and the ctypes binding (`PagedAttentionKernel`); the tensors' checks
+and the metadata live with the backend (attention/cpu_backend.py).
+"""
+import ctypes
+import hashlib
+import logging
+import os
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import torch
+
+from nanovllm.utils.paths import cache_dir
+
+logger = logging.getLogger("nanovllm")
+
+SOURCE = Path(__file__).with_name("cpu_paged_attention.cpp")
+# -march=native: AVX-512/AVX2 as this CPU has them (the library is cached per CPU flags).
+# -fopenmp: the (sequence, KV head, query tile) loop runs on torch's OpenMP pool.
+CXX_FLAGS = ("-O3", "-march=native", "-fopenmp", "-std=c++17", "-shared", "-fPIC")
+ABI_VERSION = 2  # nanovllm_paged_attention_abi() of a library this module can call
+BUILD_TIMEOUT_S = 120  # a build takes ~1 s alone; a loaded machine may stretch it
+DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+CPUINFO = "/proc/cpuinfo"
+
+_loaded: "PagedAttentionKernel | str | None" = None  # the kernel, or why there is none; None: not tried yet
+
+
+class PagedAttentionKernel:
+    """The loaded library's `nanovllm_paged_attention`, called with tensors."""
+
+    def __init__(self, library: ctypes.CDLL, path: Path):
+        self.path = path
+        fn = library.nanovllm_paged_attention
+        ptr, i32, i64 = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64
+        fn.argtypes = [i32, ptr, ptr, ptr, ptr, ptr, i64, ptr, ptr, ptr, i32, i32, i32, i32, i32, ctypes.c_float, i32,
+                       i64, i64, i64, i64, i32]
+        fn.restype = i32
+        self._fn = fn
+
+    def __call__(self, q: torch.Tensor, out: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                 block_tables: torch.Tensor, q_start: torch.Tensor, q_len: torch.Tensor, k_len: torch.Tensor,
+                 scale: float, q_tile: int) -> None:
+        """out[q_start[s]:q_start[s] + q_len[s]] = attention of those rows of q over the first k_len[s]
+        tokens of sequence s in the cache (bottom-right causal). q/out [rows, num_heads, head_dim]
+        with unit stride in head_dim; caches [num_blocks, block_size, num_kv_heads, head_dim]
+        contiguous; block_tables [num_seqs, width] int32 with unit stride in width; q_start, q_len,
+        k_len [num_seqs] int32 contiguous. All on the CPU; the caller checks (the C++ does not).
+        Runs on torch.get_num_threads() threads, the count torch's own ops use in this thread."""
+        num_heads, head_dim = q.shape[1:]
+        _, block_size, num_kv_heads, _ = k_cache.shape
+        rc = self._fn(DTYPE_CODES[q.dtype], q.data_ptr(), out.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
+                      block_tables.data_ptr(), block_tables.stride(0), q_start.data_ptr(), q_len.data_ptr(),
+                      k_len.data_ptr(), q_len.numel(), num_heads, num_kv_heads, head_dim, block_size, scale, q_tile,
+                      q.stride(0), q.stride(1), out.stride(0), out.stride(1), torch.get_num_threads())
+        assert rc == 0, f"nanovllm_paged_attention returned {rc}"
+
+
+def compiler() -> str | None:
+    """The C++ compiler to build with: $CXX when set, else g++ or c++ on the PATH."""
+    for name in (os.environ.get("CXX"), "g++", "c++"):
+        if name and shutil.which(name):
+            return shutil.which(name)
+    return None
+
+
+def _cache_key(cxx: str) -> str:
+    """Changes when anything that shapes the binary does: source, flags, compiler, CPU features."""
+    digest = hashlib.sha256(SOURCE.read_bytes())
+    digest.update(" ".join(CXX_FLAGS).encode())
+    version = subprocess.run([cxx, "--version"], capture_output=True, text=True, timeout=30).stdout
+    digest.update(version.encode())
+    try:
+        with open(CPUINFO) as f:
+            flags = next((line for line in f if line.startswith("flags")), "")
+    except OSError:  # not Linux: -march=native still differs per CPU, so key on the machine name
+        flags = os.uname().machine
+    digest.update(flags.encode())
+    return digest.hexdigest()[:16]
+
+
+def build(directory: Path | None = None) -> Path:
+    """Compile the library into `directory` (default: the cache) unless it is there already;
+    returns its path. Raises RuntimeError saying why when it cannot."""
+    cxx = compiler()
+    if cxx is None:
+        raise RuntimeError("no C++ compiler found (set CXX, or install g++)")
+    directory = directory or cache_dir() / "cpu_kernels"
+    path = directory / f"paged_attention-{_cache_key(cxx)}.so"
+    if path.exists():
+        return path
+    directory.mkdir(parents=True, exist_ok=True)
+    # Build beside the target, then rename: a concurrent process sees the whole library or none.
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=directory)
+    os.close(fd)
+    try:
+        result = subprocess.run([cxx, *CXX_FLAGS, str(SOURCE), "-o", tmp], capture_output=True, text=True,
+                                timeout=BUILD_TIMEOUT_S)
+        if result.returncode != 0:
+            raise RuntimeError(f"{cxx} failed ({result.returncode}): {result.stderr.strip()[-2000:]}")
+        os.replace(tmp, path)
+    except subprocess.TimeoutExpired as e:
+        raise RuntimeError(f"{cxx} took over {BUILD_TIMEOUT_S} s") from e
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return path
+
+
+def load() -> "PagedAttentionKernel | str":
+    """The kernel, built on first use in this process (or loaded from the cache), or a string
+    saying why it cannot be had here. Tried once per process."""
+    global _loaded
+    if _loaded is None:
+        try:
+            path = build()
+            library = ctypes.CDLL(str(path))
+            abi = library.nanovllm_paged_attention_abi()
+            if abi != ABI_VERSION:
+                raise RuntimeError(f"{path} has ABI {abi}, expected {ABI_VERSION}")
+            _loaded = PagedAttentionKernel(library, path)
+        except (OSError, RuntimeError, subprocess.SubprocessError) as e:
+            _loaded = f"the CPU paged-attention kernel could not be built or loaded: {e}"
+    return _loaded

@@ -1,0 +1,396 @@
+// Paged attention on the CPU that reads the KV cache's blocks where they lie.
+//
+// One call attends every query row of a step: sequence s has q_len[s] new queries (1 for a
+// decode row) starting at row q_start[s] of q, over its first k_len[s] cached tokens, found
+// through its row of the block table; query i of the sequence sits at position
+// k_len - q_len + i and sees keys 0..that position (bottom-right causal). A sequence with
+// k_len 0 outputs zeros.
+//
+// The work is cut into items of (sequence, KV head, tile of up to `q_tile` queries), run in
+// parallel by OpenMP (torch's own libgomp: the same soname, so the same thread pool) on as many
+// threads as torch uses in the calling thread (passed in: OpenMP's count is per thread). An item
+// holds its group of query heads for each query of its tile as rows of float32 (GQA: K/V are
+// read once for the whole group, never repeated per query head) and walks the sequence's
+// blocks once: each block's K is converted to float32 and transposed to [head_dim][tokens] so
+// that scores are vectors over the block's tokens (no horizontal sums), computed for ROWS query
+// rows at a time in registers, then an online softmax (running max and sum per row) folds the
+// block's V into float32 accumulators, again ROWS rows per V vector loaded.
+// Caches and queries are float32, bfloat16 or float16, the same type for both; all arithmetic
+// is float32.
+//
+// Pointers into the scratch and the cache are __restrict__ in the inner loops: with float32
+// caches, the compiler could not otherwise tell the scratch written from the cache read.
+//
+// No torch headers: the library is plain C with an ABI of pointers and integers, built by
+// nanovllm/kernels/cpu_build.py with g++ in about a second and loaded with ctypes.
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <type_traits>
+#include <vector>
+
+namespace {
+
+enum DType { F32 = 0, BF16 = 1, F16 = 2 };
+
+struct F32T { using storage = float; };
+struct BF16T { using storage = uint16_t; };
+struct F16T { using storage = _Float16; };
+
+inline float to_float(float x) { return x; }
+inline float to_float(_Float16 x) { return static_cast<float>(x); }
+inline float bf16_to_float(uint16_t x) {
+  uint32_t bits = static_cast<uint32_t>(x) << 16;
+  float f;
+  std::memcpy(&f, &bits, sizeof f);
+  return f;
+}
+
+template <typename T> inline float load(const typename T::storage* p);
+template <> inline float load<F32T>(const float* p) { return *p; }
+template <> inline float load<F16T>(const _Float16* p) { return static_cast<float>(*p); }
+template <> inline float load<BF16T>(const uint16_t* p) { return bf16_to_float(*p); }
+
+template <typename T> inline void store(typename T::storage* p, float x);
+template <> inline void store<F32T>(float* p, float x) { *p = x; }
+template <> inline void store<F16T>(_Float16* p, float x) { *p = static_cast<_Float16>(x); }
+template <> inline void store<BF16T>(uint16_t* p, float x) {
+  // Round to nearest even, as torch's float -> bfloat16 conversion does; NaN stays NaN.
+  uint32_t bits;
+  std::memcpy(&bits, &x, sizeof bits);
+  if ((bits & 0x7fffffffu) > 0x7f800000u) {
+    *p = static_cast<uint16_t>((bits >> 16) | 0x40);
+    return;
+  }
+  bits += 0x7fffu + ((bits >> 16) & 1u);
+  *p = static_cast<uint16_t>(bits >> 16);
+}
+
+// exp(x) for x <= 0 (scores minus their running max) in a form the compiler vectorises:
+// 2^(x log2 e) split into 2^n (built in the exponent bits) times a degree-6 polynomial for 2^f,
+// f in [-0.5, 0.5] (Cephes' exp2f coefficients); relative error ~2e-7, about float32 rounding.
+// Below -87 it returns 0.
+inline float exp_nonpositive(float x) {
+  const float log2e = 1.44269504088896341f;
+  float t = std::max(x, -87.0f) * log2e;
+  float n = __builtin_rintf(t);  // nearest, ties to even: vectorises (roundf does not)
+  float f = t - n;
+  float p = 1.535336188319500e-4f;
+  p = p * f + 1.339887440266574e-3f;
+  p = p * f + 9.618437357674640e-3f;
+  p = p * f + 5.550332471162809e-2f;
+  p = p * f + 2.402264791363012e-1f;
+  p = p * f + 6.931472028550421e-1f;
+  p = p * f + 1.0f;
+  int32_t bits;
+  std::memcpy(&bits, &p, sizeof bits);
+  bits += static_cast<int32_t>(n) << 23;
+  float r;
+  std::memcpy(&r, &bits, sizeof r);
+  return x < -87.0f ? 0.0f : r;
+}
+
+constexpr int LANES = 16;  // floats per AVX-512 vector (two AVX2 vectors): the unit of the inner loops
+constexpr int ROWS = 4;  // query rows per register block: each K/V vector loaded serves ROWS rows
+constexpr int CACHE_LINE = 64;  // bytes per prefetch
+// A head's rows (queries x group, padded to ROWS) from which the block's K is transposed to
+// [head_dim][tokens] so scores are vectors over tokens (no horizontal sums); fewer rows (decode)
+// read each K row as it lies and sum horizontally, which costs less than the transposition.
+constexpr int TRANSPOSE_MIN_ROWS = 16;
+// Work items per thread below which each KV head is an item of its own; above it an item takes
+// all of a sequence's KV heads, so each block is read front to back (measured ~1.5x in decode).
+constexpr int ITEMS_PER_THREAD = 4;
+
+inline int round_up(int x, int m) { return (x + m - 1) / m * m; }
+
+struct Item {
+  int32_t seq, head_begin, head_end, q_begin, q_end;  // KV heads and queries of one sequence
+};
+
+// acc[r][0:CHUNK] += sum over t < n of p[r][t] * v[t][0:CHUNK] for ROWS rows, held in registers.
+// V rows are read from the cache where they lie (token stride `token_stride`), converted in registers.
+template <typename T, int CHUNK>
+inline void accumulate_pv(float* __restrict__ acc, const float* __restrict__ p,
+                          const typename T::storage* __restrict__ v, int64_t token_stride, int n,
+                          int head_dim, int p_stride) {
+  float a[ROWS][CHUNK];
+  for (int i = 0; i < ROWS; ++i)
+    for (int j = 0; j < CHUNK; ++j) a[i][j] = acc[static_cast<size_t>(i) * head_dim + j];
+  for (int t = 0; t < n; ++t) {
+    float vt[CHUNK];
+#pragma omp simd
+    for (int j = 0; j < CHUNK; ++j) vt[j] = load<T>(v + t * token_stride + j);
+    for (int i = 0; i < ROWS; ++i) {
+      const float pi = p[static_cast<size_t>(i) * p_stride + t];
+#pragma omp simd
+      for (int j = 0; j < CHUNK; ++j) a[i][j] += pi * vt[j];
+    }
+  }
+  for (int i = 0; i < ROWS; ++i)
+    for (int j = 0; j < CHUNK; ++j) acc[static_cast<size_t>(i) * head_dim + j] = a[i][j];
+}
+
+// s[r][t] = qf[r] . k[t] for `rows` rows (a multiple of ROWS) and the block's n tokens of one head.
+template <typename T>
+void scores_by_dot(float* __restrict__ s, const float* __restrict__ qf, const typename T::storage* __restrict__ k,
+                   int64_t token_stride, int n, int rows, int head_dim, int width, float* __restrict__ kf) {
+  for (int t = 0; t < n; ++t) {
+    const typename T::storage* kp = k + t * token_stride;
+    const float* kr = kf;
+    if constexpr (std::is_same_v<T, F32T>) {
+      kr = kp;  // already float32: read in place
+    } else {
+#pragma omp simd
+      for (int d = 0; d < head_dim; ++d) kf[d] = load<T>(kp + d);
+    }
+    for (int r0 = 0; r0 < rows; r0 += ROWS) {
+      float a[ROWS][LANES] = {};
+      int d0 = 0;
+      for (; d0 + LANES <= head_dim; d0 += LANES)
+        for (int i = 0; i < ROWS; ++i) {
+          const float* qr = qf + static_cast<size_t>(r0 + i) * head_dim + d0;
+#pragma omp simd
+          for (int j = 0; j < LANES; ++j) a[i][j] += qr[j] * kr[d0 + j];
+        }
+      for (; d0 < head_dim; ++d0)  // a head_dim that is not a multiple of LANES: the last columns one by one
+        for (int i = 0; i < ROWS; ++i) a[i][0] += qf[static_cast<size_t>(r0 + i) * head_dim + d0] * kr[d0];
+      for (int i = 0; i < ROWS; ++i) {  // a pairwise tree: vector halves added, not 16 scalar adds in a chain
+        for (int half = LANES / 2; half > 0; half /= 2)
+          for (int j = 0; j < half; ++j) a[i][j] += a[i][j + half];
+        s[static_cast<size_t>(r0 + i) * width + t] = a[i][0];
+      }
+    }
+  }
+}
+
+// The same scores through K transposed into kt [head_dim][width] (tokens n..padded zeroed).
+template <typename T>
+void scores_transposed(float* __restrict__ s, const float* __restrict__ qf, const typename T::storage* __restrict__ k,
+                       int64_t token_stride, int n, int rows, int head_dim, int width, float* __restrict__ kt) {
+  const int n_padded = round_up(n, LANES);
+  // Row by row of kt: its stores are contiguous and its strided loads vectorise as gathers.
+  for (int d = 0; d < head_dim; ++d) {
+    float* kd = kt + static_cast<size_t>(d) * width;
+    for (int t = 0; t < n; ++t) kd[t] = load<T>(k + t * token_stride + d);
+    for (int t = n; t < n_padded; ++t) kd[t] = 0.0f;
+  }
+  for (int r0 = 0; r0 < rows; r0 += ROWS) {
+    for (int t0 = 0; t0 < n_padded; t0 += LANES) {
+      float a[ROWS][LANES] = {};
+      for (int d = 0; d < head_dim; ++d) {
+        const float* kd = kt + static_cast<size_t>(d) * width + t0;
+        for (int i = 0; i < ROWS; ++i) {
+          const float qd = qf[static_cast<size_t>(r0 + i) * head_dim + d];
+#pragma omp simd
+          for (int j = 0; j < LANES; ++j) a[i][j] += qd * kd[j];
+        }
+      }
+      for (int i = 0; i < ROWS; ++i)
+        for (int j = 0; j < LANES; ++j) s[static_cast<size_t>(r0 + i) * width + t0 + j] = a[i][j];
+    }
+  }
+}
+
+template <typename T>
+void attend_item(const Item& item, const typename T::storage* q, typename T::storage* out,
+                 const typename T::storage* k_cache, const typename T::storage* v_cache,
+                 const int32_t* table, int64_t q_stride_token, int64_t q_stride_head,
+                 int64_t out_stride_token, int64_t out_stride_head, int32_t q_start, int32_t q_len,
+                 int32_t k_len, int group, int num_kv_heads, int head_dim, int block_size, float scale,
+                 std::vector<float>& scratch) {
+  using S = typename T::storage;
+  const int queries = item.q_end - item.q_begin;
+  const int heads = item.head_end - item.head_begin;
+  // Rows are head-major: head hl's rows start at hl * head_rows, query i's group at i * group
+  // within them; rows past queries * group pad each head's to a multiple of ROWS (zeros, dropped).
+  const int live_rows = queries * group;
+  const int head_rows = round_up(live_rows, ROWS);
+  const int rows = heads * head_rows;
+  const bool transpose = head_rows >= TRANSPOSE_MIN_ROWS;
+  const int width = round_up(block_size, LANES);  // a score row's stride
+  const int64_t token_stride = static_cast<int64_t>(num_kv_heads) * head_dim;  // within a block
+  const int64_t block_stride = token_stride * block_size;
+  // Scratch: q rows, accumulators, scores [rows][width], K in float32 (one row, or the block
+  // transposed); running max and sum per row.
+  const size_t q_size = static_cast<size_t>(rows) * head_dim;
+  const size_t s_size = static_cast<size_t>(rows) * width;
+  const size_t k_size = static_cast<size_t>(head_dim) * (transpose ? width : 1);
+  const size_t need = 2 * q_size + s_size + k_size + 2 * static_cast<size_t>(rows);
+  if (scratch.size() < need) scratch.resize(need);
+  float* qf = scratch.data();
+  float* acc = qf + q_size;
+  float* s = acc + q_size;
+  float* kbuf = s + s_size;
+  float* m = kbuf + k_size;
+  float* l = m + rows;
+  std::fill(qf, qf + q_size, 0.0f);
+  for (int hl = 0; hl < heads; ++hl)
+    for (int i = 0; i < queries; ++i)
+      for (int g = 0; g < group; ++g) {
+        const S* src = q + static_cast<int64_t>(q_start + item.q_begin + i) * q_stride_token +
+                       static_cast<int64_t>((item.head_begin + hl) * group + g) * q_stride_head;
+        float* dst = qf + static_cast<size_t>(hl * head_rows + i * group + g) * head_dim;
+        for (int d = 0; d < head_dim; ++d) dst[d] = load<T>(src + d) * scale;
+      }
+  std::fill(acc, acc + q_size, 0.0f);
+  std::fill(m, m + rows, -INFINITY);
+  std::fill(l, l + rows, 0.0f);
+  // The last query of the tile sees the most keys: through position k_len - q_len + q_end - 1.
+  const int visible_end = k_len - q_len + item.q_end;
+  const int num_blocks = (visible_end + block_size - 1) / block_size;
+  const int head_bytes = head_dim * static_cast<int>(sizeof(S));
+  for (int b = 0; b < num_blocks; ++b) {
+    const int first = b * block_size;
+    const int n = std::min(block_size, visible_end - first);
+    const S* k_block = k_cache + static_cast<int64_t>(table[b]) * block_stride;
+    const S* v_block = v_cache + static_cast<int64_t>(table[b]) * block_stride;
+    if (b + 1 < num_blocks) {  // the next block's rows of these heads, fetched while this one computes
+      const int64_t next = static_cast<int64_t>(table[b + 1]) * block_stride;
+      for (int t = 0; t < block_size; ++t) {
+        const char* kp = reinterpret_cast<const char*>(k_cache + next + t * token_stride + item.head_begin * head_dim);
+        const char* vp = reinterpret_cast<const char*>(v_cache + next + t * token_stride + item.head_begin * head_dim);
+        for (int off = 0; off < heads * head_bytes; off += CACHE_LINE) {
+          __builtin_prefetch(kp + off, 0, 1);  // to L2: a whole block of all heads would overflow L1
+          __builtin_prefetch(vp + off, 0, 1);
+        }
+      }
+    }
+    for (int hl = 0; hl < heads; ++hl) {
+      const S* k = k_block + static_cast<int64_t>(item.head_begin + hl) * head_dim;
+      float* sh = s + static_cast<size_t>(hl) * head_rows * width;
+      const float* qh = qf + static_cast<size_t>(hl) * head_rows * head_dim;
+      if (transpose)
+        scores_transposed<T>(sh, qh, k, token_stride, n, head_rows, head_dim, width, kbuf);
+      else
+        scores_by_dot<T>(sh, qh, k, token_stride, n, head_rows, head_dim, width, kbuf);
+    }
+    // Online softmax per row over the keys it sees here (positions first..first+nv-1); the
+    // row's scores become its weights, zero past nv, and its accumulator is rescaled.
+    for (int r = 0; r < rows; ++r) {
+      float* sr = s + static_cast<size_t>(r) * width;
+      const int within = r % head_rows;
+      const int nv = within < live_rows ? std::min(n, k_len - q_len + item.q_begin + within / group - first + 1) : 0;
+      if (nv <= 0) {
+        std::fill(sr, sr + n, 0.0f);
+        continue;
+      }
+      float block_max = sr[0];
+      for (int t = 1; t < nv; ++t) block_max = std::max(block_max, sr[t]);
+      const float new_max = std::max(m[r], block_max);
+      const float correction = exp_nonpositive(m[r] - new_max);  // 0 on the first block (-inf)
+      float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
+      for (int t = 0; t < nv; ++t) {
+        sr[t] = exp_nonpositive(sr[t] - new_max);
+        sum += sr[t];
+      }
+      std::fill(sr + nv, sr + n, 0.0f);
+      if (correction != 1.0f) {
+        float* ar = acc + static_cast<size_t>(r) * head_dim;
+#pragma omp simd
+        for (int d = 0; d < head_dim; ++d) ar[d] *= correction;
+      }
+      l[r] = l[r] * correction + sum;
+      m[r] = new_max;
+    }
+    for (int r0 = 0; r0 < rows; r0 += ROWS) {
+      float* ar = acc + static_cast<size_t>(r0) * head_dim;
+      const float* pr = s + static_cast<size_t>(r0) * width;
+      const S* v = v_block + static_cast<int64_t>(item.head_begin + r0 / head_rows) * head_dim;
+      int d0 = 0;
+      for (; d0 + 4 * LANES <= head_dim; d0 += 4 * LANES)
+        accumulate_pv<T, 4 * LANES>(ar + d0, pr, v + d0, token_stride, n, head_dim, width);
+      for (; d0 + LANES <= head_dim; d0 += LANES)
+        accumulate_pv<T, LANES>(ar + d0, pr, v + d0, token_stride, n, head_dim, width);
+      for (; d0 < head_dim; ++d0)  // a head_dim that is not a multiple of LANES: the last columns one by one
+        for (int i = 0; i < ROWS; ++i)
+          for (int t = 0; t < n; ++t)
+            ar[static_cast<size_t>(i) * head_dim + d0] +=
+                pr[static_cast<size_t>(i) * width + t] * load<T>(v + t * token_stride + d0);
+    }
+  }
+  for (int hl = 0; hl < heads; ++hl)
+    for (int i = 0; i < queries; ++i)
+      for (int g = 0; g < group; ++g) {
+        const int r = hl * head_rows + i * group + g;
+        S* dst = out + static_cast<int64_t>(q_start + item.q_begin + i) * out_stride_token +
+                 static_cast<int64_t>((item.head_begin + hl) * group + g) * out_stride_head;
+        const float inv = l[r] > 0.0f ? 1.0f / l[r] : 0.0f;  // no keys: zeros
+        const float* ar = acc + static_cast<size_t>(r) * head_dim;
+        for (int d = 0; d < head_dim; ++d) store<T>(dst + d, ar[d] * inv);
+      }
+}
+
+template <typename T>
+void run(const void* q, void* out, const void* k_cache, const void* v_cache, const int32_t* block_tables,
+         int64_t table_stride, const int32_t* q_start, const int32_t* q_len, const int32_t* k_len, int num_seqs,
+         int num_heads, int num_kv_heads, int head_dim, int block_size, float scale, int q_tile,
+         int64_t q_stride_token, int64_t q_stride_head, int64_t out_stride_token, int64_t out_stride_head,
+         int num_threads) {
+  using S = typename T::storage;
+  const int group = num_heads / num_kv_heads;
+  int64_t tiles = 0;
+  for (int s = 0; s < num_seqs; ++s) tiles += (q_len[s] + q_tile - 1) / q_tile;
+  const int heads_per_item = tiles >= static_cast<int64_t>(ITEMS_PER_THREAD) * num_threads ? num_kv_heads : 1;
+  std::vector<Item> items;
+  for (int s = 0; s < num_seqs; ++s)
+    for (int begin = 0; begin < q_len[s]; begin += q_tile) {
+      const int end = std::min(q_len[s], begin + q_tile);
+      for (int h = 0; h < num_kv_heads; h += heads_per_item) items.push_back({s, h, h + heads_per_item, begin, end});
+    }
+  // Longest contexts first, so the dynamic schedule does not end on one long item.
+  std::stable_sort(items.begin(), items.end(), [&](const Item& a, const Item& b) {
+    return k_len[a.seq] - q_len[a.seq] + a.q_end > k_len[b.seq] - q_len[b.seq] + b.q_end;
+  });
+  const int64_t count = static_cast<int64_t>(items.size());
+#pragma omp parallel num_threads(num_threads)
+  {
+    std::vector<float> scratch;
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t w = 0; w < count; ++w) {
+      const Item& item = items[w];
+      attend_item<T>(item, static_cast<const S*>(q), static_cast<S*>(out), static_cast<const S*>(k_cache),
+                     static_cast<const S*>(v_cache), block_tables + item.seq * table_stride, q_stride_token,
+                     q_stride_head, out_stride_token, out_stride_head, q_start[item.seq], q_len[item.seq],
+                     k_len[item.seq], group, num_kv_heads, head_dim, block_size, scale, scratch);
+    }
+  }
+}
+
+}  // namespace
+
+extern "C" {
+
+// The ABI version Python checks after loading, so a stale cached library is never called.
+int nanovllm_paged_attention_abi() { return 2; }
+
+// Returns 0, or -1 for a dtype code it does not know.
+int nanovllm_paged_attention(int dtype, const void* q, void* out, const void* k_cache, const void* v_cache,
+                             const int32_t* block_tables, int64_t table_stride, const int32_t* q_start,
+                             const int32_t* q_len, const int32_t* k_len, int num_seqs, int num_heads,
+                             int num_kv_heads, int head_dim, int block_size, float scale, int q_tile,
+                             int64_t q_stride_token, int64_t q_stride_head, int64_t out_stride_token,
+                             int64_t out_stride_head, int num_threads) {
+  switch (dtype) {
+    case F32:
+      run<F32T>(q, out, k_cache, v_cache, block_tables, table_stride, q_start, q_len, k_len, num_seqs, num_heads,
+                num_kv_heads, head_dim, block_size, scale, q_tile, q_stride_token, q_stride_head, out_stride_token,
+                out_stride_head, num_threads);
+      return 0;
+    case BF16:
+      run<BF16T>(q, out, k_cache, v_cache, block_tables, table_stride, q_start, q_len, k_len, num_seqs, num_heads,
+                 num_kv_heads, head_dim, block_size, scale, q_tile, q_stride_token, q_stride_head, out_stride_token,
+                 out_stride_head, num_threads);
+      return 0;
+    case F16:
+      run<F16T>(q, out, k_cache, v_cache, block_tables, table_stride, q_start, q_len, k_len, num_seqs, num_heads,
+                num_kv_heads, head_dim, block_size, scale, q_tile, q_stride_token, q_stride_head, out_stride_token,
+                out_stride_head, num_threads);
+      return 0;
+    default:
+      return -1;
+  }
+}
+
+}  // extern "C"

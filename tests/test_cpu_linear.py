@@ -1,0 +1,51 @@
+"""CPU linear layers on oneDNN-packed weights (utils/cpu.py pack_linear_weights, layers/linear.py
+linear()): every linear layer and the LM head of a model gets a packed weight in float32 (and in
+bf16 where this CPU multiplies it natively); the packed product equals F.linear on the plain weight
+(float32 to rounding, bf16 within its tolerance), for 1, 2-D and 3-D inputs, with and without a
+bias, and for half-precision activations over float32-held weights. The engine on packed weights
+gives HF's greedy tokens: tests/test_parity.py and the engine tests run with them (the default).
+"""
+import pytest
+import torch
+import torch.nn.functional as F
+
+from nanovllm import LLM
+from nanovllm.layers.linear import LinearBase, linear
+from nanovllm.utils import cpu
+
+pytestmark = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="torch has no oneDNN here")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("shape", [(1, 64), (5, 64), (2, 3, 64)])
+@pytest.mark.parametrize("bias", [False, True])
+def test_packed_linear_equals_f_linear(dtype, shape, bias):
+    if not cpu.native_half_matmul(dtype):
+        pytest.skip(f"{dtype} matmul is emulated here: its weights are held in float32, not packed as {dtype}")
+    gen = torch.Generator().manual_seed(0)
+    weight = torch.randn(48, 64, generator=gen).to(dtype)
+    b = torch.randn(48, generator=gen).to(dtype) if bias else None
+    x = torch.randn(*shape, generator=gen).to(dtype)
+    packed = torch.ops.mkldnn._reorder_linear_weight(weight, cpu.PACK_BATCH_HINT)
+    out = linear(x, weight, b, packed)
+    assert out.shape == (*shape[:-1], 48) and out.dtype == dtype
+    tolerance = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(out, F.linear(x, weight, b), **tolerance)
+
+
+def test_half_activations_over_float32_weights():
+    """A CPU without native bf16 holds the weights in float32 (and packs those): bf16 activations in, bf16 out."""
+    gen = torch.Generator().manual_seed(1)
+    weight, x = torch.randn(32, 16, generator=gen), torch.randn(4, 16, generator=gen).bfloat16()
+    out = linear(x, weight, None, torch.ops.mkldnn._reorder_linear_weight(weight, cpu.PACK_BATCH_HINT))
+    assert out.dtype == torch.bfloat16
+    torch.testing.assert_close(out, F.linear(x.float(), weight).bfloat16())
+
+
+def test_engine_packs_every_linear_layer_and_the_lm_head(qwen3_tiny):
+    llm = LLM(qwen3_tiny, num_kvcache_blocks=16)
+    model = llm.model_runner.model
+    linears = [m for m in model.modules() if isinstance(m, LinearBase)]
+    assert linears and all(m.packed_weight is not None for m in linears)
+    assert model.lm_head.packed_weight is not None
+    llm.exit()
