@@ -42,7 +42,8 @@ only). One JSON line per run (`"benchmark": "vs_vllm_cpu"`) is printed last and 
 Usage: python benchmarks/vs_vllm_cpu.py [--models tiny real] [--mode batch|single]
            [--vllm-python /work/peers/vllm/bin/python [--no-preload]]
            [--openvino-python /work/peers/openvino/bin/python]
-           [--baseline-root CHECKOUT [--baseline-env KEY=VALUE ...]] [--dtypes float32 bfloat16]
+           [--baseline-root CHECKOUT [--baseline-env KEY=VALUE ...]] [--variant NAME KEY=VALUE ...]
+           [--dtypes float32 bfloat16]
            [--repeats 3] [--timed-runs 3] [--num-prompts N ...] [--note TEXT]
 """
 import argparse
@@ -375,6 +376,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--baseline-root", help="another checkout to run as a further engine, 'baseline'")
     parser.add_argument("--baseline-env", action="append", default=[], type=key_value, metavar="KEY=VALUE",
                         help="environment for the baseline's subprocesses (default: --nanovllm-env's)")
+    parser.add_argument("--variant", action="append", nargs="+", default=[], metavar="NAME [KEY=VALUE ...]",
+                        help="run this checkout once more as engine NAME with extra environment, "
+                             "e.g. --variant 1-thread OMP_NUM_THREADS=1; repeatable")
     parser.add_argument("--nanovllm-config", action="append", default=[], type=key_value, metavar="FIELD=JSON",
                         help="a Config field for nanovllm's engine, e.g. kvcache_block_size=64; repeatable")
     parser.add_argument("--nanovllm-env", action="append", default=[], type=key_value, metavar="KEY=VALUE",
@@ -391,6 +395,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     if args.repeats < 1 or args.timed_runs < 1 or any(n < 1 for n in args.num_prompts or []):
         parser.error("--repeats, --timed-runs and --num-prompts must be >= 1")
+    names = ["nanovllm", "baseline", *PEERS]
+    for name, *env in args.variant:
+        if name in names or "=" in name:
+            parser.error(f"--variant {name!r}: its first word is a new engine name (not one of {names}, no '=')")
+        names.append(name)
+        for item in env:
+            if "=" not in item:
+                parser.error(f"--variant {name}: expected KEY=VALUE; got {item!r}")
     if args.no_preload and not args.vllm_python:
         parser.error("--no-preload is about vLLM's set-up; it needs --vllm-python")
     for name in ("nanovllm_config",):
@@ -468,6 +480,9 @@ def make_engines(args: argparse.Namespace) -> tuple[list[Engine], dict]:
     if args.baseline_root:
         engines.append(Engine("baseline", "nanovllm", sys.executable, dict(args.baseline_env or args.nanovllm_env),
                               os.path.abspath(args.baseline_root)))
+    for name, *env in args.variant:
+        engines.append(Engine(name, "nanovllm", sys.executable, dict(item.split("=", 1) for item in env),
+                              os.path.abspath(args.nanovllm_root), config))
     setup = {}
     if args.vllm_python:
         venv = Path(args.vllm_python).parent.parent

@@ -127,6 +127,10 @@ def test_rotation_moves_the_first_engine(bench):
     (["--models", "huge"], "invalid choice"),
     (["--mode", "stream"], "invalid choice"),
     (["--cpus", "1-0"], "invalid parse_cpus value"),
+    (["--variant", "vllm", "A=1"], "is a new engine name"),
+    (["--variant", "X=1"], "is a new engine name"),
+    (["--variant", "one", "A=1", "--variant", "one"], "is a new engine name"),
+    (["--variant", "one", "NOEQUALS"], "expected KEY=VALUE"),
 ])
 def test_bad_arguments_are_refused_before_any_work(bench, capsys, argv, message):
     with pytest.raises(SystemExit) as exit_info:
@@ -137,13 +141,15 @@ def test_bad_arguments_are_refused_before_any_work(bench, capsys, argv, message)
 
 def test_arguments_parse(bench):
     args = bench.parse_args(["--cpus", "0-1", "--vllm-python", "/p/bin/python", "--no-preload", "--mode", "single",
-                             "--nanovllm-env", "A=b=c", "--nanovllm-config", "kvcache_block_size=64"])
+                             "--nanovllm-env", "A=b=c", "--nanovllm-config", "kvcache_block_size=64",
+                             "--variant", "one-thread", "OMP_NUM_THREADS=1"])
     assert args.cpus == [0, 1] and args.mode == "single" and args.no_preload
     assert args.nanovllm_env == [("A", "b=c")] and args.nanovllm_config == [("kvcache_block_size", "64")]
     engines, setup = bench.make_engines(args)
-    assert [e.name for e in engines] == ["nanovllm", "vllm"]
-    assert engines[0].config == {"kvcache_block_size": 64}
-    assert engines[1].env == {"VLLM_CPU_KVCACHE_SPACE": str(bench.KV_CACHE_GIB), "VLLM_CPU_OMP_THREADS_BIND": "0-1"}
+    assert [e.name for e in engines] == ["nanovllm", "one-thread", "vllm"]
+    assert engines[0].config == engines[1].config == {"kvcache_block_size": 64}
+    assert engines[1].env == {"OMP_NUM_THREADS": "1"} and engines[1].root == engines[0].root
+    assert engines[2].env == {"VLLM_CPU_KVCACHE_SPACE": str(bench.KV_CACHE_GIB), "VLLM_CPU_OMP_THREADS_BIND": "0-1"}
     assert setup["vllm"]["documented_setup"] is False  # --no-preload is not the documented set-up
 
 
