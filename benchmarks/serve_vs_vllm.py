@@ -21,7 +21,8 @@ run (`"benchmark": "serve_vs_vllm"`) is printed and appended to --jsonl.
 
 Usage: python benchmarks/serve_vs_vllm.py --vllm-python /work/peers/vllm/bin/python
            [--models real] [--dtypes bfloat16 float32] [--loads inf 2 c1] [--num-prompts 64]
-           [--input-len 256] [--output-len 128] [--repeats 2] [--baseline-root CHECKOUT] [--note TEXT]
+           [--input-len 256] [--output-len 128] [--repeats 2] [--baseline-root CHECKOUT]
+           [--variant NAME KEY=VALUE ...] [--note TEXT]
 """
 import argparse
 import json
@@ -164,6 +165,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--port", type=int, default=8765, help="the servers' port on 127.0.0.1")
     parser.add_argument("--nanovllm-root", default=str(REPO))
     parser.add_argument("--baseline-root", help="another checkout served as a further engine, 'baseline'")
+    parser.add_argument("--variant", action="append", nargs="+", default=[], metavar="NAME [KEY=VALUE ...]",
+                        help="serve this checkout once more as NAME with extra environment, "
+                             "e.g. --variant one-thread OMP_NUM_THREADS=1; repeatable")
     parser.add_argument("--workdir", default=str(REPO / "checkpoints"))
     parser.add_argument("--startup-timeout", type=float, default=600)
     parser.add_argument("--client-timeout", type=float, default=1800)
@@ -174,6 +178,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         parser.error("--num-prompts, --input-len, --output-len and --repeats must be >= 1")
     if args.input_len + args.output_len > common.MAX_MODEL_LEN:
         parser.error(f"--input-len + --output-len must fit max_model_len {common.MAX_MODEL_LEN}")
+    names = ["nanovllm", "baseline", "vllm"]
+    for name, *env in args.variant:
+        if name in names or "=" in name:
+            parser.error(f"--variant {name!r}: its first word is a new engine name (not one of {names}, no '=')")
+        names.append(name)
+        for item in env:
+            if "=" not in item:
+                parser.error(f"--variant {name}: expected KEY=VALUE; got {item!r}")
     if not 0 < args.port < 65536:
         parser.error(f"--port={args.port}: expected 1..65535")
     return args
@@ -183,6 +195,9 @@ def make_servers(args: argparse.Namespace) -> tuple[list[Server], dict]:
     servers = [Server("nanovllm", "nanovllm", sys.executable, {}, os.path.abspath(args.nanovllm_root))]
     if args.baseline_root:
         servers.append(Server("baseline", "nanovllm", sys.executable, {}, os.path.abspath(args.baseline_root)))
+    for name, *env in args.variant:
+        servers.append(Server(name, "nanovllm", sys.executable, dict(item.split("=", 1) for item in env),
+                              os.path.abspath(args.nanovllm_root)))
     setup = {}
     if not args.no_vllm_server:
         venv = Path(args.vllm_python).parent.parent

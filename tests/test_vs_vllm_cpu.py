@@ -251,6 +251,8 @@ def test_serve_keeps_the_metrics_it_names(serve):
     (["--vllm-python", "p", "--input-len", "1000"], "must fit max_model_len"),
     (["--vllm-python", "p", "--loads", "c0"], "expected inf"),
     (["--vllm-python", "p", "--port", "70000"], "expected 1..65535"),
+    (["--vllm-python", "p", "--variant", "vllm"], "is a new engine name"),
+    (["--vllm-python", "p", "--variant", "one", "NOEQUALS"], "expected KEY=VALUE"),
 ])
 def test_serve_bad_arguments(serve, capsys, argv, message):
     with pytest.raises(SystemExit):
@@ -269,3 +271,11 @@ def test_serve_summary_ratio(serve):
     assert setting["nanovllm"]["ratio_to_vllm"] == 1.5
     assert setting["vllm"]["startup_s"]["median"] == 40.0
     assert "ratio_to_vllm" not in setting["vllm"]
+
+
+def test_serve_variant_is_this_checkout_with_its_environment(serve):
+    args = serve.parse_args(["--vllm-python", "/v/bin/python", "--no-vllm-server",
+                             "--variant", "one-thread", "OMP_NUM_THREADS=1"])
+    servers, setup = serve.make_servers(args)
+    assert [(s.name, s.env) for s in servers] == [("nanovllm", {}), ("one-thread", {"OMP_NUM_THREADS": "1"})]
+    assert servers[0].cwd == servers[1].cwd and setup == {}
