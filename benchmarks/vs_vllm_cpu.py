@@ -335,9 +335,12 @@ def vllm_environment(cpus: list[int], preloads: list[str]) -> dict[str, str]:
 
 
 def summarize(values: list[float]) -> dict:
+    """Median, extremes and the spread around the median in percent (None for a zero median: a
+    server that sent every token in one chunk has a TPOT of 0)."""
     median = statistics.median(values)
+    spread = max(median - min(values), max(values) - median)
     return {"median": round(median, 1), "min": round(min(values), 1), "max": round(max(values), 1),
-            "spread_pct": round(100 * max(median - min(values), max(values) - median) / median, 1),
+            "spread_pct": round(100 * spread / median, 1) if median else None,
             "runs": [round(v, 1) for v in values]}
 
 

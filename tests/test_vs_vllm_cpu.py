@@ -279,3 +279,9 @@ def test_serve_variant_is_this_checkout_with_its_environment(serve):
     servers, setup = serve.make_servers(args)
     assert [(s.name, s.env) for s in servers] == [("nanovllm", {}), ("one-thread", {"OMP_NUM_THREADS": "1"})]
     assert servers[0].cwd == servers[1].cwd and setup == {}
+
+
+def test_summarize_spread_and_a_zero_median(bench):
+    assert bench.summarize([90.0, 100.0, 130.0]) == {"median": 100.0, "min": 90.0, "max": 130.0, "spread_pct": 30.0,
+                                                     "runs": [90.0, 100.0, 130.0]}
+    assert bench.summarize([0.0, 0.0])["spread_pct"] is None  # a TPOT of 0 must not divide by zero
