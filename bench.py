@@ -31,6 +31,9 @@ comes in the same step. With every request admitted at once there are no such ga
 rate and the mean tokens per target forward pass per decoding sequence. --workload repetitive
 makes each prompt a random chunk repeated (what prompt lookup feeds on); --temperature 0 is greedy.
 
+Every engine setting is a flag generated from Config's fields (their types, choices, defaults and
+help, as `nanovllm serve`'s): --device, --dtype, --max-num-seqs, --scheduling-policy, ... .
+
 With --compare-hf the same prompts and output lengths then go through HuggingFace transformers'
 `generate` in the same process, on the same device and dtype, and the table and the JSON line
 gain HF's throughput and the ratio (see run_hf_baseline for how HF is batched and counted).
@@ -54,8 +57,8 @@ import transformers
 from transformers import AutoModelForCausalLM, GenerationConfig
 
 from nanovllm import LLM, SamplingParams
-from nanovllm.config import KV_CACHE_DTYPES
-from nanovllm.engine.scheduler import SCHEDULING_POLICIES
+from nanovllm.config import KV_CACHE_DTYPES, Config
+from nanovllm.entrypoints.cli.args import add_dataclass_flags, dataclass_kwargs
 from nanovllm.speculative_config import SPECULATIVE_METHODS
 from nanovllm.utils.paths import cache_dir
 from nanovllm.testing.synthetic import (GPT2_CONFIG, LLAMA_3_2_1B_CONFIG, QWEN3_30B_A3B_CONFIG, build_checkpoint,
@@ -74,6 +77,9 @@ HF_BATCH_SIZE_CUDA, HF_BATCH_SIZE_CPU = 64, 16
 # torch's scaled_dot_product_attention: transformers' fastest attention that needs no extra package.
 HF_ATTN_IMPLEMENTATION = "sdpa"
 REPEAT_CHUNK_LEN = (8, 16)  # --workload repetitive: each prompt repeats a random chunk of this many tokens
+# Config fields bench sets its own way: the checkpoint (--model/--synthetic), the KV-cache dtype
+# (a comma list runs each) and speculative decoding (--speculative and its flags build the dict).
+BENCH_OWN_CONFIG_FIELDS = ("model", "kv_cache_dtype", "speculative_config")
 HF_PROBE_NEW_TOKENS = 32  # decode steps timed per KV-cache setup when --hf-cache auto chooses on CUDA
 # nano-vllm's bench.py loads this checkpoint; with no --model or --synthetic so do we, when it exists.
 NANO_VLLM_CHECKPOINT = "~/huggingface/Qwen3-0.6B/"
@@ -227,21 +233,13 @@ def parse_args() -> argparse.Namespace:
                         f"{CPU_MIN_LEN} on CPU")
     parser.add_argument("--max-len", type=int, help=f"longest input/output; default {GPU_MAX_LEN} on CUDA, "
                         f"{CPU_MAX_LEN} on CPU")
-    parser.add_argument("--device", default="auto", choices=["auto", "cuda", "cpu"])
-    parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "float16", "bfloat16"])
-    parser.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
-    parser.add_argument("--fused-kernels", default="auto", choices=["auto", "triton", "torch"],
-                        help="Config.fused_kernels: the small layer functions and the sampler as Triton kernels or torch")
-    parser.add_argument("--kv-cache-dtype", default="auto",
+    # The engine's settings: one flag per Config field, generated (as `nanovllm serve`'s), so their
+    # choices and defaults are Config's own. --kv-cache-dtype is bench's: it also takes a comma list.
+    engine = parser.add_argument_group("engine (Config fields)")
+    engine.add_argument("--kv-cache-dtype", default="auto",
                         help=f"one of {', '.join(KV_CACHE_DTYPES)}, or a comma list to run each in turn and compare "
                              "(e.g. auto,fp8_e4m3); the JSON line then holds every run")
-    parser.add_argument("--max-model-len", type=int, default=4096)
-    parser.add_argument("--async-scheduling", default="auto", choices=["auto", "on", "off"],
-                        help="Config.async_scheduling: overlap host work with the device (auto: on for CUDA)")
-    parser.add_argument("--scheduling-policy", choices=list(SCHEDULING_POLICIES),
-                        help="the engine's scheduling_policy (default: the engine's default)")
-    parser.add_argument("--max-num-seqs", type=int, help="sequences running at once (default: the engine's)")
-    parser.add_argument("--max-num-batched-tokens", type=int, help="tokens per step (default: the engine's)")
+    config_fields = add_dataclass_flags(engine, Config, skip=BENCH_OWN_CONFIG_FIELDS)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--temperature", type=float, default=TEMPERATURE, help="0 = greedy")
     parser.add_argument("--workload", choices=["random", "repetitive"], default="random",
@@ -260,7 +258,9 @@ def parse_args() -> argparse.Namespace:
                         help="HF KV cache: 'static' is a static cache with transformers' torch.compile of the "
                         "decode step (on CUDA); 'auto' is dynamic on CPU and, on CUDA, static when it works and "
                         "is faster on a short probe. A failing static setup falls back to dynamic, and says so.")
-    return parser.parse_args()
+    args = parser.parse_args()
+    args.config_fields = config_fields
+    return args
 
 
 def workload_sizes(args: argparse.Namespace, on_cpu: bool) -> tuple[int, int, int]:
@@ -459,21 +459,16 @@ def bench_one(args: argparse.Namespace, kv_cache_dtype: str, compare_hf: bool) -
         synthetic = synthetic_model(choice.synthetic, on_cpu)
         path = synthetic_checkpoint(synthetic, args.workdir)
         notes += [synthetic.note] if synthetic.note else []
-    scheduling = {name: value for name, value in (("scheduling_policy", args.scheduling_policy),
-                                                  ("max_num_seqs", args.max_num_seqs),
-                                                  ("max_num_batched_tokens", args.max_num_batched_tokens))
-                  if value is not None}
+    settings = dataclass_kwargs(args, args.config_fields)
     if args.speculative == "ngram":
-        scheduling["speculative_config"] = {"method": "ngram", "num_speculative_tokens": args.num_speculative_tokens,
-                                            "prompt_lookup_min": args.prompt_lookup_min,
-                                            "prompt_lookup_max": args.prompt_lookup_max}
+        settings["speculative_config"] = {"method": "ngram", "num_speculative_tokens": args.num_speculative_tokens,
+                                          "prompt_lookup_min": args.prompt_lookup_min,
+                                          "prompt_lookup_max": args.prompt_lookup_max}
     elif args.speculative == "draft_model":
-        scheduling["speculative_config"] = {"method": "draft_model", "model": args.draft_model,
-                                            "num_speculative_tokens": args.num_speculative_tokens}
+        settings["speculative_config"] = {"method": "draft_model", "model": args.draft_model,
+                                          "num_speculative_tokens": args.num_speculative_tokens}
     startup_begin = time.perf_counter()
-    llm = LLM(path, device=args.device, dtype=args.dtype, enforce_eager=args.enforce_eager,
-              fused_kernels=args.fused_kernels, max_model_len=args.max_model_len, kv_cache_dtype=kv_cache_dtype,
-              async_scheduling=args.async_scheduling, **scheduling)
+    llm = LLM(path, kv_cache_dtype=kv_cache_dtype, **settings)
     startup_s = time.perf_counter() - startup_begin
     device = llm.config.device
     if 2 * max_len > llm.config.max_model_len and args.max_len is None:

@@ -31,9 +31,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from nanovllm import llm_engine  # noqa: E402
 from nanovllm.config import Config  # noqa: E402
 from nanovllm.engine.sequence import Sequence  # noqa: E402
-from nanovllm.layers.sampler import SamplerOutput  # noqa: E402
 from nanovllm.llm_engine import LLMEngine  # noqa: E402
 from nanovllm.runner.decode_inputs import DecodeInputs  # noqa: E402
+from nanovllm.runner.protocol import RunnerOutput  # noqa: E402
 from nanovllm.runner.sampling_inputs import prepare_sampling  # noqa: E402
 from nanovllm.runner.step_inputs import StepMessage  # noqa: E402
 from nanovllm.sampling_params import SamplingParams  # noqa: E402
@@ -50,8 +50,8 @@ class ReadyTokens(NamedTuple):
     sample_indices: list[int]
     token_ids: list[int]
 
-    def result(self) -> SamplerOutput:
-        return SamplerOutput(self.token_ids, [None] * len(self.token_ids))
+    def result(self) -> RunnerOutput:
+        return RunnerOutput(self.token_ids, [None] * len(self.token_ids))
 
 
 class StandInRunner:
@@ -67,7 +67,7 @@ class StandInRunner:
         self.inputs = DecodeInputs(config.max_num_seqs, max_blocks, BLOCK_SIZE, torch.device("cpu"))
         self.rng = random.Random(0)
 
-    def run(self, seqs: list[Sequence], is_prefill: bool, *copies) -> SamplerOutput:
+    def run(self, seqs: list[Sequence], is_prefill: bool, *copies) -> RunnerOutput:
         return self.launch(seqs, is_prefill).result()
 
     def launch(self, seqs: list[Sequence], is_prefill: bool, *copies) -> ReadyTokens:

@@ -8,8 +8,9 @@ import importlib
 import logging
 
 # Each public name and the module that defines it.
-_EXPORTS = {"LLM": "nanovllm.llm", "RequestOutput": "nanovllm.engine.request",
-            "SampleDelta": "nanovllm.engine.request", "SamplingParams": "nanovllm.sampling_params"}
+_EXPORTS = {"LLM": "nanovllm.llm", "SamplingParams": "nanovllm.sampling_params",
+            **dict.fromkeys(("RequestOutput", "CompletionOutput", "RequestDelta", "SampleDelta"),
+                            "nanovllm.engine.outputs")}
 __all__ = [*_EXPORTS, "__version__"]
 # The source tree's version, pyproject.toml's (tests/test_cli.py checks they agree); an installed
 # package reports its own through importlib.metadata (`nanovllm --version`).

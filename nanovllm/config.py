@@ -12,7 +12,7 @@ import json
 import logging
 import os
 from dataclasses import dataclass, field, fields
-from typing import Literal
+from typing import Literal, get_type_hints
 
 import torch
 from transformers import AutoConfig, PretrainedConfig, PreTrainedTokenizerBase
@@ -28,14 +28,15 @@ from nanovllm.kernels import MIN_DOT_SIZE
 from nanovllm.speculative_config import DRAFT_MODEL, SpeculativeConfig
 from nanovllm.utils.cpu import available_cpus
 from nanovllm.utils.tokenizer import end_of_text_id, load_tokenizer
-from nanovllm.utils.validation import is_int, is_number, require
+from nanovllm.utils.validation import ParamError, is_int, is_number, literal_values, require
 
 from nanovllm.models.registry import MODELS, architecture_of
 
 logger = logging.getLogger("nanovllm")
 
-# Each vocabulary is written once, here, and a field takes it as its Literal type: the checks below
-# and the CLI's choices (entrypoints/cli/args.py) both read it.
+# Each vocabulary is written once, here, and a field takes it as its Literal type: the checks
+# (VOCABULARIES, at the end of this module) and the choices of the CLI's and bench.py's flags
+# (entrypoints/cli/args.py) read it from there.
 DEVICES = ("auto", "cuda", "cpu")
 ATTENTION_BACKENDS = ("auto", "flash_attn", "triton", "torch")
 COMPILE_MODES = ("auto", "on", "off")
@@ -161,7 +162,7 @@ class Config:
         known = {f.name for f in fields(cls) if f.init}
         unknown = sorted(set(kwargs) - known)
         if unknown:
-            raise ValueError(f"unknown config key(s) {unknown}; allowed keys: {sorted(known - {'model'})}")
+            raise ParamError(unknown[0], f"unknown config key(s) {unknown}; allowed keys: {sorted(known - {'model'})}")
         return cls(model, **kwargs)
 
     def __post_init__(self) -> None:
@@ -216,29 +217,19 @@ class Config:
         require(is_int(n) and (n == -1 or n >= 1), "num_kvcache_blocks", n, "-1 (size from memory) or >= 1")
         for name in ("enforce_eager", "enable_prefix_caching", "skip_tokenizer_init", "cpu_malloc_tuning"):
             require(isinstance(getattr(self, name), bool), name, getattr(self, name), "True or False")
-        require(self.device in DEVICES, "device", self.device, f"one of {DEVICES}")
-        require(self.attention_backend in ATTENTION_BACKENDS, "attention_backend", self.attention_backend,
-                f"one of {ATTENTION_BACKENDS}")
-        require(self.kv_cache_dtype in KV_CACHE_DTYPES, "kv_cache_dtype", self.kv_cache_dtype,
-                f"one of {KV_CACHE_DTYPES}")
-        require(self.compile_mode in COMPILE_MODES, "compile_mode", self.compile_mode, f"one of {COMPILE_MODES}")
-        require(self.fused_kernels in FUSED_KERNELS, "fused_kernels", self.fused_kernels, f"one of {FUSED_KERNELS}")
-        require(self.dtype == "auto" or self.dtype in DTYPES or self.dtype in DTYPES.values(), "dtype",
+        for name, allowed in VOCABULARIES.items():  # every field typed with a Literal, but dtype (below)
+            require(getattr(self, name) in allowed, name, getattr(self, name), f"one of {allowed}")
+        require(isinstance(self.dtype, (str, torch.dtype)) and  # (a list is unhashable: no `in DTYPES` for it)
+                (self.dtype == "auto" or self.dtype in DTYPES or self.dtype in DTYPES.values()), "dtype",
                 self.dtype, f"'auto', one of {list(DTYPES)} or the matching torch.dtype")
         g = self.cpu_kvcache_space_gib
         require(is_number(g) and g > 0, "cpu_kvcache_space_gib", g, "a number > 0")
-        require(self.scheduling_policy in SCHEDULING_POLICIES, "scheduling_policy", self.scheduling_policy,
-                f"one of {SCHEDULING_POLICIES}")
-        require(self.preemption_mode in PREEMPTION_MODES, "preemption_mode", self.preemption_mode,
-                f"one of {PREEMPTION_MODES}")
         require(is_number(self.swap_space) and self.swap_space >= 0, "swap_space", self.swap_space,
                 "a finite number of GiB >= 0")
         if self.speculative_config is not None:
             self.speculative = SpeculativeConfig.from_dict(self.speculative_config)
             require(self.tensor_parallel_size == 1, "tensor_parallel_size", self.tensor_parallel_size,
                     "1 with speculative_config (speculative decoding runs on one rank only)")
-        require(self.async_scheduling in ASYNC_SCHEDULING_MODES, "async_scheduling", self.async_scheduling,
-                f"one of {ASYNC_SCHEDULING_MODES}")
         if self.async_scheduling == "on":  # the workers and the proposer need every token on the host
             require(self.tensor_parallel_size == 1, "tensor_parallel_size", self.tensor_parallel_size,
                     "1 with async_scheduling='on' (the overlapped loop runs on one rank only)")
@@ -256,14 +247,14 @@ class Config:
         try:
             draft = Config(**settings)
         except ValueError as error:
-            raise ValueError(f"speculative_config['model']={self.speculative.model!r} is not a usable draft "
+            raise ParamError("speculative_config['model']", f"speculative_config['model']={self.speculative.model!r} is not a usable draft "
                              f"model: {error}") from error
         target_vocab, draft_vocab = self.hf_config.vocab_size, draft.hf_config.vocab_size
         if draft_vocab != target_vocab:
-            raise ValueError(f"speculative_config['model']={self.speculative.model!r} has vocab_size={draft_vocab}; "
+            raise ParamError("speculative_config['model']", f"speculative_config['model']={self.speculative.model!r} has vocab_size={draft_vocab}; "
                              f"a draft model must share the target's vocabulary (vocab_size={target_vocab})")
         if draft.max_model_len < self.max_model_len:
-            raise ValueError(f"speculative_config['model']={self.speculative.model!r} holds {draft.max_model_len} "
+            raise ParamError("speculative_config['model']", f"speculative_config['model']={self.speculative.model!r} holds {draft.max_model_len} "
                              f"positions, fewer than max_model_len={self.max_model_len}; lower max_model_len")
         return draft
 
@@ -275,51 +266,51 @@ class Config:
         allowed = [n for n in range(1, MAX_TENSOR_PARALLEL_SIZE + 1) if all(v % n == 0 for v in sizes.values())]
         for name, value in sizes.items():
             if value % tp:
-                raise ValueError(f"tensor_parallel_size={tp} is not allowed for this model: its {name}={value} "
+                raise ParamError("tensor_parallel_size", f"tensor_parallel_size={tp} is not allowed for this model: its {name}={value} "
                                  f"does not divide by {tp}; tensor_parallel_size must divide "
                                  f"{', '.join(f'{n}={v}' for n, v in sizes.items())} (allowed: {allowed})")
         if self.device == "cuda" and tp > torch.cuda.device_count():
-            raise ValueError(f"tensor_parallel_size={tp} needs {tp} GPUs, one per rank; torch sees "
+            raise ParamError("tensor_parallel_size", f"tensor_parallel_size={tp} needs {tp} GPUs, one per rank; torch sees "
                              f"{torch.cuda.device_count()}")
 
     def _load_hf_config(self) -> PretrainedConfig:
         if not isinstance(self.model, (str, os.PathLike)) or not os.path.isdir(self.model):
-            raise ValueError(f"model={self.model!r} is not a directory; model must be a local checkpoint "
+            raise ParamError("model", f"model={self.model!r} is not a directory; model must be a local checkpoint "
                              "directory holding config.json and *.safetensors (nothing is downloaded)")
         path = os.path.join(self.model, "config.json")
         if not os.path.isfile(path):
-            raise ValueError(f"model={self.model!r} has no config.json")
+            raise ParamError("model", f"model={self.model!r} has no config.json")
         try:
             with open(path, encoding="utf-8") as f:
                 raw = json.load(f)
         except (json.JSONDecodeError, UnicodeDecodeError) as error:
-            raise ValueError(f"{path} is not valid JSON ({error}); config.json must be the checkpoint's "
+            raise ParamError("model", f"{path} is not valid JSON ({error}); config.json must be the checkpoint's "
                              "transformers config, a JSON object") from None
         if not isinstance(raw, dict):
-            raise ValueError(f"{path} holds a JSON {type(raw).__name__}, not an object; config.json must be "
+            raise ParamError("model", f"{path} holds a JSON {type(raw).__name__}, not an object; config.json must be "
                              "the checkpoint's transformers config, a JSON object")
         architecture = architecture_of(raw.get("architectures"), self.model)
         model_class = MODELS[architecture]
         try:  # sizes, epsilons and head counts as written, before transformers builds anything of them
             model_class.check_raw_config(raw)
         except ValueError as error:
-            raise ValueError(f"{path}: {error}") from None
+            raise ParamError("model", f"{path}: {error}") from None
         # A local directory and no trust_remote_code: nothing from the checkpoint is executed.
         try:
             hf_config = AutoConfig.from_pretrained(self.model, trust_remote_code=False)
         except (ValueError, KeyError, TypeError, StrictDataclassError) as error:  # fields it cannot make a config of
-            raise ValueError(f"{path} is not a config transformers can read: {error}") from error
+            raise ParamError("model", f"{path} is not a config transformers can read: {error}") from error
         try:  # refuses what the model cannot run, before any work
             model_class.adapt_config(hf_config)
         except ValueError as error:
-            raise ValueError(f"{path}: {error}") from None
+            raise ParamError("model", f"{path}: {error}") from None
         return hf_config
 
     def _resolve_device(self) -> str:
         if self.device == "auto":
             return "cuda" if torch.cuda.is_available() else "cpu"
         if self.device == "cuda" and not torch.cuda.is_available():
-            raise ValueError("device='cuda' but torch sees no CUDA device; use device='cpu' or 'auto'")
+            raise ParamError("device", "device='cuda' but torch sees no CUDA device; use device='cpu' or 'auto'")
         return self.device
 
     def _resolve_fused_kernels(self) -> str:
@@ -328,9 +319,9 @@ class Config:
             return "triton" if self.device == "cuda" and has_triton else "torch"
         if self.fused_kernels == "triton":
             if not has_triton:
-                raise ValueError("fused_kernels='triton' but triton is not installed (pip install triton)")
+                raise ParamError("fused_kernels", "fused_kernels='triton' but triton is not installed (pip install triton)")
             if self.device != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
-                raise ValueError(f"fused_kernels='triton' needs a CUDA device (device is {self.device!r}), or "
+                raise ParamError("fused_kernels", f"fused_kernels='triton' needs a CUDA device (device is {self.device!r}), or "
                                  "TRITON_INTERPRET=1 to run the kernels on CPU (slowly, for tests)")
         return self.fused_kernels
     def _default_cpu_threads(self) -> int:
@@ -362,3 +353,9 @@ class Config:
     @property
     def architecture(self) -> str:
         return architecture_of(self.hf_config.architectures, self.model)
+
+
+# Field name -> the values its Literal type allows, for the checks in _check_fields (dtype, which
+# also takes a torch.dtype, is checked apart). The CLI reads the same Literal types for its choices.
+VOCABULARIES = {name: values for name, hint in get_type_hints(Config).items()
+                if name != "dtype" and (values := literal_values(hint)) is not None}

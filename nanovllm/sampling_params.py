@@ -18,7 +18,7 @@ own list cannot change them afterwards either.
 from dataclasses import FrozenInstanceError, dataclass, fields
 from functools import cached_property
 
-from nanovllm.utils.validation import first_surrogate, is_int, is_number, require
+from nanovllm.utils.validation import ParamError, first_surrogate, is_int, is_number, require
 
 # vLLM's limits: penalties beyond +-2 make no useful distribution; 20 top logprobs is what
 # the OpenAI API allows and what the sampler is sized for.
@@ -101,7 +101,7 @@ class SamplingParams:
         require(is_number(self.min_p) and 0 <= self.min_p <= 1, "min_p", self.min_p, "in [0, 1]")
         require(self.seed is None or is_int(self.seed), "seed", self.seed, "None or an integer")
         if self.seed is not None and not (MIN_SEED <= self.seed and self.seed + self.n - 1 <= MAX_SEED):
-            raise ValueError(f"seed={self.seed} is not allowed with n={self.n}: sample i is seeded with seed + i and "
+            raise ParamError("seed", f"seed={self.seed} is not allowed with n={self.n}: sample i is seeded with seed + i and "
                              f"torch.Generator takes seeds in [-2**63, 2**64 - 1], so with n={self.n} seed must be in "
                              f"[{MIN_SEED}, {MAX_SEED - self.n + 1}]")
         stop = [self.stop] if isinstance(self.stop, str) else self.stop
@@ -154,14 +154,14 @@ class SamplingParams:
         return self.temperature == 0.0
 
     def check_vocabulary(self, vocab_size: int) -> None:
-        """Refuse token ids outside a model's vocabulary and a top_k past it (ValueError naming the
+        """Refuse token ids outside a model's vocabulary and a top_k past it (ParamError naming the
         field), once the engine knows the vocabulary."""
         for name, ids in (("stop_token_ids", self.stop_token_ids), ("logit_bias", self.logit_bias or ())):
             bad = next((t for t in ids if t >= vocab_size), None)
             if bad is not None:
-                raise ValueError(f"{name} has token id {bad}, outside the vocabulary; ids must be in [0, {vocab_size})")
+                raise ParamError(name, f"{name} has token id {bad}, outside the vocabulary; ids must be in [0, {vocab_size})")
         if self.top_k > vocab_size:  # refused, not clamped: a top_k past the vocabulary is a mistake
-            raise ValueError(f"top_k={self.top_k} is larger than the vocabulary ({vocab_size} tokens); top_k must "
+            raise ParamError("top_k", f"top_k={self.top_k} is larger than the vocabulary ({vocab_size} tokens); top_k must "
                              f"be in [1, {vocab_size}], or 0 or -1 for off")
 
     @cached_property

@@ -10,7 +10,7 @@ in engine/ngram_proposer.py and runner/speculative.py. It knows nothing of how e
 """
 from dataclasses import dataclass
 
-from nanovllm.utils.validation import is_int, require
+from nanovllm.utils.validation import ParamError, is_int, require
 
 NGRAM, DRAFT_MODEL = "ngram", "draft_model"
 SPECULATIVE_METHODS = (NGRAM, DRAFT_MODEL)
@@ -34,7 +34,7 @@ class SpeculativeConfig:
 
     @classmethod
     def from_dict(cls, value: object) -> "SpeculativeConfig":
-        """Check a user's speculative_config dict; ValueError naming what is wrong and what is allowed."""
+        """Check a user's speculative_config dict; ParamError naming what is wrong and what is allowed."""
         require(isinstance(value, dict), "speculative_config", value,
                 f"None or a dict with 'method' (one of {SPECULATIVE_METHODS}) and 'num_speculative_tokens'")
         method = value.get("method")
@@ -42,7 +42,7 @@ class SpeculativeConfig:
                 f"one of {SPECULATIVE_METHODS}")
         unknown = sorted(set(value) - _KEYS[method])
         if unknown:
-            raise ValueError(f"speculative_config has unknown key(s) {unknown} for method {method!r}; "
+            raise ParamError("speculative_config", f"speculative_config has unknown key(s) {unknown} for method {method!r}; "
                              f"allowed keys: {sorted(_KEYS[method])}")
         k = value.get("num_speculative_tokens")
         require(is_int(k) and 1 <= k <= MAX_SPECULATIVE_TOKENS, "speculative_config['num_speculative_tokens']", k,

@@ -107,18 +107,18 @@ def test_streams_and_the_online_api(qwen3_tiny):
         for request_id in llm.step().request_ids:
             out = llm.pop_output(request_id)
             seen += [t for s in out.samples for t in s.token_ids]
-    assert llm._in_flight is not None  # the loop really runs a step ahead
+    assert llm.core.in_flight is not None  # the loop really runs a step ahead
     assert all(t >= 0 for t in seen)
     assert llm.abort(doomed)
     final = llm.pop_output(doomed)
-    assert final.finished and final.final["finish_reason"] == "abort"
-    popped = len(final.final["token_ids"])
+    assert final.finished and final.final.outputs[0].finish_reason == "abort"
+    popped = len(final.final.outputs[0].token_ids)
     while not llm.is_finished():
         llm.step()
     result = llm.pop_output(keep)
     while not result.finished:
         result = llm.pop_output(keep)
-    assert result.final["token_ids"] == plain[0]["token_ids"]
+    assert result.final.outputs[0].token_ids == plain[0]["token_ids"]
     assert popped < 12
 
 

@@ -179,15 +179,17 @@ def test_a_request_the_engine_reports_failed_becomes_an_error_line(clean, qwen3_
 
 
 def test_an_output_with_an_error_key_is_an_error_line(qwen3_tiny, tmp_path, monkeypatch):
-    """The engine's own report of a failed request: a final output with "error" set."""
+    """The engine's own report of a failed request: a final output with `error` set."""
     from nanovllm import LLM
 
     pop_output = LLM.pop_output
 
     def pop_with_error(self, request_id):
         output = pop_output(self, request_id)
-        if output.finished and output.final["prompt_token_ids"] == FAULT_PROMPT:
-            output.final.update(finish_reason="abort", error="internal error (request id x)")
+        if output.finished and output.final.prompt_token_ids == FAULT_PROMPT:
+            output.final.error = "internal error (request id x)"
+            for sample in output.final.outputs:
+                sample.finish_reason = "abort"
         return output
 
     monkeypatch.setattr(LLM, "pop_output", pop_with_error)

@@ -1,5 +1,6 @@
 """bench.py and benchmark_plot.py end to end on CPU: a tiny random-weight model and a tiny
 workload, each script run as a user runs it (a subprocess), writing only under tmp_path."""
+import dataclasses
 import importlib.util
 import json
 import os
@@ -10,6 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from nanovllm.config import VOCABULARIES, Config
 from nanovllm.engine.scheduler import DEFAULT_SCHEDULING_POLICY
 
 REPO = Path(__file__).resolve().parents[1]
@@ -192,6 +194,23 @@ def test_bench_checkpoints_go_to_the_xdg_cache(bench, tmp_path, monkeypatch):
     for ignored in ("relative/cache", ""):
         monkeypatch.setenv("XDG_CACHE_HOME", ignored)
         assert bench.parse_args().workdir == str(tmp_path / "home" / ".cache" / "nanovllm" / "checkpoints")
+
+
+def test_bench_engine_flags_are_generated_from_config(bench, monkeypatch, capsys):
+    """Every Config field bench does not set its own way is a flag, with Config's choices."""
+    monkeypatch.setattr(sys, "argv", ["bench.py", "--device", "cpu", "--scheduling-policy", "prefill_first",
+                                      "--max-num-seqs", "3", "--no-enable-prefix-caching"])
+    args = bench.parse_args()
+    generated = [f.name for f in dataclasses.fields(Config) if f.init and f.name not in bench.BENCH_OWN_CONFIG_FIELDS]
+    assert args.config_fields == generated and "preemption_mode" in generated
+    assert (args.device, args.scheduling_policy, args.max_num_seqs, args.enable_prefix_caching) == \
+        ("cpu", "prefill_first", 3, False)
+    assert args.max_num_batched_tokens == Config.max_num_batched_tokens  # Config's default, not bench's own
+    monkeypatch.setattr(sys, "argv", ["bench.py", "--attention-backend", "nope"])
+    with pytest.raises(SystemExit):
+        bench.parse_args()
+    err = capsys.readouterr().err
+    assert "invalid choice: 'nope'" in err and all(value in err for value in VOCABULARIES["attention_backend"])
 
 
 def test_bench_model_choice(bench, tmp_path, monkeypatch):

@@ -8,8 +8,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from nanovllm.engine.request import RequestOutput, SampleDelta
-from nanovllm.llm_engine import EngineStats
+from nanovllm.engine.outputs import CompletionOutput, RequestDelta, RequestOutput, SampleDelta
+from nanovllm.engine.stats import EngineStats
 from nanovllm.entrypoints.openai.engine_loop import (MAX_CONSECUTIVE_STEP_FAILURES, EngineClient, EngineDeadError,
                                               QueueFullError)
 from nanovllm.entrypoints.openai.metrics import ServerMetrics
@@ -33,11 +33,12 @@ class StandInEngine:
         self.exited = False
         self.num_steps = 0
 
-    def add_request(self, prompt, params, request_id):
-        if prompt == "bad":
+    def add_requests(self, prompts, params, request_ids):
+        if "bad" in prompts:  # all or none, as the engine
             raise ValueError("prompt='bad' is not allowed")
-        self.live[request_id] = [prompt, params, [], None]
-        return request_id
+        for prompt, sampling_params, request_id in zip(prompts, params, request_ids):
+            self.live[request_id] = [prompt, sampling_params, [], None]
+        return request_ids
 
     def stats(self) -> EngineStats:
         running = sum(entry[3] is None for entry in self.live.values())
@@ -67,13 +68,15 @@ class StandInEngine:
         entry[3] = "abort"
         return True
 
-    def pop_output(self, request_id) -> RequestOutput:
+    def pop_output(self, request_id) -> RequestDelta:
         prompt, params, tokens, reason = self.live[request_id]
         finished = reason is not None
         if finished:
             del self.live[request_id]
         sample = SampleDelta(0, tokens[-1:], "", [], finished, reason, None)
-        return RequestOutput(request_id, [1, 2], [sample], finished, {"token_ids": tokens} if finished else None)
+        final = RequestOutput(request_id, prompt, [1, 2], None, [CompletionOutput(0, "", tokens, None, None, reason,
+                                                                                  None)], True)
+        return RequestDelta(request_id, [1, 2], [sample], finished, final if finished else None)
 
     def exit(self):
         self.exited = True
@@ -143,7 +146,7 @@ def test_a_failing_step_fails_live_requests_and_the_loop_serves_on():
             assert last.finished and all(s.finish_reason == "abort" for s in last.samples)
             # A message for the client: its request id, not the exception's text.
             assert submission.request_ids[0] in last.error and "blew up" not in last.error
-            assert last.final["error"] == last.error
+            assert last.final.error == last.error and last.final.outputs[0].finish_reason == "abort"
         assert client.is_serving
         later = await client.add(["a"], SamplingParams(max_tokens=2), "late")
         outputs = [output async for output in later]

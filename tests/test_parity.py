@@ -27,7 +27,7 @@ def record_prefill_chunks(llm: LLM) -> list[list[int]]:
     """Wrap the runner to record, per step that computes prompt tokens, the tokens scheduled for
     each sequence in its prompt (a mixed step's decode rows are left out)."""
     chunks: list[list[int]] = []
-    name = "launch" if llm.async_scheduling else "run"  # what the engine loop calls (on by default on CUDA)
+    name = "launch" if llm.core.async_scheduling else "run"  # what the engine loop calls (on by default on CUDA)
     run = getattr(llm.model_runner, name)
 
     def recording_run(seqs, is_prefill, *copies):

@@ -134,13 +134,13 @@ def fault_in_detokenizer(monkeypatch, llm):
 
 
 def fault_in_output(monkeypatch, llm):
-    sample_output = request_module._sample_output
+    completion = request_module._completion
 
-    def faulty(seq, tokenizer, failed=False):
+    def faulty(index, seq, tokenizer, failed):
         if is_victim(seq) and not failed:
             raise InjectedFault("output")
-        return sample_output(seq, tokenizer, failed)
-    monkeypatch.setattr(request_module, "_sample_output", faulty)
+        return completion(index, seq, tokenizer, failed)
+    monkeypatch.setattr(request_module, "_completion", faulty)
 
 
 FAULTS = [fault_in_building, fault_in_admission, fault_in_sampling_inputs, fault_in_stop_check,
@@ -218,8 +218,8 @@ def test_a_failed_online_request_reports_its_error(engine, monkeypatch):
                 if out.finished:
                     finals[request_id] = out
     victim = finals[ids[VICTIM]]
-    assert ids[VICTIM] in victim.error and victim.final["error"] == victim.error
-    assert all(finals[i].error is None and "error" not in finals[i].final for i in ids if i != ids[VICTIM])
+    assert ids[VICTIM] in victim.final.error and all(s.finish_reason == "abort" for s in victim.final.outputs)
+    assert all(finals[i].final.error is None for i in ids if i != ids[VICTIM])
     assert_all_blocks_free(llm)
 
 

@@ -7,7 +7,8 @@ import threading
 import pytest
 
 from helpers import greedy, hf_greedy, random_prompts
-from nanovllm import LLM, RequestOutput, SamplingParams
+from nanovllm import LLM, RequestDelta, SamplingParams
+from nanovllm.engine.outputs import to_nanovllm_dict
 from nanovllm.engine.block_manager import BlockManager
 from nanovllm.engine.scheduler import Scheduler
 from nanovllm.engine.sequence import Sequence
@@ -142,7 +143,7 @@ def test_streams_at_uneven_rates_with_generate_calls_between(llm, mixed_workload
     assert_all_free(llm)
 
 
-def pop_until_final(llm: LLM, request_ids: list[str]) -> dict[str, list[RequestOutput]]:
+def pop_until_final(llm: LLM, request_ids: list[str]) -> dict[str, list[RequestDelta]]:
     """Drive with step() and pop what each step reports, until every request's final output is in."""
     pops = {rid: [] for rid in request_ids}
     pending = set(request_ids)
@@ -169,7 +170,7 @@ def test_add_request_deltas_concatenate_to_generate_output(llm, mixed_workload, 
     for rid, out, prompt in zip(request_ids, expected, prompts):
         history = pops[rid]
         assert [o.finished for o in history] == [False] * (len(history) - 1) + [True]
-        final = history[-1].final
+        final = to_nanovllm_dict(history[-1].final)
         assert {k: v for k, v in final.items() if k != "num_cached_tokens"} == \
             {k: v for k, v in out.items() if k != "num_cached_tokens"}
         assert all(o.final is None for o in history[:-1])
@@ -198,7 +199,7 @@ def test_pop_output_between_steps_and_with_nothing_new(llm):
     (sample,) = llm.pop_output(rid).samples
     assert len(sample.token_ids) == 2 and not sample.finished
     pops = pop_until_final(llm, [rid])
-    assert pops[rid][-1].final["token_ids"][:2] == sample.token_ids
+    assert pops[rid][-1].final.outputs[0].token_ids[:2] == sample.token_ids
     assert_all_free(llm)
 
 
@@ -215,12 +216,13 @@ def test_abort_frees_blocks_and_reports_abort(llm):
     assert doomed in llm.step().request_ids  # the abort is news
     out = llm.pop_output(doomed)
     assert out.finished and [s.finish_reason for s in out.samples] == ["abort", "abort"]
-    for sample, final in zip(out.samples, out.final["outputs"]):
-        assert final["finish_reason"] == "abort" and 0 < len(final["token_ids"]) < 100
-        assert sample.token_ids == final["token_ids"]  # the first pop: every token so far
+    for sample, final in zip(out.samples, out.final.outputs):
+        assert final.finish_reason == "abort" and 0 < len(final.token_ids) < 100
+        assert sample.token_ids == final.token_ids  # the first pop: every token so far
     assert llm.abort(other) is True
     out = llm.pop_output(other)
-    assert out.finished and out.final["finish_reason"] == "abort" and len(out.final["token_ids"]) < 50
+    (final,) = out.final.outputs
+    assert out.finished and final.finish_reason == "abort" and len(final.token_ids) < 50
     assert_all_free(llm)
     # The engine goes on as before.
     assert llm.generate([[1, 2, 3]], greedy(5), use_tqdm=False)[0]["finish_reason"] == "length"

@@ -48,7 +48,7 @@ def run_online(llm: LLM, prompts: list[list[int]], arrivals: list[int], prioriti
         for request_id in llm.step().request_ids:
             out = llm.pop_output(request_id)
             if out.finished:
-                done[ids[request_id]] = out.final["token_ids"]
+                done[ids[request_id]] = out.final.outputs[0].token_ids
         steps += 1
         assert steps < 2000, "not finished: livelock"
     return done

@@ -91,20 +91,20 @@ def test_lookahead_is_bounded_by_max_tokens_and_free_blocks_and_rolled_back():
     seq = Sequence(0, [1, 2, 3], SamplingParams(temperature=0, max_tokens=5), block_size=4)
     scheduler.add(seq)
     batch = scheduler.schedule()  # the prompt
-    scheduler.postprocess_speculative(batch, [[9]], [0])
+    scheduler.postprocess(batch, [9], [[]], [0])
     assert seq.token_ids == [1, 2, 3, 9] and seq.num_computed_tokens == 3
     batch = scheduler.schedule()
     # max_tokens=5 with one token made: at most 4 more, so 3 proposals and the token after them.
     assert seq.num_lookahead_slots == 3 and len(seq.block_table) == 2
     # One proposal accepted, then one more token: 3 new tokens, the newest not computed.
-    advanced = scheduler.postprocess_speculative(batch, [[5, 6]], [3])
+    advanced = scheduler.postprocess(batch, [6], [[5]], [3])
     assert advanced == [seq] and seq.token_ids == [1, 2, 3, 9, 5, 6] and seq.num_computed_tokens == 5
     assert len(seq.block_table) == 2 and seq.num_lookahead_slots == 0
     stats = scheduler.stats
     assert (stats.spec_proposed_tokens, stats.spec_accepted_tokens, stats.spec_decode_rows) == (3, 1, 1)
     batch = scheduler.schedule()
     assert seq.num_lookahead_slots == 1
-    scheduler.postprocess_speculative(batch, [[6, 7]], [1])  # max_tokens reached exactly, never passed
+    scheduler.postprocess(batch, [7], [[6]], [1])  # max_tokens reached exactly, never passed
     assert seq.is_finished and seq.completion_token_ids == [9, 5, 6, 6, 7] and bm.num_free_blocks == 4
 
 

@@ -2,59 +2,33 @@
 the caller has already been handed, and where news of it is reported.
 
 Whoever drives a step, each sequence's new tokens land on the sequence itself; `Request.pop`
-hands the caller what is new since the last pop (a RequestOutput), so every caller gets exactly
-its own requests' output. It also builds the final output dict that generate() returns. It
-knows nothing of scheduling or tensors.
+hands the caller what is new since the last pop (a RequestDelta), so every caller gets exactly
+its own requests' output. It also builds the request's final RequestOutput (engine/outputs.py).
+It knows nothing of scheduling or tensors.
 
 A request the engine failed (a fault while building, scheduling, running or finishing it; see
-LLMEngine._fail_request) carries `error`, a message meant for its client: its samples end with
-finish_reason "abort", its final dict gains an "error" key and its text is built without the
+engine/request_table.py) carries `error`, a message meant for its client: its samples end with
+finish_reason "abort", its final output carries the error and its text is built without the
 detokenizer (which may be what failed). Normal outputs keep their exact shape.
 """
 import logging
 
-from dataclasses import dataclass
-
 from transformers import PreTrainedTokenizerBase
 
+from nanovllm.engine.outputs import CompletionOutput, RequestDelta, RequestOutput, SampleDelta
 from nanovllm.engine.sequence import Sequence
 from nanovllm.sampling_params import SamplingParams
 
 logger = logging.getLogger("nanovllm")
 
 
-@dataclass
-class SampleDelta:
-    """What is new in one sample since its request was last popped."""
-    index: int  # which of the request's n samples
-    token_ids: list[int]  # token ids new since then
-    text: str  # text new since then; a sample's texts concatenate to its final text
-    logprobs: list[dict]  # one per new token, when the request asked for logprobs
-    finished: bool
-    finish_reason: str | None  # "stop" | "length" | "abort" once finished
-    stop_reason: int | str | None  # the stop token id or stop string that ended it
-
-
-@dataclass
-class RequestOutput:
-    """A request's news since its last pop: only samples with news are listed. `final` is set
-    once every sample has finished: the same dict generate() returns for that prompt."""
-    request_id: str
-    prompt_token_ids: list[int]
-    samples: list[SampleDelta]
-    finished: bool
-    final: dict | None
-    # Set on the final output of a request the engine failed: a message for its client (no
-    # exception text; the server log has the traceback under the request id). None otherwise.
-    error: str | None = None
-
-
 class Request:
-    """One prompt of a call (or of add_request) and its n samples; sample i is seqs[i]."""
+    """One prompt of a call (or of add_requests) and its n samples; sample i is seqs[i]."""
 
     def __init__(self, index: int, prompt_token_ids: list[int], params: SamplingParams, seqs: list[Sequence],
-                 request_id: str | None, inbox: dict[str, None]):
+                 request_id: str | None, inbox: dict[str, None], prompt: str | None = None):
         self.index = index  # its position in the call that made it
+        self.prompt = prompt  # its text, when it was given as text
         self.prompt_token_ids = prompt_token_ids
         self.params = params
         self.seqs = seqs
@@ -74,7 +48,7 @@ class Request:
                 return False
         return True
 
-    def pop(self, tokenizer: PreTrainedTokenizerBase | None) -> RequestOutput:
+    def pop(self, tokenizer: PreTrainedTokenizerBase | None) -> RequestDelta:
         """The news since the last pop; once finished, with the final output (built first, so a
         fault there leaves nothing handed out and the engine can build the error output instead)."""
         finished = self.finished
@@ -95,23 +69,17 @@ class Request:
             samples.append(SampleDelta(i, new_tokens, text, logprobs, seq.is_finished,
                                        "abort" if failed and seq.is_finished else seq.finish_reason,
                                        None if failed else seq.stop_reason))
-        return RequestOutput(self.request_id, self.prompt_token_ids, samples, finished, final,
-                             self.error if finished else None)
+        return RequestDelta(self.request_id, self.prompt_token_ids, samples, finished, final)
 
-    def final_output(self, tokenizer: PreTrainedTokenizerBase | None) -> dict:
-        """generate()'s dict for this prompt: sample 0's fields at the top, every sample under
-        "outputs" when n > 1; a failed request's has "error" too, and every sample's finish_reason
-        is "abort" (the request failed as a whole)."""
-        samples = [_sample_output(seq, tokenizer, self.error is not None) for seq in self.seqs]
-        out = {**samples[0], "prompt_token_ids": self.prompt_token_ids}
-        if len(samples) > 1:
-            out["outputs"] = samples
-        if self.error is not None:
-            out["error"] = self.error
-        return out
+    def final_output(self, tokenizer: PreTrainedTokenizerBase | None) -> RequestOutput:
+        """This request's RequestOutput, once finished; a failed request's carries `error`, and
+        every sample's finish_reason is "abort" (the request failed as a whole)."""
+        failed = self.error is not None
+        samples = [_completion(i, seq, tokenizer, failed) for i, seq in enumerate(self.seqs)]
+        return RequestOutput(self.request_id, self.prompt, self.prompt_token_ids, None, samples, True, self.error)
 
 
-def _sample_output(seq: Sequence, tokenizer: PreTrainedTokenizerBase | None, failed: bool = False) -> dict:
+def _completion(index: int, seq: Sequence, tokenizer: PreTrainedTokenizerBase | None, failed: bool) -> CompletionOutput:
     params = seq.sampling_params
     text = ""
     try:
@@ -121,15 +89,10 @@ def _sample_output(seq: Sequence, tokenizer: PreTrainedTokenizerBase | None, fai
             text = tokenizer.decode(seq.completion_token_ids, skip_special_tokens=params.skip_special_tokens)
     except Exception:
         if not failed:
-            raise  # the engine fails the request (LLMEngine._final), which builds this again
+            raise  # the engine fails the request (RequestTable.final), which builds this again
         logger.warning("request %s: its text could not be decoded; its failed output has none", seq.request_id)
-    out = {
-        "text": text,
-        "token_ids": seq.completion_token_ids,
-        "finish_reason": "abort" if failed else seq.finish_reason,
-        "stop_reason": None if failed else seq.stop_reason,
-        "num_cached_tokens": seq.num_cached_tokens,
-    }
-    if params.logprobs is not None:
-        out["logprobs"] = [lp._asdict() for lp in seq.logprobs]
-    return out
+    logprobs = None if params.logprobs is None else [lp._asdict() for lp in seq.logprobs]
+    cumulative = None if logprobs is None else sum(lp["logprob"] for lp in logprobs)
+    return CompletionOutput(index, text, seq.completion_token_ids, cumulative, logprobs,
+                            "abort" if failed else seq.finish_reason, None if failed else seq.stop_reason,
+                            seq.num_cached_tokens)

@@ -34,11 +34,12 @@ the ScheduledBatch for the runner to make.
 
 Speculative decoding (num_lookahead_tokens > 0): after part 1, each decode that may speculate
 gets lookahead slots for the tokens the runner may propose after its newest one (token budget
-and free blocks only: a lookahead never preempts). `postprocess_speculative` appends each
-sequence's kept tokens one at a time through the stop checker (so no stop and no max_tokens is
-overshot), counts only the accepted proposals as computed, and gives back the lookahead blocks
-past the sequence's tokens: the rejected proposals leave nothing behind in the block table or
-the prefix cache.
+and free blocks only: a lookahead never preempts). The runner's output gives each sequence its
+accepted proposals before its token, and the same `postprocess` takes them: `resolve` appends
+them one at a time through the stop checker (so no stop and no max_tokens is overshot), counts
+only the accepted proposals as computed, and gives back the lookahead blocks past the
+sequence's tokens: the rejected proposals leave nothing behind in the block table or the
+prefix cache.
 
 A fault in the work done for one sequence (its blocks at admission, a swap, its stop check)
 fails that sequence alone: `fail` finishes it with "abort", frees its blocks, takes it out of
@@ -404,12 +405,29 @@ class Scheduler:
 
     # --- after the step ---
 
-    def postprocess(self, batch: ScheduledBatch, token_ids: list[int]) -> list[Sequence]:
-        """The plain loop's end of a step: `advance`, then `resolve` with the sampled tokens
-        (a prefill chunk that does not finish the prompt sampled nothing: token -1). Returns the
-        sequences that got a new token; the finished ones among them have their blocks freed and
-        have left `running`."""
-        return self.resolve(batch, token_ids, self.advance(batch))
+    def postprocess(self, batch: ScheduledBatch, token_ids: list[int], accepted: list[list[int]] | None = None,
+                    num_proposed: list[int] | None = None) -> list[Sequence]:
+        """The plain loop's end of a step, whatever the runner: `advance`, then `resolve` with the
+        step's tokens (a prefill chunk that does not finish the prompt sampled nothing: token -1)
+        and, from a speculative runner, each sequence's accepted proposals (which come before its
+        token) and how many were proposed (counted in the stats). Returns the sequences that got
+        a new token; the finished ones among them have their blocks freed and have left `running`."""
+        if num_proposed is not None:
+            self._count_speculation(batch, accepted, num_proposed)
+        return self.resolve(batch, token_ids, self.advance(batch), accepted)
+
+    def _count_speculation(self, batch: ScheduledBatch, accepted: list[list[int]], num_proposed: list[int]) -> None:
+        """The speculative counters of a step's sequences that sample (read before `advance`
+        clears their scheduled counts): a decode row computed just its newest token."""
+        stats = self.stats
+        for seq, kept, proposed in zip(batch.seqs, accepted, num_proposed):
+            if seq.status is FINISHED or seq.num_computed_tokens + seq.num_scheduled_tokens < len(seq.token_ids):
+                continue  # failed in this step (its sampling inputs), or a prefill chunk short of the prompt's end
+            stats.spec_proposed_tokens += proposed
+            stats.spec_accepted_tokens += len(kept)
+            if seq.num_scheduled_tokens == 1:
+                stats.spec_decode_rows += 1
+                stats.spec_decode_tokens += len(kept) + 1
 
     def advance(self, batch: ScheduledBatch, sample_indices: list[int] | None = None) -> list[int]:
         """Record that the step ran: each scheduled sequence's computed count grows by its
@@ -427,6 +445,7 @@ class Scheduler:
         sampling = []
         for i, seq in enumerate(batch.seqs):
             num_scheduled, seq.num_scheduled_tokens = seq.num_scheduled_tokens, 0
+            seq.num_lookahead_slots = 0  # the step ran: any proposals in them are verified
             if seq.status is FINISHED:
                 continue
             first_block = seq.num_computed_tokens // bs
@@ -446,12 +465,17 @@ class Scheduler:
                 seq.token_ids.append(-(row + 1))
         return sample_indices
 
-    def resolve(self, batch: ScheduledBatch, token_ids: list[int], sampling: list[int]) -> list[Sequence]:
+    def resolve(self, batch: ScheduledBatch, token_ids: list[int], sampling: list[int],
+                accepted: list[list[int]] | None = None) -> list[Sequence]:
         """Give each sequence that sampled in an advanced step (the rows `advance` returned) its
         token from `token_ids` (one per sequence of the batch; in place of its placeholder, or
         appended) and finish those the stop checker says are done, freeing their blocks. A
         sequence finished meanwhile (async scheduling: by the step before) gets nothing, so no
-        token ever follows a stop. Returns the sequences that got a token."""
+        token ever follows a stop. Returns the sequences that got a token.
+        With `accepted` (a speculative step, never overlapped), a sequence's accepted proposals
+        come first, each stop-checked so no stop and no max_tokens is overshot, and none is
+        kept after a stop. Their K/V are computed (they were the step's input) and counted so;
+        the lookahead blocks past the sequence's tokens (rejected proposals) go back to the pool."""
         check = self.stop_checker.check
         seqs, advanced, queued = batch.seqs, [], set()
         for i in sampling:
@@ -459,13 +483,21 @@ class Scheduler:
             if seq.status is FINISHED:
                 continue
             tokens = seq.token_ids
-            if tokens[-1] < 0:
-                tokens[-1] = token_ids[i]
-            else:
-                tokens.append(token_ids[i])
             advanced.append(seq)
             try:
-                finish = check(seq)
+                finish = None
+                if accepted is not None:
+                    for token_id in accepted[i]:
+                        tokens.append(token_id)
+                        finish = check(seq)
+                        if finish is not None:
+                            break
+                if finish is None:
+                    if tokens[-1] < 0:
+                        tokens[-1] = token_ids[i]
+                    else:
+                        tokens.append(token_ids[i])
+                    finish = check(seq)
             except Exception as exc:
                 self.fail(seq, exc, "checking its stop conditions (stop strings, detokenization)")
                 continue
@@ -473,65 +505,28 @@ class Scheduler:
                 if seq.status != SequenceStatus.RUNNING:  # preempted by the step scheduled meanwhile
                     queued.add(id(seq))
                 self.finish(seq, finish.finish_reason, finish.stop_reason)
+            elif accepted is not None:
+                self._keep_accepted(seq)
         if queued:
             self.waiting.remove(queued)
             self.swapped.remove(queued)
         self.drop_finished()
         return advanced
 
+    def _keep_accepted(self, seq: Sequence) -> None:
+        """After a speculative step: the accepted proposals' K/V count as computed (the newest
+        token, as always, is not), the blocks they filled are published, the rest are trimmed."""
+        bm = self.block_manager
+        first_block = seq.num_computed_tokens // bm.block_size
+        seq.num_computed_tokens = len(seq.token_ids) - 1
+        bm.cache_blocks(seq, first_block, seq.num_computed_tokens // bm.block_size)
+        bm.trim(seq)
+
     def _release_siblings(self, seq: Sequence) -> None:
         """The prompt's blocks are published now: let the other samples in."""
         for sibling in seq.pending_siblings:
             self.add(sibling)
         seq.pending_siblings = []
-
-    def postprocess_speculative(self, batch: ScheduledBatch, token_ids: list[list[int]],
-                                num_proposed: list[int]) -> list[Sequence]:
-        """postprocess for a speculative step: each sequence gets its list of kept tokens (its
-        accepted proposals, then one more; [] for a prefill chunk that samples nothing), appended
-        one at a time, each checked by the stop checker; a sequence that stops keeps none after.
-        The accepted proposals' K/V are computed (they were the step's input), the rejected
-        ones' are not: the computed count covers the first, and the blocks past the sequence's
-        tokens go back to the pool."""
-        bs, bm, stats = self.block_manager.block_size, self.block_manager, self.stats
-        check = self.stop_checker.check
-        advanced = []
-        for seq, tokens, proposed in zip(batch.seqs, token_ids, num_proposed):
-            if seq.status is FINISHED:  # failed in this step (its sampling inputs): its tokens are dropped
-                seq.num_scheduled_tokens = seq.num_lookahead_slots = 0
-                continue
-            decoding = seq.num_computed_tokens == len(seq.token_ids) - 1
-            first_block = seq.num_computed_tokens // bs
-            seq.num_computed_tokens += seq.num_scheduled_tokens
-            seq.num_scheduled_tokens = seq.num_lookahead_slots = 0
-            if seq.num_computed_tokens < len(seq.token_ids):
-                bm.cache_blocks(seq, first_block, seq.num_computed_tokens // bs)  # blocks that filled up
-                continue
-            if seq.pending_siblings:
-                self._release_siblings(seq)
-            stats.spec_proposed_tokens += proposed
-            stats.spec_accepted_tokens += len(tokens) - 1
-            if decoding:
-                stats.spec_decode_rows += 1
-                stats.spec_decode_tokens += len(tokens)
-            advanced.append(seq)
-            for token_id in tokens:
-                seq.append_token(token_id)
-                try:
-                    finish = check(seq)
-                except Exception as exc:
-                    self.fail(seq, exc, "checking its stop conditions (stop strings, detokenization)")
-                    break
-                if finish is not None:
-                    self.finish(seq, finish.finish_reason, finish.stop_reason)
-                    break
-            if seq.is_finished:
-                continue
-            seq.num_computed_tokens = len(seq.token_ids) - 1  # the newest token, as always, is not computed yet
-            bm.cache_blocks(seq, first_block, seq.num_computed_tokens // bs)
-            bm.trim(seq)
-        self.drop_finished()
-        return advanced
 
     def finish(self, seq: Sequence, finish_reason: str, stop_reason: int | str | None) -> None:
         """Mark a sequence finished and free its blocks; it leaves `running` at the next

@@ -26,7 +26,7 @@ from nanovllm.layers.activation import SiluAndMul
 from nanovllm.layers.attention import Attention
 from nanovllm.layers.layernorm import RMSNorm
 from nanovllm.layers.logits_processors import SamplingTensors
-from nanovllm.layers.sampler import Sampler, SamplerOutput
+from nanovllm.layers.sampler import Sampler
 from nanovllm.models.registry import MODELS
 from nanovllm.runner.decode_inputs import DecodeInputs
 from nanovllm.runner.graph import DecodeGraphs, graph_batch_sizes
@@ -34,6 +34,7 @@ from nanovllm.runner.kernel_warmup import warm_up_kernels
 from nanovllm.runner.memory_check import check_fits, kv_block_bytes
 from nanovllm.runner.kv_scales import calibration_token_ids, checkpoint_kv_scales, describe, observing_kv
 from nanovllm.runner.pending_tokens import PendingTokens, fill_placeholders
+from nanovllm.runner.protocol import RunnerOutput
 from nanovllm.runner.sampling_inputs import prepare_sampling
 from nanovllm.runner.step_inputs import StepInputs, StepMessage, prefill_inputs
 from nanovllm.sampling_params import SamplingParams
@@ -331,7 +332,7 @@ class ModelRunner:
                                 config.dtype, self.device)
 
     def run(self, seqs: list[Sequence], is_prefill: bool, swap_out: BlockCopies = NO_COPIES,
-            swap_in: BlockCopies = NO_COPIES) -> SamplerOutput:
+            swap_in: BlockCopies = NO_COPIES) -> RunnerOutput:
         """One step on this rank alone (one process, or each rank's own warm-up)."""
         return self.launch(seqs, is_prefill, swap_out, swap_in).result()
 
@@ -368,7 +369,7 @@ class ModelRunner:
         with forward_context(inputs.meta):
             return inputs, self.model(inputs.input_ids, inputs.positions)
 
-    def sample(self, seqs: list[Sequence], step: StepLogits) -> SamplerOutput:
+    def sample(self, seqs: list[Sequence], step: StepLogits) -> RunnerOutput:
         """Rank 0: the next token (and logprobs) of each sequence that samples; a prefill chunk
         that leaves part of its prompt gets token -1 and no sampling, so a seeded generator never
         advances on it. Other ranks never sample (nor read a sampling field): nothing."""

@@ -11,7 +11,8 @@ copy is the tensor itself and nothing waits.
 """
 import torch
 
-from nanovllm.layers.sampler import SamplerOutput, TokenLogprobs
+from nanovllm.layers.sampler import TokenLogprobs
+from nanovllm.runner.protocol import RunnerOutput
 
 
 class PendingTokens:
@@ -33,21 +34,21 @@ class PendingTokens:
             self.ready = torch.cuda.Event()
             self.ready.record()
 
-    def result(self) -> SamplerOutput:
+    def result(self) -> RunnerOutput:
         """Each sequence's token (-1 for a row that sampled nothing) and logprobs, once the copy
         has landed."""
         n = self.num_seqs
         if self.host_tokens is None:
-            return SamplerOutput([-1] * n, [None] * n)
+            return RunnerOutput([-1] * n, [None] * n)
         if self.ready is not None:
             self.ready.synchronize()
         sampled = self.host_tokens.tolist()
         if len(sampled) == n:
-            return SamplerOutput(sampled, self.logprobs, self.failed)
+            return RunnerOutput(sampled, self.logprobs, self.failed)
         token_ids, logprobs = [-1] * n, [None] * n
         for j, i in enumerate(self.sample_indices):
             token_ids[i], logprobs[i] = sampled[j], self.logprobs[j]
-        return SamplerOutput(token_ids, logprobs, self.failed)
+        return RunnerOutput(token_ids, logprobs, self.failed)
 
 
 def fill_placeholders(input_ids: torch.Tensor, token_ids: list[int], previous: PendingTokens | None) -> None:

@@ -1,8 +1,8 @@
 """Speculative decoding's runner: propose tokens, verify them in one target forward pass, keep the
 longest accepted run plus one more token.
 
-The engine uses a SpeculativeRunner as it uses a ModelRunner (run, exit, num_kvcache_blocks,
-num_swap_blocks, attention_backend). A step:
+A SpeculativeRunner is a Runner (runner/protocol.py), used by the engine as any other; its
+RunnerOutput carries each sequence's accepted proposals and how many were proposed. A step:
 1. The swap copies (the target's cache, and the draft's, which mirrors it block for block).
 2. Proposals for the sequences the scheduler gave lookahead slots (`num_lookahead_slots`): the
    n-gram proposer (engine/ngram_proposer.py), or the draft model decoding one token per pass
@@ -19,8 +19,6 @@ no sequence (but a seeded one's generator), as the ModelRunner.
 """
 import copy
 import logging
-from typing import NamedTuple
-
 import torch
 
 from nanovllm.config import Config
@@ -33,20 +31,12 @@ from nanovllm.layers.rejection_sampler import RejectionSampler, draw
 from nanovllm.layers.sampler import TokenLogprobs
 from nanovllm.runner.memory_check import kv_block_bytes, model_bytes, model_on_meta
 from nanovllm.runner.model_runner import MemoryReserve, ModelRunner, StepLogits
+from nanovllm.runner.protocol import RunnerOutput
 from nanovllm.runner.sampling_inputs import prepare_sampling
 from nanovllm.runner.step_inputs import StepMessage
 from nanovllm.speculative_config import DRAFT_MODEL
 
 logger = logging.getLogger("nanovllm")
-
-
-class SpeculativeOutput(NamedTuple):
-    token_ids: list[list[int]]  # per sequence: its new tokens (accepted proposals, then one more); [] if none
-    logprobs: list[TokenLogprobs | None]  # per sequence: only sequences sampled without proposals have them
-    num_proposed: list[int]  # per sequence: tokens proposed for it in this step
-    # Sequences (index into the step's) whose sampling inputs raised: no tokens; the engine fails
-    # their requests alone. None: every sequence sampled.
-    failed: dict[int, Exception] | None = None
 
 
 def draft_footprint(config: Config) -> MemoryReserve:
@@ -99,13 +89,13 @@ class SpeculativeRunner:
 
     @torch.inference_mode()
     def run(self, seqs: list[Sequence], is_prefill: bool, swap_out: BlockCopies = NO_COPIES,
-            swap_in: BlockCopies = NO_COPIES) -> SpeculativeOutput:
+            swap_in: BlockCopies = NO_COPIES) -> RunnerOutput:
         # 1. Swaps first: the draft's proposal passes below write to blocks a swap-out may read.
         self.target.swap(swap_out, swap_in)
         if self.draft is not None:
             self.draft.swap(swap_out, swap_in)
         if not seqs:
-            return SpeculativeOutput([], [], [])
+            return RunnerOutput([], [], None, [], [])
         # 2. Proposals.
         proposals = self._propose(seqs)
         proposed = any(proposals)
@@ -167,13 +157,14 @@ class SpeculativeRunner:
             self._draft_probs = [torch.stack(rows) if rows else None for rows in q_rows]
         return proposals
 
-    def _verify(self, seqs: list[Sequence], step: StepLogits, proposals: list[list[int]]) -> SpeculativeOutput:
+    def _verify(self, seqs: list[Sequence], step: StepLogits, proposals: list[list[int]]) -> RunnerOutput:
         n = len(seqs)
-        token_ids: list[list[int]] = [[] for _ in seqs]
+        token_ids = [-1] * n
+        accepted: list[list[int]] = [[] for _ in seqs]
         logprobs: list[TokenLogprobs | None] = [None] * n
         num_proposed = [len(p) for p in proposals]
         if not step.sample_indices:
-            return SpeculativeOutput(token_ids, logprobs, num_proposed)
+            return RunnerOutput(token_ids, logprobs, None, accepted, num_proposed)
         # The logits hold 1 + proposed rows per sampling sequence, in order.
         plain, plain_rows, spec, spec_rows = [], [], [], []
         row = 0
@@ -193,16 +184,17 @@ class SpeculativeRunner:
             out = self.target.sample(seqs, StepLogits(logits, plain))
             failed = out.failed
             for i in plain:
-                token_ids[i], logprobs[i] = [out.token_ids[i]], out.logprobs[i]
+                token_ids[i], logprobs[i] = out.token_ids[i], out.logprobs[i]
         if spec:
             self._verify_proposals(seqs, step.logits[torch.tensor(spec_rows, device=device)], spec, proposals,
-                                   token_ids)
-        return SpeculativeOutput(token_ids, logprobs, num_proposed, failed)
+                                   token_ids, accepted)
+        return RunnerOutput(token_ids, logprobs, failed, accepted, num_proposed)
 
     def _verify_proposals(self, seqs: list[Sequence], logits: torch.Tensor, spec: list[int],
-                          proposals: list[list[int]], token_ids: list[list[int]]) -> None:
+                          proposals: list[list[int]], token_ids: list[int], accepted: list[list[int]]) -> None:
         """The rejection sampler over the rows of the sequences with proposals (`logits`: each
-        one's 1 + proposed rows, in order); each one's kept tokens go into token_ids."""
+        one's 1 + proposed rows, in order); each one's accepted proposals go into `accepted`,
+        the token after them into `token_ids`."""
         rows_of = [[seqs[i]] * (len(proposals[i]) + 1) for i in spec]
         t = prepare_sampling([seq for rows in rows_of for seq in rows], logits.size(-1), self.config.eos,
                              logits.device)
@@ -217,8 +209,8 @@ class SpeculativeRunner:
         row = 0
         for i in spec:
             k = len(proposals[i])
-            accepted = 0
-            while accepted < k and verdicts.accepted[row + accepted]:
-                accepted += 1
-            token_ids[i] = proposals[i][:accepted] + [verdicts.tokens[row + accepted]]
+            num_accepted = 0
+            while num_accepted < k and verdicts.accepted[row + num_accepted]:
+                num_accepted += 1
+            accepted[i], token_ids[i] = proposals[i][:num_accepted], verdicts.tokens[row + num_accepted]
             row += k + 1

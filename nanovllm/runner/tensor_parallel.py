@@ -2,17 +2,17 @@
 worker processes (`worker.py`, managed by `worker_group.py`), each an ordinary ModelRunner over
 its shard of the weights.
 
-`create_model_runner` gives the engine one runner whatever the tensor-parallel size. With
-several ranks it is a TensorParallelRunner: rank 0's own ModelRunner and the worker group,
-side by side. Each step it builds the step's StepMessage once, hands it to the workers (pickled
+`create_model_runner` gives the engine one Runner (runner/protocol.py) whatever the
+tensor-parallel size and the speculative setting. With several ranks it is a
+TensorParallelRunner: rank 0's own ModelRunner and the worker group, side by side. Each step it builds the step's StepMessage once, hands it to the workers (pickled
 once for all of them), then runs the same message itself; the parallel layers' collectives keep
 the ranks in step, and only rank 0 samples. It registers no exit hook: the engine's is the one.
 """
 from nanovllm.config import Config
 from nanovllm.engine.block_manager import NO_COPIES, BlockCopies
 from nanovllm.engine.sequence import Sequence
-from nanovllm.layers.sampler import SamplerOutput
 from nanovllm.runner.model_runner import ModelRunner
+from nanovllm.runner.protocol import Runner, RunnerOutput
 from nanovllm.runner.speculative import SpeculativeRunner
 from nanovllm.runner.step_inputs import StepMessage
 from nanovllm.runner.worker_group import WorkerGroup
@@ -20,8 +20,8 @@ from nanovllm.utils.parallel import tensor_parallel_rank
 
 
 class TensorParallelRunner:
-    """Rank 0 of a tensor-parallel group, used by the engine as it uses a ModelRunner (run, exit,
-    num_kvcache_blocks, num_swap_blocks, attention_backend, startup)."""
+    """Rank 0 of a tensor-parallel group: a Runner, and the start-up times (`startup`) as a
+    ModelRunner's."""
 
     def __init__(self, config: Config):
         self.workers = WorkerGroup(config)  # spawns ranks 1..N-1 and joins the process group with them
@@ -43,7 +43,7 @@ class TensorParallelRunner:
         return self.workers.pids
 
     def run(self, seqs: list[Sequence], is_prefill: bool, swap_out: BlockCopies = NO_COPIES,
-            swap_in: BlockCopies = NO_COPIES) -> SamplerOutput:
+            swap_in: BlockCopies = NO_COPIES) -> RunnerOutput:
         step = StepMessage.of(seqs, is_prefill, swap_out, swap_in)  # each rank swaps its own shard
         self.workers.send_step(step)
         with self.workers.reporting_failures():
@@ -56,7 +56,7 @@ class TensorParallelRunner:
         self.runner.exit()
 
 
-def create_model_runner(config: Config) -> ModelRunner | TensorParallelRunner | SpeculativeRunner:
+def create_model_runner(config: Config) -> Runner:
     """One process for tensor_parallel_size=1; otherwise rank 0 here and a worker per other rank.
     With speculative_config (one rank only, as Config checks), the SpeculativeRunner."""
     if config.speculative is not None:

@@ -1,13 +1,26 @@
 """The checks user input goes through, shared by Config and SamplingParams (and the engine's
-prompt checks): one wording for every refusal, a ValueError naming the field, the value and
-what is allowed. Plain Python."""
+prompt checks): one wording for every refusal, a `ParamError` (a ValueError) naming the field,
+the value and what is allowed, and carrying the field's name as `.param` so a caller (the
+server's 400, a batch job's error line) can say which field without reading the message.
+Plain Python."""
 import math
+import types
+import typing
+
+
+class ParamError(ValueError):
+    """Bad input for one field: `param` is its name as the caller gave it ("top_p",
+    "speculative_config['method']"); the message says the value and what is allowed."""
+
+    def __init__(self, param: str, message: str):
+        super().__init__(message)
+        self.param = param
 
 
 def require(ok: bool, name: str, value: object, allowed: str) -> None:
     """Refuse `value` for `name` unless `ok`; `allowed` says what would be accepted."""
     if not ok:
-        raise ValueError(f"{name}={shown(value)} is not allowed; {name} must be {allowed}")
+        raise ParamError(name, f"{name}={shown(value)} is not allowed; {name} must be {allowed}")
 
 
 # A refused value is quoted up to this many characters: enough to recognise it, and a 10 MB
@@ -43,4 +56,14 @@ def first_surrogate(text: str) -> int | None:
         text.encode("utf-8")
     except UnicodeEncodeError as exc:
         return exc.start
+    return None
+
+
+def literal_values(annotation: object) -> tuple | None:
+    """The values a `Literal[...]` type allows, also as a member of a union (`torch.dtype |
+    Literal[...]`, `Literal[...] | None`); None for any other type."""
+    union = isinstance(annotation, types.UnionType) or typing.get_origin(annotation) is typing.Union
+    for arg in typing.get_args(annotation) if union else (annotation,):
+        if typing.get_origin(arg) is typing.Literal:
+            return typing.get_args(arg)
     return None

@@ -191,11 +191,10 @@ class EngineBatcher:
             if not output.finished:
                 continue
             request, tag = self._requests.pop(request_id)
-            if output.final.get("error"):  # the engine failed this request alone and says why
-                faults.append(_Fault(request, tag, str(output.final["error"])))
+            if output.final.error:  # the engine failed this request alone and says why
+                faults.append(_Fault(request, tag, output.final.error))
                 continue
-            samples = output.final.get("outputs") or [output.final]
-            num_tokens = sum(len(s["token_ids"]) for s in samples)
+            num_tokens = sum(len(sample.token_ids) for sample in output.final.outputs)
             finished.append(Finished(request.line, request.custom_id, result_line(request, output.final),
                                      num_tokens, True, tag))
             self._faults_without_a_result = 0

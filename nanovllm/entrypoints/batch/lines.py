@@ -19,6 +19,7 @@ from typing import Any
 
 from pydantic import ValidationError
 
+from nanovllm.engine.outputs import CompletionOutput, RequestOutput
 from nanovllm.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest, request_error, validation_error
 from nanovllm.sampling_params import SamplingParams
 from nanovllm.utils.validation import first_surrogate
@@ -30,8 +31,6 @@ DERIVED_ID_PREFIX = "line-"  # custom_id of a line that has none: "line-N"
 ENVELOPE_KEYS = ("custom_id", "method", "url")
 _COMPLETION_FIELDS = set(CompletionRequest.model_fields)
 _CHAT_FIELDS = set(ChatCompletionRequest.model_fields)
-# What a result reports of each sample (generate()'s output dict has more: the prompt ids, cache hits).
-SAMPLE_FIELDS = ("text", "token_ids", "finish_reason", "stop_reason")
 _DEFAULT_MAX_TOKENS = SamplingParams.__dataclass_fields__["max_tokens"].default
 
 
@@ -205,19 +204,25 @@ def parse_line(raw: str | bytes, line: int | None, defaults: dict[str, Any] | No
     return BatchRequest(line, custom_id, prompts[0], None, False, params)
 
 
-def result_line(request: BatchRequest, final: dict) -> str:
-    """The result of a finished request, from generate()'s output dict for it: sample 0's text,
-    token ids and finish reason at the top, every sample under "outputs" when n > 1, and usage."""
-    samples = final.get("outputs") or [final]
-    out: dict[str, Any] = {"custom_id": request.custom_id, "line": request.line}
-    out.update((name, final[name]) for name in SAMPLE_FIELDS)
-    if "logprobs" in final:
-        out["logprobs"] = final["logprobs"]
-    if "outputs" in final:
-        out["outputs"] = [{name: s[name] for name in (*SAMPLE_FIELDS, "logprobs") if name in s} for s in samples]
-    prompt_tokens = len(final["prompt_token_ids"])
-    completion_tokens = sum(len(s["token_ids"]) for s in samples)
+def result_line(request: BatchRequest, final: RequestOutput) -> str:
+    """The result of a finished request: sample 0's text, token ids and finish reason (and
+    logprobs when asked) at the top, every sample's under "outputs" when n > 1, and usage."""
+    samples = [_sample_result(sample) for sample in final.outputs]
+    out: dict[str, Any] = {"custom_id": request.custom_id, "line": request.line, **samples[0]}
+    if len(samples) > 1:
+        out["outputs"] = samples
+    prompt_tokens = len(final.prompt_token_ids)
+    completion_tokens = sum(len(sample.token_ids) for sample in final.outputs)
     out["usage"] = {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
                     "total_tokens": prompt_tokens + completion_tokens}
     out["error"] = None
     return json.dumps(out)
+
+
+def _sample_result(sample: CompletionOutput) -> dict[str, Any]:
+    """What a result reports of a sample (the engine's output has more: cache hits, cumulative logprob)."""
+    out = {"text": sample.text, "token_ids": sample.token_ids, "finish_reason": sample.finish_reason,
+           "stop_reason": sample.stop_reason}
+    if sample.logprobs is not None:
+        out["logprobs"] = sample.logprobs
+    return out

@@ -16,7 +16,9 @@ import textwrap
 import tokenize
 import types
 import typing
-from typing import Any, Callable, Literal, NamedTuple
+from typing import Any, Callable, NamedTuple
+
+from nanovllm.utils.validation import literal_values
 
 SCALARS = (bool, int, float, str)
 # A field's metadata key: the flag is taken but not listed in --help.
@@ -77,10 +79,9 @@ def _flag_type(annotation: Any) -> FlagType:
     optional = type(None) in args
     if any(arg is dict or typing.get_origin(arg) is dict for arg in args):
         return FlagType(json_object, False, optional, None)
-    for arg in args:
-        if typing.get_origin(arg) is Literal:
-            values = typing.get_args(arg)
-            return FlagType(type(values[0]), False, optional, values)
+    values = literal_values(annotation)
+    if values is not None:
+        return FlagType(type(values[0]), False, optional, values)
     scalar = next((arg for arg in args if arg in SCALARS), None)
     for arg in args:
         if typing.get_origin(arg) in (list, tuple) and typing.get_args(arg)[0] in SCALARS:

@@ -30,8 +30,9 @@ from transformers import AutoTokenizer, PreTrainedTokenizerBase
 from uvicorn.protocols.http.auto import AutoHTTPProtocol
 
 from nanovllm import LLM
-from nanovllm.engine.request import RequestOutput
 from nanovllm.engine.chat import BrokenChatTemplateError, ChatOptions, render_chat
+from nanovllm.engine.outputs import RequestDelta, RequestOutput
+from nanovllm.engine.request_builder import encode_text
 from nanovllm.entrypoints.openai.engine_loop import EngineClient, EngineDeadError, QueueFullError, Submission
 from nanovllm.entrypoints.openai.http_guard import (RequestGuard, connection_cap, guarded_protocol, install_log_limits,
                                              internal_error_message)
@@ -171,7 +172,7 @@ async def _in_prompt_thread(request: Request, work: Callable, *args):
 
 
 def _encode(tokenizer: PreTrainedTokenizerBase, prompts: list[str | list[int]]) -> list[list[int]]:
-    return [tokenizer.encode(p) if isinstance(p, str) else p for p in prompts]  # as LLMEngine encodes a str
+    return [encode_text(tokenizer, p, "prompt") if isinstance(p, str) else p for p in prompts]  # as the engine does
 
 
 def _fit_context(request: Request, params: SamplingParams, prompts: list[list[int]], requested: int | None,
@@ -239,18 +240,14 @@ def _sse_response(events: AsyncIterator[str]) -> StreamingResponse:
     return StreamingResponse(events, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
 
 
-def _samples(final: dict) -> list[dict]:
-    return final.get("outputs") or [final]
-
-
-def _check_finals(state, finals: list[dict], request_id: str) -> None:
+def _check_finals(state, finals: list[RequestOutput], request_id: str) -> None:
     """A non-streaming response's outcome when it is not a plain success: a request the engine
     failed is a 500 with the engine's message (its request id in it), one the shutdown aborted a
     503; both in OpenAI's error JSON."""
-    error = next((final["error"] for final in finals if "error" in final), None)
+    error = next((final.error for final in finals if final.error is not None), None)
     if error is not None:
         raise APIError(500, error, type="server_error")
-    aborted = any(s.get("finish_reason") == "abort" for final in finals for s in _samples(final))
+    aborted = any(s.finish_reason == "abort" for final in finals for s in final.outputs)
     if aborted and state.engine_client.shutting_down:
         raise APIError(503, f"the server is shutting down; request {request_id} was aborted before it finished",
                        type="server_error")
@@ -332,7 +329,7 @@ def _prompt_text(tokenizer: PreTrainedTokenizerBase, prompt: str | list[int]) ->
 
 async def _completion_response(state, body: CompletionRequest, params: SamplingParams, prompts: list,
                                submission: Submission, request_id: str) -> Response:
-    finals: list[dict] = [{}] * len(prompts)
+    finals: list[RequestOutput | None] = [None] * len(prompts)
     async for output in submission:
         if output.finished:
             finals[submission.index(output.request_id)] = output.final
@@ -341,18 +338,18 @@ async def _completion_response(state, body: CompletionRequest, params: SamplingP
     choices = []
     for i, final in enumerate(finals):
         prompt_text = _prompt_text(tokenizer, prompts[i]) if body.echo else ""
-        for j, sample in enumerate(_samples(final)):
+        for j, sample in enumerate(final.outputs):
             logprobs = None
             if params.logprobs is not None:
-                ids, entries = sample["token_ids"], list(sample["logprobs"])
+                ids, entries = sample.token_ids, list(sample.logprobs)
                 if body.echo:
-                    ids, entries = final["prompt_token_ids"] + ids, [None] * len(final["prompt_token_ids"]) + entries
+                    ids, entries = final.prompt_token_ids + ids, [None] * len(final.prompt_token_ids) + entries
                 logprobs = _completion_logprobs(tokenizer, ids, entries, 0)
-            choices.append(CompletionChoice(index=i * params.n + j, text=prompt_text + sample["text"],
-                                            logprobs=logprobs, finish_reason=sample["finish_reason"],
-                                            stop_reason=sample["stop_reason"]))
-    usage = _usage(sum(len(f["prompt_token_ids"]) for f in finals),
-                   sum(len(s["token_ids"]) for f in finals for s in _samples(f)))
+            choices.append(CompletionChoice(index=i * params.n + j, text=prompt_text + sample.text,
+                                            logprobs=logprobs, finish_reason=sample.finish_reason,
+                                            stop_reason=sample.stop_reason))
+    usage = _usage(sum(len(f.prompt_token_ids) for f in finals),
+                   sum(len(s.token_ids) for f in finals for s in f.outputs))
     response = CompletionResponse(id=request_id, model=state.settings.model_name, choices=choices, usage=usage)
     return JSONResponse(response.model_dump())
 
@@ -440,7 +437,7 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
     return await _unless_disconnected(request, _chat_response(state, params, submission, request_id), submission)
 
 
-async def _final_output(submission: Submission) -> dict:
+async def _final_output(submission: Submission) -> RequestOutput:
     async for output in submission:
         if output.finished:
             return output.final
@@ -451,12 +448,12 @@ async def _chat_response(state, params: SamplingParams, submission: Submission, 
     final = await _final_output(submission)
     _check_finals(state, [final], request_id)
     choices = []
-    for j, sample in enumerate(_samples(final)):
-        logprobs = _chat_logprobs(state.tokenizer, sample["logprobs"]) if params.logprobs is not None else None
-        choices.append(ChatCompletionChoice(index=j, message=AssistantMessage(content=sample["text"]),
-                                            logprobs=logprobs, finish_reason=sample["finish_reason"],
-                                            stop_reason=sample["stop_reason"]))
-    usage = _usage(len(final["prompt_token_ids"]), sum(len(s["token_ids"]) for s in _samples(final)))
+    for j, sample in enumerate(final.outputs):
+        logprobs = _chat_logprobs(state.tokenizer, sample.logprobs) if params.logprobs is not None else None
+        choices.append(ChatCompletionChoice(index=j, message=AssistantMessage(content=sample.text),
+                                            logprobs=logprobs, finish_reason=sample.finish_reason,
+                                            stop_reason=sample.stop_reason))
+    usage = _usage(len(final.prompt_token_ids), sum(len(s.token_ids) for s in final.outputs))
     response = ChatCompletionResponse(id=request_id, model=state.settings.model_name, choices=choices, usage=usage)
     return JSONResponse(response.model_dump())
 
@@ -474,7 +471,7 @@ async def _chat_events(state, body: ChatCompletionRequest, params: SamplingParam
         # OpenAI's first chunk of each choice carries the role and no text.
         yield chunk([ChatCompletionStreamChoice(index=j, delta=DeltaMessage(role="assistant", content=""))
                      for j in range(params.n)])
-        output: RequestOutput
+        output: RequestDelta
         async for output in submission:
             error = error or output.error
             prompt_tokens = len(output.prompt_token_ids)

@@ -2,7 +2,8 @@
 
 `EngineClient` is the asyncio side. `add()` validates and queues a call's prompts (all or none),
 refusing them with `QueueFullError` when too many requests already wait for their first token;
-the returned `Submission` yields their `RequestOutput`s as they come. `abort()` stops requests.
+the returned `Submission` yields their `RequestDelta`s as they come (the last one's `final` is
+the request's typed `RequestOutput`). `abort()` stops requests.
 
 The thread is the only caller of the engine (it refuses a second thread anyway). It sleeps on its
 command queue while the engine is idle, so an idle server burns no CPU; while requests run it
@@ -26,9 +27,10 @@ from typing import AsyncIterator, Callable, NamedTuple
 
 from nanovllm.config import Config
 from nanovllm.llm_engine import LLMEngine
-from nanovllm.engine.request import RequestOutput, SampleDelta
+from nanovllm.engine.outputs import CompletionOutput, RequestDelta, RequestOutput, SampleDelta
 from nanovllm.entrypoints.openai.metrics import ServerMetrics
 from nanovllm.sampling_params import SamplingParams
+from nanovllm.utils.validation import ParamError
 
 logger = logging.getLogger("nanovllm")
 
@@ -83,14 +85,14 @@ class Submission:
     def __init__(self, request_ids: list[str], n: int):
         self.request_ids = request_ids
         self.n = n  # samples per prompt: each holds n queue places until its first output
-        self.outputs: asyncio.Queue = asyncio.Queue()  # RequestOutput, or the error that ended the loop
+        self.outputs: asyncio.Queue = asyncio.Queue()  # RequestDelta, or the error that ended the loop
         self.unstarted = set(request_ids)  # no output yet (the engine loop side's bookkeeping)
         self.unfinished = set(request_ids)  # no final output yet (the consumer's bookkeeping)
 
     def index(self, request_id: str) -> int:
         return self.request_ids.index(request_id)
 
-    async def __aiter__(self) -> AsyncIterator[RequestOutput]:
+    async def __aiter__(self) -> AsyncIterator[RequestDelta]:
         while self.unfinished:
             item = await self.outputs.get()
             if isinstance(item, BaseException):
@@ -170,14 +172,14 @@ class EngineClient:
 
     async def add(self, prompts: list[Prompt], params: SamplingParams, request_id: str) -> Submission:
         """Queue the prompts (request ids `{request_id}-{i}`), once the engine has accepted all of
-        them. Raises ValueError if it refused one (then none is queued), QueueFullError if the
-        queue is full, EngineDeadError if the loop has stopped."""
+        them. Raises ValueError if it refused one (then none is queued; a ParamError names the
+        field), QueueFullError if the queue is full, EngineDeadError if the loop has stopped."""
         if self.shutting_down:
             raise EngineDeadError("the server is shutting down")
         weight = len(prompts) * params.n
         if weight > self.max_queue_len:
-            raise ValueError(f"n={params.n} samples of {len(prompts)} prompt(s) make {weight} sequences, more than "
-                             f"this server queues at once (max_queue_len={self.max_queue_len}); send fewer")
+            raise ParamError("n", f"n={params.n} samples of {len(prompts)} prompt(s) make {weight} sequences, "
+                             f"more than this server queues at once (max_queue_len={self.max_queue_len}); send fewer")
         if self._num_queued + weight > self.max_queue_len:
             raise QueueFullError(f"the server's queue is full ({self._num_queued} of {self.max_queue_len} sequences "
                                  "wait for their first token); retry later")
@@ -221,7 +223,7 @@ class EngineClient:
             submission.unstarted.discard(request_id)
             self._num_queued -= submission.n
 
-    def _deliver(self, items: list[tuple[str, RequestOutput | BaseException]]) -> None:
+    def _deliver(self, items: list[tuple[str, RequestDelta | BaseException]]) -> None:
         """On the event loop: hand each output to its submission (called once per engine step)."""
         for request_id, item in items:
             submission = self._submissions.get(request_id)
@@ -275,7 +277,7 @@ class EngineClient:
                     commands.append(self._inbox.get_nowait())
                 except queue.Empty:
                     break
-            outputs: list[tuple[str, RequestOutput]] = []
+            outputs: list[tuple[str, RequestDelta]] = []
             for i, command in enumerate(commands):
                 if isinstance(command, _Stop):
                     self._abort(engine, list(live), outputs, live)
@@ -306,22 +308,17 @@ class EngineClient:
                 self._post(self._deliver, outputs)
 
     def _accept(self, engine: LLMEngine, command: _Add, live: dict[str, _Timing]) -> None:
-        added = []
-        try:
-            for request_id, prompt, params in command.requests:
-                engine.add_request(prompt, params, request_id=request_id)
-                added.append(request_id)
-        except Exception as exc:  # all or none: take back the call's earlier prompts
+        request_ids, prompts, params = zip(*command.requests)
+        try:  # all or none: the engine checks and builds every prompt before it queues any
+            engine.add_requests(list(prompts), list(params), request_ids=list(request_ids))
+        except Exception as exc:
             if not isinstance(exc, ValueError):  # not bad input (that is the caller's 400): a fault
-                logger.exception("queueing request %s failed", command.requests[len(added)][0])
+                logger.exception("queueing requests %s failed", ", ".join(request_ids))
                 exc = RuntimeError(ADD_FAILED_MESSAGE)
-            for request_id in added:
-                engine.abort(request_id)
-                engine.pop_output(request_id)
             self._post(_settle, command.accepted, exc)
             return
-        for request_id, _, params in command.requests:
-            live[request_id] = _Timing(command.arrival, params.n)
+        for request_id, _, sampling_params in command.requests:
+            live[request_id] = _Timing(command.arrival, sampling_params.n)
         self._post(_settle, command.accepted, None)
 
     def _fail_live(self, engine: LLMEngine, live: dict[str, _Timing], outputs: list, error: Exception) -> None:
@@ -340,7 +337,7 @@ class EngineClient:
                 message = STEP_FAILED_MESSAGE.format(request_id=request_id)
                 output = failed_output(request_id, live[request_id].n, message)
             elif output.error is None:
-                output.error = output.final["error"] = STEP_FAILED_MESSAGE.format(request_id=request_id)
+                output.final.error = STEP_FAILED_MESSAGE.format(request_id=request_id)
             outputs.append((request_id, output))
 
     def _abort(self, engine: LLMEngine, request_ids: list[str], outputs: list, live: dict[str, _Timing]) -> None:
@@ -362,7 +359,7 @@ class EngineClient:
             if isinstance(command, _Add):
                 self._post(_settle, command.accepted, error)
 
-    def _observe(self, engine: LLMEngine, outputs: list[tuple[str, RequestOutput]], live: dict[str, _Timing]) -> None:
+    def _observe(self, engine: LLMEngine, outputs: list[tuple[str, RequestDelta]], live: dict[str, _Timing]) -> None:
         """Update the metrics with this iteration's outputs and the engine's state."""
         m = self.metrics
         now = time.monotonic()
@@ -386,14 +383,12 @@ class EngineClient:
         m.observe_engine(engine.stats())
 
 
-def failed_output(request_id: str, n: int, error: str) -> RequestOutput:
+def failed_output(request_id: str, n: int, error: str) -> RequestDelta:
     """A failed request's final output made without the engine: n aborted samples, no tokens."""
     samples = [SampleDelta(j, [], "", [], True, "abort", None) for j in range(n)]
-    sample = {"text": "", "token_ids": [], "finish_reason": "abort", "stop_reason": None, "num_cached_tokens": 0}
-    final = {**sample, "prompt_token_ids": [], "error": error}
-    if n > 1:
-        final["outputs"] = [dict(sample) for _ in range(n)]
-    return RequestOutput(request_id, [], samples, True, final, error)
+    final = RequestOutput(request_id, None, [], None, [CompletionOutput(j, "", [], None, None, "abort", None)
+                                                        for j in range(n)], True, error)
+    return RequestDelta(request_id, [], samples, True, final)
 
 
 def _settle(future: asyncio.Future, error: BaseException | None) -> None:

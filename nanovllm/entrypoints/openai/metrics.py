@@ -11,7 +11,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from prometheus_client.core import CounterMetricFamily
 from prometheus_client.registry import Collector
 
-from nanovllm.llm_engine import EngineStats
+from nanovllm.engine.stats import EngineStats
 
 # The engine's counters (EngineStats fields, which only grow), exported as Prometheus counters:
 # metric name, help, label name, {label value: field}.

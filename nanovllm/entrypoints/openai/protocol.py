@@ -3,20 +3,19 @@
 Owns what a request may look like (types, required fields, which roles exist) and how a bad
 one is reported: `APIError` becomes OpenAI's `{"error": {"message", "type", "param", "code"}}`.
 Value ranges (temperature >= 0, top_p in (0, 1], ...) are declared once, in `SamplingParams`,
-whose `ValueError` names the field; `request_error()` turns it into a 400 with that `param`.
+whose `ParamError` names the field; `request_error()` turns it into a 400 with that `param`.
 What this module bounds itself is what must never reach SamplingParams or the engine at all:
 integers past what a tensor holds (`top_k=2**63`), strings that are not valid Unicode (a lone
 surrogate, which JSON's `"\ud800"` makes), and lists longer than any real request needs. It does
 not know the engine, HTTP routing or tokenization.
 """
-import re
 import time
 from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_serializer, field_validator
 
 from nanovllm.sampling_params import MAX_LOGPROBS, MAX_SEED, MIN_SEED, SamplingParams
-from nanovllm.utils.validation import first_surrogate
+from nanovllm.utils.validation import ParamError, first_surrogate
 
 # OpenAI's default for /v1/completions; chat completions default to what the context has left.
 DEFAULT_COMPLETION_MAX_TOKENS = 16
@@ -116,17 +115,16 @@ def validation_error(errors: list[dict]) -> APIError:
 
 
 def request_error(exc: ValueError, fields: set[str], prompt_field: str = "prompt") -> APIError:
-    """A 400 for a ValueError from SamplingParams or the engine; their messages open with (or
-    name) the field at fault, which becomes `param` (the engine's "prompt" is the chat's "messages")."""
-    message = str(exc)
-    known = fields | {"prompt"}
-    words = re.findall(r"[a-z_]+", message)
-    # The message's first word, else the first `name=value` it quotes, else any field it names.
-    candidates = words[:1] + re.findall(r"([a-z_]+)=", message) + words
-    param = next((name for name in candidates if name in known), None)
+    """A 400 for a ValueError from SamplingParams, this module's checks or the engine. A
+    ParamError names its field (`.param`), which becomes `param` when the request has that field
+    (the engine's "prompt" is the chat's "messages"); a refusal that names none is the engine's
+    own request check, of the prompt (its token ids, its length, its tokenization)."""
+    param = exc.param if isinstance(exc, ParamError) else "prompt"
     if param == "prompt":
         param = prompt_field
-    return APIError(400, message, param=param)
+    elif param not in fields:
+        param = None
+    return APIError(400, str(exc), param=param)
 
 
 class Strict(BaseModel):
@@ -164,12 +162,12 @@ class SamplingFields(Strict):
     logit_bias: Annotated[dict[Text, float], Field(max_length=MAX_LOGIT_BIAS_ENTRIES)] | None = None
 
     def sampling_params(self, max_tokens: int, logprobs: int | None) -> SamplingParams:
-        """SamplingParams for this request (its checks raise ValueError naming the field)."""
+        """SamplingParams for this request (its checks raise ParamError naming the field)."""
         logit_bias = None
         if self.logit_bias:
             bad = next((key for key in self.logit_bias if not (key.isascii() and key.isdigit())), None)
             if bad is not None:
-                raise ValueError(f"logit_bias has the key {bad!r:.40}; its keys must be token ids written as "
+                raise ParamError("logit_bias", f"logit_bias has the key {bad!r:.40}; its keys must be token ids written as "
                                  "decimal strings, e.g. {\"50256\": -100}")
             logit_bias = {int(key): value for key, value in self.logit_bias.items()}
         given = {name: getattr(self, name) for name in (
@@ -229,9 +227,9 @@ class CompletionRequest(SamplingFields):
 
     def to_sampling_params(self) -> SamplingParams:
         if self.suffix:
-            raise ValueError("suffix is not supported by this server; leave it out")
+            raise ParamError("suffix", "suffix is not supported by this server; leave it out")
         if self.best_of is not None and self.best_of != self.n:
-            raise ValueError(f"best_of={self.best_of} is not supported; best_of must be left out or equal n={self.n}")
+            raise ParamError("best_of", f"best_of={self.best_of} is not supported; best_of must be left out or equal n={self.n}")
         max_tokens = DEFAULT_COMPLETION_MAX_TOKENS if self.max_tokens is None else self.max_tokens
         return self.sampling_params(max_tokens, self.logprobs)
 
@@ -265,9 +263,9 @@ class ChatCompletionRequest(SamplingFields):
 
     def to_sampling_params(self, default_max_tokens: int) -> SamplingParams:
         if self.tools:
-            raise ValueError("tools is not supported by this server; leave it out")
+            raise ParamError("tools", "tools is not supported by this server; leave it out")
         if self.top_logprobs is not None and not self.logprobs:
-            raise ValueError(f"top_logprobs={self.top_logprobs} needs logprobs=true")
+            raise ParamError("top_logprobs", f"top_logprobs={self.top_logprobs} needs logprobs=true")
         max_tokens = next((m for m in (self.max_completion_tokens, self.max_tokens) if m is not None),
                           default_max_tokens)
         logprobs = (self.top_logprobs or 0) if self.logprobs else None

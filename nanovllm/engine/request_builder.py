@@ -1,0 +1,189 @@
+"""Turning a caller's input into requests: every check on a call (prompts, sampling params,
+priorities, request ids, chat conversations), tokenizing text, and building each request's
+sequences. Every way in uses it (generate/stream/chat, and add_requests, which the server and
+batch jobs call), so each refuses the same input with the same ValueError, naming the field,
+the value and what is allowed, and the prompt's index when the call has several. Nothing is
+queued here: a call is built in full before any of it is submitted.
+
+A fault that is not bad input (a tokenizer or detokenizer raising on valid input) fails its
+request alone: it is built already failed (`Request.fault`), and its caller gets its error
+output. It knows nothing of scheduling, the model or tensors.
+"""
+from itertools import count
+from typing import Collection
+
+from transformers import PreTrainedTokenizerBase
+
+from nanovllm.engine.chat import ChatOptions, render_chat
+from nanovllm.engine.detokenizer import Detokenizer
+from nanovllm.engine.request import Request
+from nanovllm.engine.sequence import Sequence, SequenceStatus
+from nanovllm.sampling_params import SamplingParams
+from nanovllm.utils.math_utils import cdiv
+from nanovllm.utils.validation import ParamError, first_surrogate, is_int, shown
+
+Prompt = str | list[int]
+
+
+def encode_text(tokenizer: PreTrainedTokenizerBase, text: str, name: str, **kwargs) -> list[int]:
+    """Tokenize a caller's text: lone surrogates (JSON's "\\ud800", which no UTF-8 text holds)
+    are refused, not replaced, and any tokenizer error is a ValueError naming the field."""
+    bad = first_surrogate(text)
+    if bad is not None:
+        raise ParamError(name, f"{name} has a lone surrogate (U+{ord(text[bad]):04X}) at index {bad}; {name} must be "
+                         "valid Unicode text")
+    try:
+        return tokenizer.encode(text, **kwargs)
+    except Exception as exc:
+        raise ParamError(name, f"{name}={shown(text)} could not be tokenized; {name} must be text the tokenizer "
+                         "accepts") from exc
+
+
+class RequestBuilder:
+    """Checks and builds the requests of one engine: its tokenizer (None: token ids only), its
+    vocabulary and context length, and the KV cache a request must fit in."""
+
+    def __init__(self, tokenizer: PreTrainedTokenizerBase | None, vocab_size: int, max_model_len: int,
+                 block_size: int, num_blocks: int):
+        self.tokenizer = tokenizer
+        self.vocab_size = vocab_size
+        self.max_model_len = max_model_len
+        self.block_size = block_size
+        self.num_blocks = num_blocks
+        self._seq_ids = count()
+
+    def build_all(self, prompts: list[Prompt], sampling_params: SamplingParams | list[SamplingParams],
+                  inbox: dict[str, None], deltas: bool = False, priority: list[int] | None = None,
+                  request_ids: list[str | None] | None = None, live: Collection[str] = (),
+                  name: str = "prompts") -> list[Request]:
+        """Check a whole call and build its requests (one per prompt, in order), or raise a
+        ValueError. With `deltas`, every sample detokenizes as it goes (for stream() and
+        pop_output()). `live`: the request ids in use, which a given id must not repeat."""
+        if not isinstance(prompts, (list, tuple)):
+            raise ParamError("prompt", f"prompts={prompts!r:.80} is not allowed; prompts must be a list of str or of token-id lists")
+        if isinstance(sampling_params, (list, tuple)):
+            if len(sampling_params) != len(prompts):
+                raise ParamError("sampling_params", f"sampling_params has {len(sampling_params)} entries for {len(prompts)} prompts; "
+                                 "give one per prompt or a single SamplingParams")
+        else:
+            sampling_params = [sampling_params] * len(prompts)
+        if priority is None:
+            priority = [0] * len(prompts)
+        elif not isinstance(priority, (list, tuple)) or len(priority) != len(prompts):
+            raise ParamError("priority", f"priority={priority!r:.80} is not allowed; give a list of one int per prompt "
+                             f"({len(prompts)}), or None for all 0")
+        if request_ids is None:
+            request_ids = [None] * len(prompts)
+        elif not isinstance(request_ids, (list, tuple)) or len(request_ids) != len(prompts):
+            raise ParamError("request_ids", f"request_ids={request_ids!r:.80} is not allowed; give a list of one id (a str, or None "
+                             f"for a new one) per prompt ({len(prompts)}), or None")
+        requests, taken = [], set()
+        for i, (prompt, params, pr, request_id) in enumerate(zip(prompts, sampling_params, priority, request_ids)):
+            try:
+                self._check_request_id(request_id, live, taken)
+                requests.append(self.build(i, prompt, params, inbox, deltas, request_id, pr))
+            except ValueError as exc:
+                if len(prompts) > 1:  # say which prompt; the message still opens with the field at fault
+                    exc.args = (f"{exc.args[0] if exc.args else exc} ({name}[{i}])", *exc.args[1:])
+                raise
+        return requests
+
+    @staticmethod
+    def _check_request_id(request_id: str | None, live: Collection[str], taken: set[str]) -> None:
+        if request_id is None:
+            return
+        if not isinstance(request_id, str) or not request_id:
+            raise ParamError("request_id", f"request_id={request_id!r} is not allowed; it must be None or a non-empty str")
+        if request_id in live or request_id in taken:
+            raise ParamError("request_id", f"request_id={request_id!r} is already a live request; request ids must be unique")
+        taken.add(request_id)
+
+    def build(self, index: int, prompt: Prompt, params: SamplingParams, inbox: dict[str, None],
+              deltas: bool = False, request_id: str | None = None, priority: int = 0) -> Request:
+        """_make, where a fault other than bad input (a ValueError, which refuses the call)
+        fails this request alone: it is built already failed and fails once submitted."""
+        try:
+            return self._make(index, prompt, params, inbox, deltas, request_id, priority)
+        except ValueError:
+            raise
+        except Exception as exc:
+            token_ids = list(prompt) if isinstance(prompt, (list, tuple)) else []
+            seqs = [Sequence(next(self._seq_ids), token_ids, params, self.block_size, priority=priority)
+                    for _ in range(params.n)]
+            for seq in seqs:
+                seq.status, seq.finish_reason = SequenceStatus.FINISHED, "abort"
+            request = Request(index, token_ids, params, seqs, request_id, inbox,
+                              prompt if isinstance(prompt, str) else None)
+            request.fault = exc
+            return request
+
+    def _make(self, index: int, prompt: Prompt, params: SamplingParams, inbox: dict[str, None],
+              deltas: bool, request_id: str | None, priority: int) -> Request:
+        """Check one prompt and build its sequences."""
+        if not isinstance(priority, int) or isinstance(priority, bool):
+            raise ParamError("priority", f"priority={priority!r} is not allowed; a priority must be an int (lower runs first)")
+        if not isinstance(params, SamplingParams):
+            raise ParamError("sampling_params", f"sampling_params={params!r} is not allowed; it must be a SamplingParams")
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ParamError("prompt", f"prompt={prompt!r:.80} is a string, but this engine has no tokenizer "
+                                 "(skip_tokenizer_init=True); give each prompt as a list of token ids")
+            token_ids = encode_text(self.tokenizer, prompt, "prompt")
+        elif isinstance(prompt, (list, tuple)) and all(is_int(t) for t in prompt):
+            token_ids = list(prompt)
+        else:
+            raise ParamError("prompt", f"prompt={prompt!r:.80} is not allowed; a prompt must be a str or a list of int token ids")
+        if not token_ids:
+            raise ParamError("prompt", f"prompt={prompt!r} is empty; a prompt needs at least one token")
+        bad = next((t for t in token_ids if not 0 <= t < self.vocab_size), None)
+        if bad is not None:
+            raise ParamError("prompt", f"prompt token id {bad} is outside the vocabulary; token ids must be in "
+                             f"[0, {self.vocab_size})")
+        if params.stop_strings and self.tokenizer is None:
+            raise ParamError("stop", f"stop={list(params.stop_strings)!r} needs a tokenizer to find the strings in the text, "
+                             "but this engine has none (skip_tokenizer_init=True); use stop_token_ids instead")
+        params.check_vocabulary(self.vocab_size)
+        max_len = self.max_model_len
+        if len(token_ids) > max_len:
+            raise ParamError("prompt", f"prompt length {len(token_ids)} is longer than max_model_len={max_len}")
+        # The longest this sequence can grow must fit in the whole cache, or it could never run.
+        bs = self.block_size
+        needed = cdiv(min(len(token_ids) + params.max_tokens, max_len), bs)
+        if needed > self.num_blocks:
+            raise ParamError("max_tokens", f"a request of {len(token_ids)} prompt tokens and max_tokens={params.max_tokens} "
+                             f"needs {needed} KV blocks of {bs} tokens, more than the whole cache "
+                             f"({self.num_blocks} blocks); shorten it or enlarge the cache")
+        seqs = []
+        for i in range(params.n):
+            seq = Sequence(next(self._seq_ids), token_ids, params, bs, priority=priority)
+            seq.seed = None if params.seed is None else params.seed + i
+            # generate() decodes a sample's text once, at the end, unless stop strings need it on the
+            # way. A sample with a detokenizer reports each new token to its caller (LLMEngine._report):
+            # so every sample of stream() and add_requests() does.
+            if deltas or params.stop_strings:
+                seq.detokenizer = Detokenizer(self.tokenizer, params)
+            seqs.append(seq)
+        return Request(index, token_ids, params, seqs, request_id, inbox, prompt if isinstance(prompt, str) else None)
+
+    def chat_prompts(self, messages: list[dict] | list[list[dict]], options: ChatOptions) -> list[list[int]]:
+        """One conversation (a list of {"role", "content"} dicts) or a list of them, checked and
+        rendered by the tokenizer's chat template, as token ids."""
+        if self.tokenizer is None:
+            raise ParamError("messages", "chat() needs the tokenizer's chat template, but this engine has no tokenizer "
+                             "(skip_tokenizer_init=True); render the conversation yourself and call generate() "
+                             "with token ids")
+        if not isinstance(messages, list) or not messages:
+            raise ParamError("messages", "messages must be a non-empty list of {'role', 'content'} dicts, or a list of such lists")
+        conversations = [messages] if isinstance(messages[0], dict) else messages
+        for conversation in conversations:
+            if not isinstance(conversation, list) or not all(
+                    isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
+                    for m in conversation):
+                raise ParamError("messages", f"conversation {conversation!r:.80} is not allowed; "
+                                 "it must be a list of {'role': str, 'content': str} dicts")
+            for m in conversation:
+                bad = first_surrogate(m["role"] + m["content"])
+                if bad is not None:
+                    raise ParamError("messages", f"messages has a lone surrogate in {m!r:.80}; messages must be valid "
+                                     "Unicode text")
+        return [render_chat(self.tokenizer, c, options) for c in conversations]
