@@ -114,7 +114,11 @@ def run_nanovllm(job: dict) -> dict:
 
     def generate(prompts: list[list[int]], n: int) -> list[list[int]]:
         params = SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
-        return [o["token_ids"] for o in llm.generate(prompts, params, use_tqdm=False)]
+        return [output_ids(o) for o in llm.generate(prompts, params, use_tqdm=False)]
+
+    def output_ids(output) -> list[int]:
+        """A RequestOutput's first sample's ids (vLLM's shape), or an older checkout's dict's."""
+        return list(output.outputs[0].token_ids) if hasattr(output, "outputs") else output["token_ids"]
 
     info = {"version": "nanovllm", "torch": torch.__version__, "threads": torch.get_num_threads(),
             "block_size": llm.config.kvcache_block_size, "attention": llm.model_runner.backend.name}
