@@ -9,6 +9,7 @@ import logging
 
 # Each public name and the module that defines it.
 _EXPORTS = {"LLM": "nanovllm.llm", "SamplingParams": "nanovllm.sampling_params",
+            "StructuredOutputsParams": "nanovllm.sampling_params",
             **dict.fromkeys(("RequestOutput", "CompletionOutput", "RequestDelta", "SampleDelta"),
                             "nanovllm.engine.outputs")}
 __all__ = [*_EXPORTS, "__version__"]

@@ -144,6 +144,10 @@ class EngineCore:
             n = seq.sampling_params.logprobs
             if lp is not None and n is not None and len(seq.logprobs) < seq.num_completion_tokens:
                 seq.logprobs.append(lp._replace(top_logprobs=dict(list(lp.top_logprobs.items())[:n])))
+        for seq, prompt in zip(batch.seqs, out.prompt_logprobs or ()):
+            have = len(seq.prompt_logprobs) if seq.prompt_logprobs is not None else -1
+            if prompt is not None and 0 <= prompt.first <= have:  # entries it has already are skipped
+                seq.prompt_logprobs.extend(prompt.entries[have - prompt.first:])
         requests, finished = self.table.requests, []
         for seq in advanced:
             if seq.is_finished:

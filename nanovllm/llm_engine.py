@@ -35,6 +35,7 @@ from nanovllm.engine.stop_checker import StopChecker
 from nanovllm.runner.protocol import Runner
 from nanovllm.runner.tensor_parallel import create_model_runner
 from nanovllm.sampling_params import SamplingParams
+from nanovllm.structured_outputs import GrammarCompiler
 
 EXITED_MESSAGE = "this engine has exited (exit() was called); create a new LLM to generate again"
 
@@ -61,8 +62,11 @@ class LLMEngine:
         self.scheduler = Scheduler(config.max_num_seqs, config.max_num_batched_tokens, self.block_manager,
                                    self.stop_checker, config.scheduling_policy, config.preemption_mode,
                                    config.speculative.num_speculative_tokens if self.speculative else 0)
+        # Compiles structured_outputs constraints (thread-safe and cached: the server compiles in its
+        # prompt thread first, so building the request finds them compiled).
+        self.grammars = GrammarCompiler(self.tokenizer, config.hf_config.vocab_size, config.eos)
         self._builder = RequestBuilder(self.tokenizer, config.hf_config.vocab_size, config.max_model_len,
-                                       config.kvcache_block_size, self.block_manager.num_blocks)
+                                       config.kvcache_block_size, self.block_manager.num_blocks, self.grammars)
         self._table = RequestTable(self.scheduler, self.block_manager, self.tokenizer, config.enable_prefix_caching)
         self.core = EngineCore(config, self.scheduler, self.model_runner, self._table)
         self._requests = self._table.requests  # every live request, whoever made it

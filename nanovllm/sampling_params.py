@@ -14,11 +14,16 @@ A SamplingParams is immutable: it is checked once, when it is made, so a later a
 could skip every check; a changed copy is a new one (`dataclasses.replace(params, top_k=5)`),
 checked again. Lists given for `stop` and `stop_token_ids` are kept as tuples, so the caller's
 own list cannot change them afterwards either.
+
+`structured_outputs` (a StructuredOutputsParams, or a dict of its fields) constrains the output
+to a JSON schema, a regex, a choice or a grammar: its shape is checked here, the constraint itself
+when the engine compiles it as it builds the request (nanovllm/structured_outputs/).
 """
+import json
 from dataclasses import FrozenInstanceError, dataclass, fields
 from functools import cached_property
 
-from nanovllm.utils.validation import ParamError, first_surrogate, is_int, is_number, require
+from nanovllm.utils.validation import ParamError, first_surrogate, is_int, is_number, require, shown
 
 # vLLM's limits: penalties beyond +-2 make no useful distribution; 20 top logprobs is what
 # the OpenAI API allows and what the sampler is sized for.
@@ -48,6 +53,8 @@ MAX_STOP_TOKEN_IDS = 1024  # min_tokens bans every one of them in every step
 # What torch.Generator.manual_seed accepts (an int64 or a uint64); sample i of a request is
 # seeded with seed + i, so all n of them must fall in this range.
 MIN_SEED, MAX_SEED = -2**63, 2**64 - 1
+# Strings a `choice` constraint may list: each becomes one alternative of its grammar.
+MAX_CHOICES = 1024
 
 
 def _explain_frozen(cls: type) -> type:
@@ -66,6 +73,59 @@ def _explain_frozen(cls: type) -> type:
         raise FrozenInstanceError(f"{cls.__name__} cannot be changed after it is made: deleting {name} refused")
     cls.__setattr__, cls.__delattr__ = __setattr__, __delattr__
     return cls
+
+
+@_explain_frozen
+@dataclass(frozen=True)
+class StructuredOutputsParams:
+    """One constraint on a request's output (vLLM's StructuredOutputsParams): exactly one of json,
+    regex, choice, grammar and json_object. The output then matches it token by token, and ends
+    (finish_reason "stop") once the constraint is complete and the model emits end-of-text."""
+    json: str | dict | None = None  # a JSON schema (a dict, or its JSON text): the output is JSON valid under it
+    regex: str | None = None  # the output matches this regular expression
+    choice: list[str] | tuple[str, ...] | None = None  # the output is exactly one of these strings
+    grammar: str | None = None  # an EBNF (GBNF) grammar with a `root` rule, as xgrammar reads it
+    json_object: bool | None = None  # True: the output is a JSON object, any object (OpenAI's json_object)
+    disable_any_whitespace: bool = False  # JSON without whitespace between tokens (no runs of blanks)
+
+    def __post_init__(self) -> None:
+        given = [name for name in CONSTRAINTS if getattr(self, name) not in (None, False)]
+        require(len(given) == 1, "structured_outputs", {name: getattr(self, name) for name in given} or None,
+                f"exactly one of {', '.join(CONSTRAINTS)}")
+        schema = self.json
+        if isinstance(schema, str):
+            try:
+                schema = json.loads(schema)
+            except ValueError as exc:
+                raise ParamError("structured_outputs", f"structured_outputs.json={shown(self.json)} is not JSON ({exc}); it must be "
+                                 "a JSON schema, as a dict or its JSON text") from None
+        require(schema is None or isinstance(schema, dict), "structured_outputs.json", self.json,
+                "a JSON schema: a dict (JSON object) or its JSON text")
+        for name in ("regex", "grammar"):
+            value = getattr(self, name)
+            require(value is None or (isinstance(value, str) and value and first_surrogate(value) is None),
+                    f"structured_outputs.{name}", value, "a non-empty string of valid Unicode")
+        choice = self.choice
+        require(choice is None or (isinstance(choice, (list, tuple)) and 0 < len(choice) <= MAX_CHOICES and all(
+            isinstance(c, str) and c and first_surrogate(c) is None for c in choice)), "structured_outputs.choice",
+            choice, f"a list of 1 to {MAX_CHOICES} non-empty strings")
+        for name in ("json_object", "disable_any_whitespace"):
+            value = getattr(self, name)
+            require(value is None or isinstance(value, bool), f"structured_outputs.{name}", value, "True or False")
+        # Kept as the engine reads them: the schema as canonical JSON text (one text per schema,
+        # so equal schemas share a compiled grammar), the choices as a tuple.
+        for name, value in (("json", None if schema is None else json.dumps(schema, sort_keys=True)),
+                            ("choice", None if choice is None else tuple(choice))):
+            object.__setattr__(self, name, value)
+
+    @property
+    def kind(self) -> str:
+        """Which constraint this is: one of CONSTRAINTS."""
+        return next(name for name in CONSTRAINTS if getattr(self, name) not in (None, False))
+
+
+# The constraints a StructuredOutputsParams holds exactly one of.
+CONSTRAINTS = ("json", "regex", "choice", "grammar", "json_object")
 
 
 @_explain_frozen
@@ -90,6 +150,11 @@ class SamplingParams:
     skip_special_tokens: bool = True  # leave special tokens out of the text
     # token id -> a value in [-100, 100] added to its logit before anything else (OpenAI's logit_bias)
     logit_bias: dict[int, float] | None = None
+    # top-N logprobs of every prompt token after the first (the token's own too, with its rank), as
+    # vLLM's prompt_logprobs; the prompt then computes in full (no prefix-cache hit) until they are all in
+    prompt_logprobs: int | None = None
+    # the output matches a JSON schema, regex, choice or grammar (a StructuredOutputsParams, or a dict of its fields)
+    structured_outputs: StructuredOutputsParams | dict | None = None
 
     def __post_init__(self) -> None:
         require(is_int(self.n) and 1 <= self.n <= MAX_N, "n", self.n, f"an integer in [1, {MAX_N}]")
@@ -123,6 +188,9 @@ class SamplingParams:
                 f"an integer in [0, max_tokens={self.max_tokens}]")
         require(self.logprobs is None or (is_int(self.logprobs) and 0 <= self.logprobs <= MAX_LOGPROBS),
                 "logprobs", self.logprobs, f"None or an integer in [0, {MAX_LOGPROBS}]")
+        require(self.prompt_logprobs is None or (is_int(self.prompt_logprobs) and
+                                                 0 <= self.prompt_logprobs <= MAX_LOGPROBS),
+                "prompt_logprobs", self.prompt_logprobs, f"None or an integer in [0, {MAX_LOGPROBS}]")
         require(is_number(self.repetition_penalty) and
                 MIN_REPETITION_PENALTY <= self.repetition_penalty <= MAX_REPETITION_PENALTY, "repetition_penalty",
                 self.repetition_penalty, f"a number in [{MIN_REPETITION_PENALTY}, {MAX_REPETITION_PENALTY}] (1 = off)")
@@ -137,12 +205,25 @@ class SamplingParams:
             f"None or a dict of token ids >= 0 to numbers in [-{MAX_ABS_LOGIT_BIAS}, {MAX_ABS_LOGIT_BIAS}]")
         for name in ("include_stop_str_in_output", "ignore_eos", "skip_special_tokens"):
             require(isinstance(getattr(self, name), bool), name, getattr(self, name), "True or False")
+        structured = self.structured_outputs
+        if isinstance(structured, dict):
+            unknown = sorted(set(structured) - {f.name for f in fields(StructuredOutputsParams)})
+            require(not unknown, "structured_outputs", structured, "a dict of StructuredOutputsParams fields "
+                    f"({', '.join(f.name for f in fields(StructuredOutputsParams))}); unknown: {unknown}")
+            structured = StructuredOutputsParams(**structured)
+        require(structured is None or isinstance(structured, StructuredOutputsParams), "structured_outputs",
+                structured, "None, a StructuredOutputsParams or a dict of its fields")
+        # The grammar decides where the output may end; min_tokens would forbid end-of-text where
+        # the grammar demands it, leaving no token to take.
+        require(structured is None or self.min_tokens == 0, "min_tokens", self.min_tokens,
+                "0 with structured_outputs (the constraint decides where the output ends)")
         # The one place a field is stored after __init__: the checked values in the form they are
         # kept in (tuples, which the caller cannot change later; a float temperature). Written as a
         # frozen dataclass's own __init__ writes its fields, past the __setattr__ that refuses changes.
         for name, value in (("stop", tuple(stop or ())), ("stop_token_ids", tuple(ids or ())),
                             ("temperature", 0.0 if self.temperature < SAMPLING_EPS else float(self.temperature)),
-                            ("logit_bias", None if not bias else FrozenDict({t: float(b) for t, b in bias.items()}))):
+                            ("logit_bias", None if not bias else FrozenDict({t: float(b) for t, b in bias.items()})),
+                            ("structured_outputs", structured)):
             object.__setattr__(self, name, value)
 
     @property
@@ -170,7 +251,7 @@ class SamplingParams:
         (layers/logits_processors.py; temperature is not one: every row has it). A greedy request
         needs none of those that only shape a draw. The one source of every fast-path decision."""
         sampled = not self.greedy
-        needed = (("logit_bias", bool(self.logit_bias)), ("min_tokens", self.min_tokens > 0),
+        needed = (("structured_outputs", self.structured_outputs is not None), ("logit_bias", bool(self.logit_bias)), ("min_tokens", self.min_tokens > 0),
                   ("penalties", self.has_penalties), ("min_p", sampled and self.min_p > 0),
                   ("top_k_top_p", sampled and (self.top_k > 0 or self.top_p < 1)))
         return tuple(name for name, on in needed if on)
@@ -185,6 +266,12 @@ class SamplingParams:
         """True when its temperature and seed are all it needs: no processor, no logprobs (the
         Triton sampler's fast path, which draws a seeded row's noise in the kernel)."""
         return not self.processors and self.logprobs is None
+
+    @property
+    def reads_output_tokens(self) -> bool:
+        """Whether sampling this request's next token reads its previous tokens' values on the host
+        (penalties count them; a grammar's mask follows them): each step waits for its tokens."""
+        return self.has_penalties or self.structured_outputs is not None
 
     @property
     def has_penalties(self) -> bool:

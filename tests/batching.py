@@ -46,7 +46,7 @@ BAD_LINES = {  # a bad line -> the field its error names (None: the line as a wh
     json.dumps({"custom_id": "no-prompt", "body": {"max_tokens": 3}}): "prompt",
     json.dumps({"custom_id": "bad-temp", "body": {"prompt": "hi", "temperature": -1}}): "temperature",
     json.dumps({"custom_id": "bad-top-p", "body": {"prompt": "hi", "top_p": 0}}): "top_p",
-    json.dumps({"custom_id": "str-tokens", "body": {"prompt": "hi", "max_tokens": "5"}}): "max_tokens",
+    json.dumps({"custom_id": "str-tokens", "body": {"prompt": "hi", "max_tokens": "five"}}): "max_tokens",
     json.dumps({"custom_id": "bad-role", "body": {"messages": [{"role": "wizard", "content": "x"}]}}):
         "messages[0].role",
     json.dumps({"custom_id": "two-prompts", "body": {"prompt": ["a", "b"]}}): "prompt",

@@ -287,6 +287,34 @@ def test_chat_through_a_terminal(qwen3_tiny, offline):
         term.close()
 
 
+def test_chat_template_flags(qwen3_tiny, offline, tmp_path):
+    """--chat-template and --chat-template-kwargs render the conversation as LLM.chat does with
+    the same options; a template that does not compile fails before the model loads."""
+    template = ("{% for m in messages %}{{ m['role'] + ': ' + m['content'] + '\\n' }}{% endfor %}"
+                "{% if shout %}{{ 'LOUD ' }}{% endif %}{{ 'assistant:' }}")
+    path = tmp_path / "template.jinja"
+    path.write_text(template)
+    params = SamplingParams(temperature=0, max_tokens=CHAT_MAX_TOKENS)
+    expected = offline.chat([{"role": "user", "content": "Hello"}], params, use_tqdm=False, chat_template=template,
+                            chat_template_kwargs={"shout": True})[0]
+    assert expected["prompt_token_ids"] != offline.chat([{"role": "user", "content": "Hello"}], params,
+                                                        use_tqdm=False, chat_template=template)[0]["prompt_token_ids"]
+    prompt = b"\r\n> "
+    term = Terminal(cli("chat", qwen3_tiny, "--temperature", "0", "--max-tokens", str(CHAT_MAX_TOKENS),
+                        "--chat-template", str(path), "--chat-template-kwargs", '{"shout": true}', *ENGINE_FLAGS))
+    try:
+        term.read_until(prompt)
+        term.send(b"Hello\n")
+        assert term.read_until(prompt) == b"Hello\r\n" + expected["text"].encode().replace(b"\n", b"\r\n") + prompt
+        term.send(b"\x04")
+        assert term.proc.wait(RUN_TIMEOUT) == 0
+    finally:
+        term.close()
+    bad = subprocess.run(cli("chat", qwen3_tiny, "--chat-template", "{% for %}"), cwd=REPO_ROOT,
+                         capture_output=True, text=True, timeout=RUN_TIMEOUT)
+    assert bad.returncode != 0 and "does not compile" in bad.stderr and "Traceback" not in bad.stderr
+
+
 def test_serve_sigterm_finishes_in_flight_requests_and_exits_0(qwen3_tiny, offline):
     """SIGTERM while a stream is running: the server stops accepting, the stream still gets every
     token, then the engine is freed and the process exits 0 (the cut-off at the end of the grace

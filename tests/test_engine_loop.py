@@ -33,7 +33,7 @@ class StandInEngine:
         self.exited = False
         self.num_steps = 0
 
-    def add_requests(self, prompts, params, request_ids):
+    def add_requests(self, prompts, params, request_ids, priority=None):
         if "bad" in prompts:  # all or none, as the engine
             raise ValueError("prompt='bad' is not allowed")
         for prompt, sampling_params, request_id in zip(prompts, params, request_ids):

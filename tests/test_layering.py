@@ -136,3 +136,17 @@ def imports_of_top_level(path: Path) -> set[str]:
         elif isinstance(node, ast.ImportFrom):
             found.add(node.module or "")
     return found
+
+
+def test_structured_outputs_sit_beside_the_engine_and_the_engine_never_imports_them():
+    """structured_outputs/ (xgrammar, which imports torch) is used by the loop and the server and
+    read by the sampling pipeline through an interface; engine/ holds its matchers as opaque
+    objects and never imports it, and it knows nothing of sequences, the runner or the loop."""
+    for path in modules_under("engine"):
+        found = [m for m in imports_of(path) if within(m, ("xgrammar", "nanovllm.structured_outputs"))]
+        assert not found, f"engine/{path.name} imports {found}"
+    files = modules_under("structured_outputs")
+    assert files
+    for path in files:
+        found = [m for m in imports_of(path) if within(m, ABOVE_THE_MODEL_SIDE + ("nanovllm.layers",))]
+        assert not found, f"structured_outputs/{path.name} imports {found}"

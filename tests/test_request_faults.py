@@ -86,10 +86,10 @@ def engine(request, qwen3_tiny):
 def fault_in_building(monkeypatch, llm):
     init = Detokenizer.__init__
 
-    def faulty(self, tokenizer, params):
+    def faulty(self, tokenizer, params, *args):
         if params is VICTIM_PARAMS:
             raise InjectedFault("building")
-        init(self, tokenizer, params)
+        init(self, tokenizer, params, *args)
     monkeypatch.setattr(Detokenizer, "__init__", faulty)
 
 

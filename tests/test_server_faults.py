@@ -91,10 +91,10 @@ def test_a_request_failed_as_it_is_built_is_answered_at_once(qwen3_tiny, monkeyp
     response still comes, a 500 or an error event, and the server serves on."""
     init = Detokenizer.__init__
 
-    def faulty(self, tokenizer, params):
+    def faulty(self, tokenizer, params, *args):
         if params.max_tokens == VICTIM_MAX_TOKENS:
             raise RuntimeError("/secret/path injected fault")
-        init(self, tokenizer, params)
+        init(self, tokenizer, params, *args)
     monkeypatch.setattr(Detokenizer, "__init__", faulty)
     with server_thread(qwen3_tiny) as server:
         url = server.base_url + "/completions"

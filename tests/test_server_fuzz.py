@@ -63,6 +63,8 @@ def check(server, path: str, case) -> None:
     if response.status_code >= 400:
         error = response.json()["error"]
         assert set(error) == {"message", "type", "param", "code"} and error["message"], (body, error)
+    elif response.headers["content-type"].startswith("text/event-stream"):  # a valid body with stream=true
+        assert response.text.rstrip().endswith("data: [DONE]"), (body, response.text[-300:])
     else:
         assert response.json()["choices"], (body, response.text)
 

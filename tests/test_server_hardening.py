@@ -156,11 +156,11 @@ def test_tokenizing_a_long_prompt_does_not_stall_a_running_stream(server, monkey
     entered, release = threading.Event(), threading.Event()
     encode = openai_server._encode
 
-    def held_encode(tokenizer, prompts):
+    def held_encode(tokenizer, prompts, *args):
         if any(isinstance(p, str) and p.startswith(marker) for p in prompts):
             entered.set()
             release.wait(WAIT_S)
-        return encode(tokenizer, prompts)
+        return encode(tokenizer, prompts, *args)
     monkeypatch.setattr(openai_server, "_encode", held_encode)
     stream_body = {"prompt": [7, 8, 9], "max_tokens": 24, "ignore_eos": True, "temperature": 0, "stream": True,
                    "stream_options": {"include_usage": True}}
@@ -187,7 +187,7 @@ def test_tokenizing_a_long_prompt_does_not_stall_a_running_stream(server, monkey
 
 
 def test_error_bodies_hold_a_request_id_and_no_internals(server, monkeypatch, caplog):
-    def broken_encode(tokenizer, prompts):
+    def broken_encode(tokenizer, prompts, *args):
         raise RuntimeError("cannot read /secret/weights/model.safetensors")
     with monkeypatch.context() as patch:
         patch.setattr(openai_server, "_encode", broken_encode)

@@ -89,8 +89,10 @@ class BlockManager:
 
     def _match_prefix(self, seq: Sequence) -> list[int]:
         """Block ids of the longest cached prefix. The block holding the last token is never
-        matched, so a fully cached prompt still computes one token (and yields logits)."""
-        if not self.enable_prefix_caching:
+        matched, so a fully cached prompt still computes one token (and yields logits). A sequence
+        still owed prompt logprobs matches none: every prompt position's logits are computed (as
+        vLLM v1 does); its blocks are still published for others."""
+        if not self.enable_prefix_caching or seq.needs_prompt_logprobs:  # a hit would skip their logits
             return []
         hits = []
         for i in range((len(seq) - 1) // self.block_size):

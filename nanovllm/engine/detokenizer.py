@@ -1,10 +1,16 @@
 """Incremental detokenisation and stop strings, for requests that stream or have stop strings.
 
-Text is produced token by token (as vLLM does): decode a small window of recent tokens and
-emit only the part past what was already emitted, holding it back while it ends in an
-incomplete UTF-8 character. A stop string is searched only in the newly produced text (plus
-the few characters before it that a stop string spanning tokens needs) and the text is cut as
-vLLM cuts it: before the stop string, or after it with include_stop_str_in_output.
+Text is produced token by token with the prompt as context (vLLM's prefix/read offsets): the
+last few prompt tokens open the decode window, so an output's first token keeps what decoding
+it alone would lose (SentencePiece's leading space, a character begun in the prompt), and the
+prompt's text plus every delta is the text of prompt and output decoded together. Each new token
+decodes a small window of recent tokens and emits only the part past what was already emitted,
+holding it back while it ends in an incomplete UTF-8 character (U+FFFD). A decoder that rewrites
+text already emitted (WordPiece's `cleanup`: " do not" -> " don't") cannot be streamed exactly;
+such rewrites across the window's start are kept as emitted, as in vLLM.
+A stop string is searched only in the newly produced text (plus the few characters before it
+that a stop string spanning tokens needs) and the text is cut as vLLM cuts it: before the stop
+string, or after it with include_stop_str_in_output.
 Without a tokenizer (the engine's skip_tokenizer_init) all text is empty; the engine refuses
 stop strings then, since nothing could find them.
 """
@@ -13,16 +19,34 @@ from transformers import PreTrainedTokenizerBase
 from nanovllm.sampling_params import SamplingParams
 
 REPLACEMENT_CHAR = "\ufffd"  # what a decoder yields for an incomplete UTF-8 sequence
+# Prompt tokens decoded before the first output token (vLLM's initial offset): enough for a
+# leading-space marker and a character begun in the prompt, few enough to decode every step.
+CONTEXT_TOKENS = 5
+
+
+def decode_after(tokenizer: PreTrainedTokenizerBase | None, prompt_token_ids: list[int], token_ids: list[int],
+                 skip_special_tokens: bool) -> str:
+    """The text `token_ids` add after the prompt: the prompt's last CONTEXT_TOKENS and them
+    decoded together, less the context's own text (what a Detokenizer's deltas add up to)."""
+    if tokenizer is None:
+        return ""
+    context = list(prompt_token_ids[-CONTEXT_TOKENS:])
+    context_text = tokenizer.decode(context, skip_special_tokens=skip_special_tokens)
+    text = tokenizer.decode(context + list(token_ids), skip_special_tokens=skip_special_tokens)
+    return text[len(context_text):]
 
 
 class Detokenizer:
 
-    def __init__(self, tokenizer: PreTrainedTokenizerBase | None, params: SamplingParams):
+    def __init__(self, tokenizer: PreTrainedTokenizerBase | None, params: SamplingParams,
+                 prompt_token_ids: list[int] = ()):
         self.tokenizer = tokenizer
         self.params = params
-        self.token_ids: list[int] = []
+        self.prompt_token_ids = list(prompt_token_ids)
+        # The decode window's context (the prompt's last tokens), then every output token.
+        self.token_ids: list[int] = self.prompt_token_ids[-CONTEXT_TOKENS:]
         self.prefix_offset = 0  # start of the decode window
-        self.read_offset = 0  # tokens before this are already in `text`
+        self.read_offset = len(self.token_ids)  # tokens before this are already in `text` (or the prompt's)
         self.text = ""
         self.stopped: str | None = None  # the stop string found, once found
         # While streaming, this many trailing characters could be the start of a stop string.
@@ -64,7 +88,11 @@ class Detokenizer:
     def final_text(self) -> str:
         """The whole output text: the cut text after a stop string, else a full decode (which
         also renders a trailing incomplete character the incremental text held back)."""
-        return self.text if self.stopped is not None else self._decode(self.token_ids)
+        if self.stopped is not None:
+            return self.text
+        num_context = min(len(self.prompt_token_ids), CONTEXT_TOKENS)
+        return decode_after(self.tokenizer, self.prompt_token_ids, self.token_ids[num_context:],
+                            self.params.skip_special_tokens)
 
     def stream_delta(self, finished: bool) -> str:
         """The text not yet handed to the stream; unfinished, it keeps back what might still

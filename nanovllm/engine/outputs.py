@@ -34,7 +34,9 @@ class RequestOutput:
     request_id: str
     prompt: str | None  # the prompt's text when it was given as text; None for token ids
     prompt_token_ids: list[int]
-    prompt_logprobs: list | None  # not computed yet: always None
+    # vLLM's, with SamplingParams.prompt_logprobs (engine/request.py, prompt_logprobs_output): None
+    # first, then per prompt token a dict token id -> {"logprob", "rank", "decoded_token"}; else None
+    prompt_logprobs: list[dict | None] | None
     outputs: list[CompletionOutput]
     finished: bool
     error: str | None = None  # ours: set when the engine failed this request (no exception text)
@@ -66,6 +68,8 @@ class RequestDelta:
     samples: list[SampleDelta]
     finished: bool
     final: RequestOutput | None
+    # The request's prompt_logprobs, on the first pop once its prompt is computed (when asked)
+    prompt_logprobs: list[dict | None] | None = None
 
     @property
     def error(self) -> str | None:
@@ -76,10 +80,12 @@ class RequestDelta:
 def to_nanovllm_dict(output: RequestOutput) -> dict:
     """nano-vllm's output dict for a finished request, what LLM.generate() returns: sample 0's
     "text", "token_ids", "finish_reason", "stop_reason", "num_cached_tokens" (and "logprobs"
-    when asked) at the top with "prompt_token_ids"; every sample's under "outputs" when n > 1;
+    when asked) at the top with "prompt_token_ids" (and "prompt_logprobs" when asked); every sample's under "outputs" when n > 1;
     "error" only for a request the engine failed."""
     samples = [_sample_dict(sample) for sample in output.outputs]
     out = {**samples[0], "prompt_token_ids": output.prompt_token_ids}
+    if output.prompt_logprobs is not None:
+        out["prompt_logprobs"] = output.prompt_logprobs
     if len(samples) > 1:
         out["outputs"] = samples
     if output.error is not None:

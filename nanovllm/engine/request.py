@@ -15,6 +15,7 @@ import logging
 
 from transformers import PreTrainedTokenizerBase
 
+from nanovllm.engine.detokenizer import decode_after
 from nanovllm.engine.outputs import CompletionOutput, RequestDelta, RequestOutput, SampleDelta
 from nanovllm.engine.sequence import Sequence
 from nanovllm.sampling_params import SamplingParams
@@ -38,6 +39,7 @@ class Request:
         self.num_tokens_handed = [0] * len(seqs)  # completion tokens already popped, per sample
         self.num_logprobs_handed = [0] * len(seqs)
         self.finish_handed = [False] * len(seqs)
+        self.prompt_logprobs_handed = False
         self.error: str | None = None  # set when the engine failed this request (a client-safe message)
         self.fault: Exception | None = None  # what building it raised: it fails as soon as it is submitted
 
@@ -69,14 +71,23 @@ class Request:
             samples.append(SampleDelta(i, new_tokens, text, logprobs, seq.is_finished,
                                        "abort" if failed and seq.is_finished else seq.finish_reason,
                                        None if failed else seq.stop_reason))
-        return RequestDelta(self.request_id, self.prompt_token_ids, samples, finished, final)
+        prompt_logprobs = None
+        first = self.seqs[0]
+        if first.prompt_logprobs is not None and not self.prompt_logprobs_handed and samples and (
+                not first.needs_prompt_logprobs or finished):
+            self.prompt_logprobs_handed = True
+            prompt_logprobs = prompt_logprobs_output(first, tokenizer)
+        return RequestDelta(self.request_id, self.prompt_token_ids, samples, finished, final, prompt_logprobs)
 
     def final_output(self, tokenizer: PreTrainedTokenizerBase | None) -> RequestOutput:
         """This request's RequestOutput, once finished; a failed request's carries `error`, and
         every sample's finish_reason is "abort" (the request failed as a whole)."""
         failed = self.error is not None
         samples = [_completion(i, seq, tokenizer, failed) for i, seq in enumerate(self.seqs)]
-        return RequestOutput(self.request_id, self.prompt, self.prompt_token_ids, None, samples, True, self.error)
+        prompt_logprobs = prompt_logprobs_output(self.seqs[0], tokenizer) if self.params.prompt_logprobs is not None \
+            else None
+        return RequestOutput(self.request_id, self.prompt, self.prompt_token_ids, prompt_logprobs, samples, True,
+                             self.error)
 
 
 def _completion(index: int, seq: Sequence, tokenizer: PreTrainedTokenizerBase | None, failed: bool) -> CompletionOutput:
@@ -86,7 +97,7 @@ def _completion(index: int, seq: Sequence, tokenizer: PreTrainedTokenizerBase | 
         if seq.detokenizer is not None:
             text = seq.detokenizer.final_text()
         elif tokenizer is not None:  # None: skip_tokenizer_init, token ids only
-            text = tokenizer.decode(seq.completion_token_ids, skip_special_tokens=params.skip_special_tokens)
+            text = decode_after(tokenizer, seq.prompt_token_ids, seq.completion_token_ids, params.skip_special_tokens)
     except Exception:
         if not failed:
             raise  # the engine fails the request (RequestTable.final), which builds this again
@@ -96,3 +107,24 @@ def _completion(index: int, seq: Sequence, tokenizer: PreTrainedTokenizerBase | 
     return CompletionOutput(index, text, seq.completion_token_ids, cumulative, logprobs,
                             "abort" if failed else seq.finish_reason, None if failed else seq.stop_reason,
                             seq.num_cached_tokens)
+
+
+def prompt_logprobs_output(seq: Sequence, tokenizer: PreTrainedTokenizerBase | None) -> list[dict | None]:
+    """vLLM's prompt_logprobs: one entry per prompt token, None for the first (nothing scores it);
+    each a dict token id -> {"logprob", "rank", "decoded_token"} holding the prompt token itself,
+    then the top-N (ranks 1..N). Shorter when the request ended before its prompt was computed
+    (it failed or was aborted)."""
+    decoded: dict[int, str | None] = {}
+
+    def info(token_id: int, logprob: float, rank: int) -> dict:
+        if token_id not in decoded:
+            decoded[token_id] = tokenizer.decode([token_id]) if tokenizer is not None else None
+        return {"logprob": logprob, "rank": rank, "decoded_token": decoded[token_id]}
+
+    out: list[dict | None] = [None]
+    for entry in seq.prompt_logprobs or ():
+        position = {entry.token_id: info(entry.token_id, entry.logprob, entry.rank)}
+        for rank, (token_id, logprob) in enumerate(entry.top_logprobs.items(), 1):
+            position.setdefault(token_id, info(token_id, logprob, rank))
+        out.append(position)
+    return out

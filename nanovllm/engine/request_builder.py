@@ -10,7 +10,7 @@ request alone: it is built already failed (`Request.fault`), and its caller gets
 output. It knows nothing of scheduling, the model or tensors.
 """
 from itertools import count
-from typing import Collection
+from typing import Collection, Protocol
 
 from transformers import PreTrainedTokenizerBase
 
@@ -18,11 +18,20 @@ from nanovllm.engine.chat import ChatOptions, render_chat
 from nanovllm.engine.detokenizer import Detokenizer
 from nanovllm.engine.request import Request
 from nanovllm.engine.sequence import Sequence, SequenceStatus
-from nanovllm.sampling_params import SamplingParams
+from nanovllm.sampling_params import SamplingParams, StructuredOutputsParams
 from nanovllm.utils.math_utils import cdiv
 from nanovllm.utils.validation import ParamError, first_surrogate, is_int, shown
 
 Prompt = str | list[int]
+
+
+class GrammarSource(Protocol):
+    """What builds a request's grammar matchers (structured_outputs/compiler.py, GrammarCompiler,
+    which this torch-free module does not import: xgrammar imports torch)."""
+
+    def compile(self, params: StructuredOutputsParams) -> object: ...
+
+    def new_state(self, compiled: object) -> object: ...
 
 
 def encode_text(tokenizer: PreTrainedTokenizerBase, text: str, name: str, **kwargs) -> list[int]:
@@ -44,8 +53,9 @@ class RequestBuilder:
     vocabulary and context length, and the KV cache a request must fit in."""
 
     def __init__(self, tokenizer: PreTrainedTokenizerBase | None, vocab_size: int, max_model_len: int,
-                 block_size: int, num_blocks: int):
+                 block_size: int, num_blocks: int, grammars: "GrammarSource | None" = None):
         self.tokenizer = tokenizer
+        self.grammars = grammars  # compiles structured_outputs constraints (None: refused)
         self.vocab_size = vocab_size
         self.max_model_len = max_model_len
         self.block_size = block_size
@@ -139,6 +149,9 @@ class RequestBuilder:
         if bad is not None:
             raise ParamError("prompt", f"prompt token id {bad} is outside the vocabulary; token ids must be in "
                              f"[0, {self.vocab_size})")
+        if params.structured_outputs and (self.tokenizer is None or self.grammars is None):
+            raise ParamError("structured_outputs", "structured_outputs needs the tokenizer's vocabulary to compile "
+                             "its constraint, but this engine has none (skip_tokenizer_init=True)")
         if params.stop_strings and self.tokenizer is None:
             raise ParamError("stop", f"stop={list(params.stop_strings)!r} needs a tokenizer to find the strings in the text, "
                              "but this engine has none (skip_tokenizer_init=True); use stop_token_ids instead")
@@ -153,15 +166,21 @@ class RequestBuilder:
             raise ParamError("max_tokens", f"a request of {len(token_ids)} prompt tokens and max_tokens={params.max_tokens} "
                              f"needs {needed} KV blocks of {bs} tokens, more than the whole cache "
                              f"({self.num_blocks} blocks); shorten it or enlarge the cache")
+        # Compiled once per request (a cache hit when the server compiled it already); a constraint
+        # that does not compile is a ParamError naming it, before anything is queued.
+        grammar = self.grammars.compile(params.structured_outputs) if params.structured_outputs else None
         seqs = []
         for i in range(params.n):
             seq = Sequence(next(self._seq_ids), token_ids, params, bs, priority=priority)
             seq.seed = None if params.seed is None else params.seed + i
+            if i > 0:  # the prompt's logprobs are the request's: sample 0 computes them
+                seq.prompt_logprobs = None
+            seq.grammar = None if grammar is None else self.grammars.new_state(grammar)  # one matcher per sample
             # generate() decodes a sample's text once, at the end, unless stop strings need it on the
             # way. A sample with a detokenizer reports each new token to its caller (LLMEngine._report):
             # so every sample of stream() and add_requests() does.
             if deltas or params.stop_strings:
-                seq.detokenizer = Detokenizer(self.tokenizer, params)
+                seq.detokenizer = Detokenizer(self.tokenizer, params, token_ids)
             seqs.append(seq)
         return Request(index, token_ids, params, seqs, request_id, inbox, prompt if isinstance(prompt, str) else None)
 
@@ -176,13 +195,16 @@ class RequestBuilder:
             raise ParamError("messages", "messages must be a non-empty list of {'role', 'content'} dicts, or a list of such lists")
         conversations = [messages] if isinstance(messages[0], dict) else messages
         for conversation in conversations:
+            # content may be None only in an assistant message that made tool calls (OpenAI's shape)
             if not isinstance(conversation, list) or not all(
-                    isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
+                    isinstance(m, dict) and isinstance(m.get("role"), str) and (isinstance(m.get("content"), str) or (
+                        m.get("content") is None and m["role"] == "assistant" and m.get("tool_calls")))
                     for m in conversation):
-                raise ParamError("messages", f"conversation {conversation!r:.80} is not allowed; "
-                                 "it must be a list of {'role': str, 'content': str} dicts")
+                raise ParamError("messages", f"conversation {conversation!r:.80} is not allowed; it must be a list of "
+                                 "{'role': str, 'content': str} dicts (content None only in an assistant message "
+                                 "with tool_calls)")
             for m in conversation:
-                bad = first_surrogate(m["role"] + m["content"])
+                bad = first_surrogate(m["role"] + (m["content"] or ""))
                 if bad is not None:
                     raise ParamError("messages", f"messages has a lone surrogate in {m!r:.80}; messages must be valid "
                                      "Unicode text")

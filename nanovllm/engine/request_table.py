@@ -55,7 +55,7 @@ class RequestTable:
             if request.request_id is None:
                 request.request_id = self._new_id()
             self.requests[request.request_id] = request
-            self.num_plain_only += request.params.has_penalties
+            self.num_plain_only += request.params.reads_output_tokens
             first, *others = request.seqs
             for seq in request.seqs:
                 seq.request_id = request.request_id
@@ -63,7 +63,9 @@ class RequestTable:
                 self.fail(request, BUILDING, request.fault)
                 continue
             self.scheduler.add(first)
-            if self.enable_prefix_caching:  # the other samples follow once the prompt is cached
+            # The other samples follow once the prompt is computed: so they hit its cached blocks,
+            # and none gets a token before sample 0 has the prompt's logprobs.
+            if self.enable_prefix_caching or request.params.prompt_logprobs is not None:
                 first.pending_siblings = others
             else:
                 for seq in others:
@@ -71,7 +73,7 @@ class RequestTable:
 
     def unregister(self, request: Request) -> None:
         del self.requests[request.request_id]
-        self.num_plain_only -= request.params.has_penalties
+        self.num_plain_only -= request.params.reads_output_tokens
 
     def fail(self, request: Request, phase: str, error: Exception | None) -> None:
         """Fail one request: its unfinished samples finish with "abort" (blocks freed at once), its

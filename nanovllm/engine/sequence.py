@@ -62,10 +62,17 @@ class Sequence:
         self.seed = sampling_params.seed  # this sample's seed (the request's seed + sample index)
         self.generator = None  # its torch.Generator, made on the sampling device at first use
         self.logprobs: list = []  # per generated token, when sampling_params.logprobs is set
+        # With sampling_params.prompt_logprobs: the logprobs of prompt tokens 1, 2, ... as the
+        # runner computes them (entry j is token j + 1's), gathered across chunks. None: not wanted
+        # (the engine also sets it for a request's other samples, which share sample 0's).
+        self.prompt_logprobs: list | None = None if sampling_params.prompt_logprobs is None else []
         # Other samples of the same prompt (n > 1): queued once this one's prompt is computed,
         # so they find its prefix blocks in the cache.
         self.pending_siblings: list["Sequence"] = []
         self.detokenizer = None  # an engine Detokenizer, for streaming or stop strings
+        # Its structured_outputs matcher (a structured_outputs.GrammarState, which this module does
+        # not import): the sampler masks its next token with it, the stop checker advances it.
+        self.grammar = None
         # Set by the engine loop for its inter-token latency counters: when the newest token came
         # (perf_counter seconds) and how many steps with prefill work had run by then.
         self.last_token_time: float | None = None
@@ -105,6 +112,11 @@ class Sequence:
     @property
     def completion_token_ids(self) -> list[int]:
         return self.token_ids[self.num_prompt_tokens:]
+
+    @property
+    def needs_prompt_logprobs(self) -> bool:
+        """Some of its prompt tokens' logprobs are still to be computed (so no prefix-cache hit)."""
+        return self.prompt_logprobs is not None and len(self.prompt_logprobs) < self.num_prompt_tokens - 1
 
     @property
     def is_decoding(self) -> bool:

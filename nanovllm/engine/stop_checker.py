@@ -3,6 +3,9 @@ stopping rules (as vLLM's StopChecker).
 
 The scheduler calls `StopChecker.check` once for each sequence a step advanced, right after its
 new token is appended. The rules, in this order:
+0. structured outputs: the token advances the sequence's grammar matcher (the sampler's mask
+   allowed only such tokens); a grammar completed and ended by its end-of-text token is a "stop",
+   even with ignore_eos.
 1. min_tokens: until a sequence has that many completion tokens, only the length rule ends it.
    The sampler keeps to the same rule from the other side: `banned_token_ids` are the tokens it
    must not pick for the next token, so no stop token comes before min_tokens either.
@@ -60,7 +63,12 @@ class StopChecker:
         num_completion = len(token_ids) - seq.num_prompt_tokens
         may_stop = not below_min_tokens(num_completion, params)
         stop = None
-        if may_stop:
+        grammar = seq.grammar
+        if grammar is not None:
+            grammar.accept(token)
+            if grammar.is_terminated:
+                stop = END_OF_TEXT
+        if may_stop and stop is None:
             if token in params.stop_token_ids:
                 stop = Finish("stop", token)
             elif token == self.eos and not params.ignore_eos:

@@ -3,7 +3,8 @@
 A batch's `SamplingTensors` carry the processors its rows need, in vLLM's order:
 
 1. before temperature, on every row (a greedy row's argmax sees them too):
-   logit bias → min_tokens bans → penalties (repetition, presence, frequency);
+   grammar mask (structured outputs) → logit bias → min_tokens bans → penalties (repetition,
+   presence, frequency);
 2. temperature (0 = greedy: the row takes the argmax of step 1's logits);
 3. after temperature, on sampled rows only: min_p → top_k / top_p.
 
@@ -25,6 +26,7 @@ from typing import Callable, NamedTuple, Protocol
 import torch
 
 from nanovllm.sampling_params import SamplingParams
+from nanovllm.utils.math_utils import cdiv
 
 
 class SamplingRow(Protocol):
@@ -32,6 +34,13 @@ class SamplingRow(Protocol):
     sampling_params: SamplingParams
     prompt_token_ids: list[int]
     completion_token_ids: list[int]
+    grammar: "GrammarRow | None"  # its structured_outputs matcher (structured_outputs/state.py)
+
+
+class GrammarRow(Protocol):
+    """What the grammar mask reads of a row's matcher (structured_outputs/state.py, GrammarState)."""
+
+    def fill_bitmask(self, bitmask: torch.Tensor, row: int, draft: list[int]) -> None: ...
 
 
 class RowsView(NamedTuple):
@@ -42,6 +51,9 @@ class RowsView(NamedTuple):
     column: Callable[[list, torch.dtype], torch.Tensor]  # values -> a [len] tensor on the sampling device
     device: torch.device
     vocab_size: int
+    # Per row, proposed tokens it comes after that its sequence does not hold yet (speculative
+    # verification and drafting); None: every row is its sequence's next token.
+    drafts: list[list[int]] | None = None
 
 
 class LogitsProcessor:
@@ -54,6 +66,40 @@ class LogitsProcessor:
 
     def __call__(self, logits: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError
+
+
+BITS_PER_WORD = 32  # xgrammar's token bitmask: int32 words, token i is bit i % 32 of word i // 32
+
+
+@dataclass(frozen=True)
+class GrammarMask(LogitsProcessor):
+    """Structured outputs: a constrained row keeps only the tokens its grammar allows next (the
+    others get -inf), from its matcher's token bitmask. First in the pipeline, so every later
+    processor and every sampling mode sees only allowed tokens."""
+    bitmask: torch.Tensor  # [batch, ceil(vocab / 32)] int32 on the logits' device; a set bit = allowed
+    rows: list[int]  # the constrained rows (the others' words are all ones, and skipped)
+
+    @classmethod
+    def build(cls, rows: RowsView) -> "GrammarMask | None":
+        constrained = [row for row, r in enumerate(rows.rows) if r.grammar is not None]
+        if not constrained:
+            return None
+        # Filled on the CPU, where xgrammar writes, then copied once.
+        bitmask = torch.full((len(rows.rows), cdiv(rows.vocab_size, BITS_PER_WORD)), -1, dtype=torch.int32)
+        for row in constrained:
+            rows.rows[row].grammar.fill_bitmask(bitmask, row, rows.drafts[row] if rows.drafts else ())
+        return cls(bitmask.to(rows.device, non_blocking=True), constrained)
+
+    def __call__(self, logits: torch.Tensor) -> torch.Tensor:
+        # xgrammar's C++ kernel on the CPU (unpacking the bits in torch there costs ~100x more);
+        # on a GPU its plain-torch version, cheap there, where its default (a Triton kernel) would
+        # compile at the first constrained request, after start-up. Imported here, where a grammar
+        # exists, so xgrammar is installed and wanted.
+        from xgrammar import apply_token_bitmask_inplace
+        masked = logits.clone()
+        apply_token_bitmask_inplace(masked, self.bitmask, vocab_size=logits.size(-1), indices=self.rows,
+                                    backend="cpu" if logits.device.type == "cpu" else "torch_native")
+        return masked
 
 
 @dataclass(frozen=True)
@@ -153,7 +199,7 @@ class TopKTopP(LogitsProcessor):
 
 
 # The pipeline, in order: steps 1 and 3 (see the module's docstring).
-BEFORE_TEMPERATURE: tuple[type[LogitsProcessor], ...] = (LogitBias, TokenBans, Penalties)
+BEFORE_TEMPERATURE: tuple[type[LogitsProcessor], ...] = (GrammarMask, LogitBias, TokenBans, Penalties)
 AFTER_TEMPERATURE: tuple[type[LogitsProcessor], ...] = (MinP, TopKTopP)
 
 

@@ -34,6 +34,7 @@ from nanovllm.runner.kernel_warmup import warm_up_kernels
 from nanovllm.runner.memory_check import check_fits, kv_block_bytes
 from nanovllm.runner.kv_scales import calibration_token_ids, checkpoint_kv_scales, describe, observing_kv
 from nanovllm.runner.pending_tokens import PendingTokens, fill_placeholders
+from nanovllm.runner.prompt_logprobs import PromptLogprobs, compute_prompt_logprobs
 from nanovllm.runner.protocol import RunnerOutput
 from nanovllm.runner.sampling_inputs import prepare_sampling
 from nanovllm.runner.step_inputs import StepInputs, StepMessage, prefill_inputs
@@ -111,6 +112,8 @@ class StepLogits(NamedTuple):
     """What a step's forward pass leaves for sampling."""
     logits: torch.Tensor | None  # [num sampled, vocab] on rank 0; None on other ranks and when none samples
     sample_indices: list[int]  # the sequences the rows belong to (index into the step's sequences)
+    # Per sequence of the step, the prompt logprobs its rows scored (rank 0); None when none asked.
+    prompt_logprobs: list[PromptLogprobs | None] | None = None
 
 
 class ModelRunner:
@@ -352,10 +355,14 @@ class ModelRunner:
             return StepLogits(None, [])
         with compiling(self.compile):
             inputs, hidden_states = self._forward(step)  # hidden_states: [rows, hidden]
+            prompt = None
+            if step.prompt_targets:  # only requests with prompt_logprobs: every other step skips this
+                prompt = compute_prompt_logprobs(self.model, hidden_states, step.starts, step.ends,
+                                                 step.prompt_targets)
             if not inputs.sample_indices:
-                return StepLogits(None, [])
+                return StepLogits(None, [], prompt)
             logits = self.model.compute_logits(hidden_states[inputs.sample_rows])  # None on ranks > 0
-        return StepLogits(logits, inputs.sample_indices)
+        return StepLogits(logits, inputs.sample_indices, prompt)
 
     def _forward(self, step: StepMessage) -> tuple[StepInputs, torch.Tensor]:
         if step.is_prefill:
@@ -395,7 +402,8 @@ class ModelRunner:
                 else:
                     tokens, logprobs = self._draw_rows(logits, inputs, len(sampled), failed)
             failed = {step.sample_indices[row]: error for row, error in failed.items()}
-        self.last_sampled = PendingTokens(len(seqs), step.sample_indices, tokens, logprobs, failed)
+        self.last_sampled = PendingTokens(len(seqs), step.sample_indices, tokens, logprobs, failed,
+                                          step.prompt_logprobs)
         return self.last_sampled
 
     def _sampling_inputs(self, seqs: list[Sequence], logits: torch.Tensor) -> SamplingTensors:

@@ -19,8 +19,10 @@ class PendingTokens:
     """The tokens of the rows that sampled in a step (`sample_indices`, into the step's sequences)."""
 
     def __init__(self, num_seqs: int, sample_indices: list[int], tokens: torch.Tensor | None,
-                 logprobs: list[TokenLogprobs | None], failed: dict[int, Exception] | None = None):
+                 logprobs: list[TokenLogprobs | None], failed: dict[int, Exception] | None = None,
+                 prompt_logprobs: list | None = None):
         self.num_seqs = num_seqs
+        self.prompt_logprobs = prompt_logprobs  # per sequence, computed on the host already (or None)
         self.sample_indices = sample_indices
         self.logprobs = logprobs
         # Sequences (index into the step's) whose sampling inputs raised: their rows hold no real token.
@@ -39,16 +41,16 @@ class PendingTokens:
         has landed."""
         n = self.num_seqs
         if self.host_tokens is None:
-            return RunnerOutput([-1] * n, [None] * n)
+            return RunnerOutput([-1] * n, [None] * n, prompt_logprobs=self.prompt_logprobs)
         if self.ready is not None:
             self.ready.synchronize()
         sampled = self.host_tokens.tolist()
         if len(sampled) == n:
-            return RunnerOutput(sampled, self.logprobs, self.failed)
+            return RunnerOutput(sampled, self.logprobs, self.failed, prompt_logprobs=self.prompt_logprobs)
         token_ids, logprobs = [-1] * n, [None] * n
         for j, i in enumerate(self.sample_indices):
             token_ids[i], logprobs[i] = sampled[j], self.logprobs[j]
-        return RunnerOutput(token_ids, logprobs, self.failed)
+        return RunnerOutput(token_ids, logprobs, self.failed, prompt_logprobs=self.prompt_logprobs)
 
 
 def fill_placeholders(input_ids: torch.Tensor, token_ids: list[int], previous: PendingTokens | None) -> None:

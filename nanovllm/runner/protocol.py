@@ -31,6 +31,9 @@ class RunnerOutput(NamedTuple):
     # in token_ids, and how many were proposed. None from a runner that proposes nothing.
     accepted: list[list[int]] | None = None
     num_proposed: list[int] | None = None
+    # Per sequence of the step, its prompt logprobs from this step (runner/prompt_logprobs.py's
+    # PromptLogprobs) or None; None when no sequence asked (SamplingParams.prompt_logprobs).
+    prompt_logprobs: list | None = None
 
 
 @runtime_checkable

@@ -39,7 +39,8 @@ def philox_keys(seqs: list[Sequence]) -> list[list[int]]:
 
 
 def prepare_sampling(seqs: list[Sequence], vocab_size: int, eos: int, device: torch.device,
-                     philox: bool = False) -> SamplingTensors:
+                     philox: bool = False, drafts: list[list[int]] | None = None) -> SamplingTensors:
+    """`drafts`: per row, the proposed tokens it comes after (speculative decoding; RowsView)."""
     params = [seq.sampling_params for seq in seqs]
 
     def column(values: list, dtype: torch.dtype) -> torch.Tensor:  # from pinned memory, without blocking
@@ -51,7 +52,7 @@ def prepare_sampling(seqs: list[Sequence], vocab_size: int, eos: int, device: to
     if all(p.needs_only_temperature_and_seed if philox else p.needs_only_temperature for p in params):
         return SamplingTensors(column(temperatures, torch.float32), all_greedy=not any(temperatures), philox=keys)
     before, after = SamplingTensors.pipeline(RowsView(seqs, params, lambda seq: banned_token_ids(seq, eos), column,
-                                                      device, vocab_size))
+                                                      device, vocab_size, drafts))
     generators = []
     for row, seq in enumerate(seqs if not philox else []):  # Philox keys replace generators
         if seq.sampling_params.seed is not None and not seq.sampling_params.greedy:

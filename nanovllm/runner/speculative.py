@@ -141,7 +141,7 @@ class SpeculativeRunner:
             step = StepMessage(False, tokens, [n - 1 for n in lengths], lengths, lengths,
                                [seq.block_table for seq in seqs])
             logits = self.draft.forward(step).logits.float()  # [live, vocab]
-            t = prepare_sampling(seqs, vocab, eos, device)
+            t = prepare_sampling(seqs, vocab, eos, device, drafts=[proposals[r] for r in live])
             adjusted = t.adjust(logits)
             chosen = adjusted.argmax(dim=-1)
             if not t.all_greedy:
@@ -164,7 +164,7 @@ class SpeculativeRunner:
         logprobs: list[TokenLogprobs | None] = [None] * n
         num_proposed = [len(p) for p in proposals]
         if not step.sample_indices:
-            return RunnerOutput(token_ids, logprobs, None, accepted, num_proposed)
+            return RunnerOutput(token_ids, logprobs, None, accepted, num_proposed, step.prompt_logprobs)
         # The logits hold 1 + proposed rows per sampling sequence, in order.
         plain, plain_rows, spec, spec_rows = [], [], [], []
         row = 0
@@ -188,7 +188,7 @@ class SpeculativeRunner:
         if spec:
             self._verify_proposals(seqs, step.logits[torch.tensor(spec_rows, device=device)], spec, proposals,
                                    token_ids, accepted)
-        return RunnerOutput(token_ids, logprobs, failed, accepted, num_proposed)
+        return RunnerOutput(token_ids, logprobs, failed, accepted, num_proposed, step.prompt_logprobs)
 
     def _verify_proposals(self, seqs: list[Sequence], logits: torch.Tensor, spec: list[int],
                           proposals: list[list[int]], token_ids: list[int], accepted: list[list[int]]) -> None:
@@ -196,8 +196,10 @@ class SpeculativeRunner:
         one's 1 + proposed rows, in order); each one's accepted proposals go into `accepted`,
         the token after them into `token_ids`."""
         rows_of = [[seqs[i]] * (len(proposals[i]) + 1) for i in spec]
+        # Row j of a sequence judges proposal j, after proposals 0..j-1 (a grammar's mask follows them).
+        drafts = [proposals[i][:j] for i in spec for j in range(len(proposals[i]) + 1)]
         t = prepare_sampling([seq for rows in rows_of for seq in rows], logits.size(-1), self.config.eos,
-                             logits.device)
+                             logits.device, drafts=drafts)
         proposed = torch.tensor([tok for i in spec for tok in proposals[i] + [-1]], dtype=torch.int64,
                                 device=logits.device)
         draft_probs = None

@@ -17,6 +17,7 @@ import torch
 
 from nanovllm.engine.block_manager import NO_COPIES, BlockCopies
 from nanovllm.engine.sequence import Sequence
+from nanovllm.runner.prompt_logprobs import PromptTargets, prompt_targets
 from nanovllm.utils.context import AttentionMetadata
 from nanovllm.utils.math_utils import cdiv
 
@@ -33,6 +34,9 @@ class StepMessage(NamedTuple):
     # Speculative decoding: per sequence, the proposed tokens after its newest one that this step
     # verifies (they are among its new tokens and counted in its end and length); empty: none.
     num_proposed: list[int] | tuple[()] = ()
+    # Prompt logprobs: per sequence, the prompt tokens its rows score in this step, or None
+    # (runner/prompt_logprobs.py); empty when no sequence of the step scores any.
+    prompt_targets: list[PromptTargets | None] | tuple[()] = ()
 
     @classmethod
     def of(cls, seqs: list[Sequence], is_prefill: bool, swap_out: BlockCopies = NO_COPIES,
@@ -46,10 +50,11 @@ class StepMessage(NamedTuple):
         if not is_prefill:  # one new token each, the newest: its context is the whole sequence
             return cls(False, [seq.last_token for seq in seqs], [n - 1 for n in lengths], lengths, lengths, tables,
                        swap_out, swap_in)
-        token_ids, starts, ends = [], [], []
+        token_ids, starts, ends, targets = [], [], [], []
         for i, seq in enumerate(seqs):
             start, end = seq.num_computed_tokens, seq.num_computed_tokens + seq.num_scheduled_tokens
             token_ids.extend(seq.token_ids[start:end])
+            targets.append(prompt_targets(seq, start, end))
             if proposals:
                 token_ids.extend(proposals[i])
                 end += len(proposals[i])
@@ -57,7 +62,9 @@ class StepMessage(NamedTuple):
             starts.append(start)
             ends.append(end)
         num_proposed = [len(p) for p in proposals] if proposals else ()
-        return cls(True, token_ids, starts, ends, lengths, tables, swap_out, swap_in, num_proposed)
+        if not any(targets):
+            targets = ()
+        return cls(True, token_ids, starts, ends, lengths, tables, swap_out, swap_in, num_proposed, targets)
 
     @property
     def num_seqs(self) -> int:

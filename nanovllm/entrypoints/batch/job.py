@@ -27,7 +27,7 @@ from typing import Any, Callable, Iterator, NamedTuple
 from tqdm.auto import tqdm
 
 from nanovllm.config import Config
-from nanovllm.engine.chat import ChatOptions, render_chat
+from nanovllm.engine.chat import render_chat
 from nanovllm.entrypoints.batch.lines import (BatchRequest, LineError, line_custom_id, parse_line,
                                               resolve_sampling_defaults, result_line)
 from nanovllm.entrypoints.batch.log import (DEFAULT_FLUSH_INTERVAL, BatchJobError, InputStamp, ResultLog,
@@ -167,8 +167,7 @@ class EngineBatcher:
 
     def _render(self, request: BatchRequest) -> list[int]:
         """A chat's conversation through the tokenizer's chat template, as LLM.chat renders it."""
-        options = ChatOptions(add_generation_prompt=request.add_generation_prompt)
-        return render_chat(self.llm.tokenizer, request.messages, options)
+        return render_chat(self.llm.tokenizer, request.messages, request.chat_options)
 
     def step(self) -> list[Finished]:
         """One engine step; the results of the requests it finished. When the engine failed on

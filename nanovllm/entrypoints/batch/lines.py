@@ -19,6 +19,7 @@ from typing import Any
 
 from pydantic import ValidationError
 
+from nanovllm.engine.chat import ChatOptions
 from nanovllm.engine.outputs import CompletionOutput, RequestOutput
 from nanovllm.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest, request_error, validation_error
 from nanovllm.sampling_params import SamplingParams
@@ -32,6 +33,11 @@ ENVELOPE_KEYS = ("custom_id", "method", "url")
 _COMPLETION_FIELDS = set(CompletionRequest.model_fields)
 _CHAT_FIELDS = set(ChatCompletionRequest.model_fields)
 _DEFAULT_MAX_TOKENS = SamplingParams.__dataclass_fields__["max_tokens"].default
+# Request fields the server implements in its routes but a batch job does not -> the value that
+# asks for nothing: another value is refused by name, never ignored.
+BATCH_UNSUPPORTED = {"truncate_prompt_tokens": None, "priority": 0}
+BATCH_UNSUPPORTED_CHAT = {**BATCH_UNSUPPORTED, "include_reasoning": True}  # no reasoning parser in a job
+BATCH_UNSUPPORTED_COMPLETION = {**BATCH_UNSUPPORTED, "add_special_tokens": True}  # the engine encodes prompts
 
 
 @dataclass
@@ -41,7 +47,7 @@ class BatchRequest:
     custom_id: str | None  # None only for a line without one and without a line number
     prompt: str | list[int] | None  # a completion's prompt (None for a chat)
     messages: list[dict[str, str]] | None  # a chat's conversation, rendered by the engine's tokenizer
-    add_generation_prompt: bool
+    chat_options: ChatOptions | None  # how to render it (None for a completion)
     params: SamplingParams
 
 
@@ -186,9 +192,18 @@ def parse_line(raw: str | bytes, line: int | None, defaults: dict[str, Any] | No
     except ValidationError as exc:
         api_error = validation_error(exc.errors())
         return error(api_error.message, api_error.param)
+    unsupported = BATCH_UNSUPPORTED_CHAT if chat else BATCH_UNSUPPORTED_COMPLETION
+    refused = next((name for name, noop in unsupported.items() if getattr(request, name) != noop), None)
+    if refused is not None:
+        return error(f"{refused}={getattr(request, refused)!r:.80} is not supported in a batch job; leave it out",
+                     refused)
+    if chat and (request.tools or request.tool_choice not in (None, "none")):  # the server's tool calling only
+        return error("tools and tool_choice are not supported in batch jobs (only by the server's chat completions); "
+                     "leave them out", "tools")
     try:
         if chat:
             params = request.to_sampling_params(default_max_tokens=_DEFAULT_MAX_TOKENS)
+            options = request.chat_options(None)
         else:
             params = request.to_sampling_params()
     except ValueError as exc:
@@ -196,12 +211,12 @@ def parse_line(raw: str | bytes, line: int | None, defaults: dict[str, Any] | No
                                   "messages" if chat else "prompt")
         return error(api_error.message, api_error.param)
     if chat:
-        return BatchRequest(line, custom_id, None, request.conversation(), request.add_generation_prompt, params)
+        return BatchRequest(line, custom_id, None, request.conversation(), options, params)
     prompts = request.prompts()
     if len(prompts) != 1:
         return error(f"prompt holds {len(prompts)} prompts; a batch line takes one (a string or a list of "
                      "token ids): put each prompt on a line of its own", "prompt")
-    return BatchRequest(line, custom_id, prompts[0], None, False, params)
+    return BatchRequest(line, custom_id, prompts[0], None, None, params)
 
 
 def result_line(request: BatchRequest, final: RequestOutput) -> str:

@@ -22,7 +22,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, NamedTuple
 
 import nanovllm  # the package alone: torch comes with the first engine module (see main)
-from nanovllm.entrypoints.cli.args import add_dataclass_flags, dataclass_kwargs
+from nanovllm.entrypoints.cli.args import add_dataclass_flags, dataclass_kwargs, json_object
+from nanovllm.entrypoints.openai.reasoning import REASONING_PARSERS
 from nanovllm.entrypoints.openai.server_settings import (DEFAULT_HOST, DEFAULT_PORT, DEFAULT_SHUTDOWN_TIMEOUT,
                                                   ServerSettings, api_key_from_env)
 
@@ -113,7 +114,8 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
                             "aborted (default: %(default)s)")
     serve.add_argument("--log-level", default="info", choices=UVICORN_LOG_LEVELS, help="(default: %(default)s)")
     server_group = serve.add_argument_group("server", "ServerSettings fields (nanovllm/entrypoints/openai/server_settings.py)")
-    server_fields = add_dataclass_flags(server_group, ServerSettings, skip=("model", "engine_kwargs"))
+    server_fields = add_dataclass_flags(server_group, ServerSettings, skip=("model", "engine_kwargs"),
+                                        choices={"reasoning_parser": tuple(REASONING_PARSERS)})
     engine_fields = _add_engine_flags(serve)
     serve.set_defaults(run=_serve, engine_fields=engine_fields, server_fields=server_fields)
 
@@ -139,6 +141,10 @@ def _add_chat(sub: argparse._SubParsersAction) -> None:
                                       "written.")
     _add_model(chat, optional=True)
     chat.add_argument("--system", default=None, help="a system message to open every conversation with")
+    chat.add_argument("--chat-template", default=None, help="a chat template to use instead of the checkpoint's: "
+                      "a file, or the template itself")
+    chat.add_argument("--chat-template-kwargs", type=json_object, default={}, metavar="JSON",
+                      help="extra chat template variables, as a JSON object (Qwen3: '{\"enable_thinking\": false}')")
     engine_fields = _add_engine_flags(chat)
     sampling_fields = _add_sampling_flags(chat)
     chat.set_defaults(run=_chat, engine_fields=engine_fields, sampling_fields=sampling_fields)
@@ -301,13 +307,18 @@ def _chat_help() -> str:
 
 
 def _chat(args: argparse.Namespace) -> int:
-    from nanovllm.engine.chat import render_chat
+    from nanovllm.engine.chat import ChatOptions, load_chat_template, render_chat
     params = _sampling_params(args)
     if params.n != 1:
         raise CLIError(f"n={params.n} is not allowed in chat; a chat answers once (n=1)")
+    try:  # before the model loads: a bad template or variable fails at once
+        template = None if args.chat_template is None else load_chat_template(args.chat_template)
+        options = ChatOptions(chat_template=template, chat_template_kwargs=args.chat_template_kwargs)
+    except ValueError as exc:
+        raise CLIError(str(exc)) from None
     llm = _make_llm(args)
     tokenizer = llm.tokenizer
-    if not getattr(tokenizer, "chat_template", None):
+    if not (options.chat_template or getattr(tokenizer, "chat_template", None)):
         llm.exit()
         raise CLIError(f"the tokenizer of {args.model!r} has no chat template; use `nanovllm generate`")
     opening = [{"role": "system", "content": args.system}] if args.system else []
@@ -344,7 +355,7 @@ def _chat(args: argparse.Namespace) -> int:
                 line = line.replace("/", "", 1)
             history.append({"role": "user", "content": line})
             try:
-                answer = _stream_answer(llm, render_chat(tokenizer, history), params)
+                answer = _stream_answer(llm, render_chat(tokenizer, history, options), params)
             except ValueError as exc:  # e.g. the conversation outgrew max_model_len, or the template refused it
                 history.pop()
                 print(f"{PROG}: {exc} (/clear starts over)", file=sys.stderr, flush=True)

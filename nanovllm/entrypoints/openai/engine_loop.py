@@ -30,6 +30,7 @@ from nanovllm.llm_engine import LLMEngine
 from nanovllm.engine.outputs import CompletionOutput, RequestDelta, RequestOutput, SampleDelta
 from nanovllm.entrypoints.openai.metrics import ServerMetrics
 from nanovllm.sampling_params import SamplingParams
+from nanovllm.structured_outputs import GrammarCompiler
 from nanovllm.utils.validation import ParamError
 
 logger = logging.getLogger("nanovllm")
@@ -56,6 +57,7 @@ class _Add(NamedTuple):
     requests: list[tuple[str, Prompt, SamplingParams]]  # (request id, prompt, params): all or none
     accepted: asyncio.Future  # set to None, or to the ValueError that refused the call
     arrival: float  # time.monotonic() when the call came in, for time-to-first-token
+    priority: int = 0  # the scheduler's: lower runs first
 
 
 class _Abort(NamedTuple):
@@ -130,6 +132,7 @@ class EngineClient:
         self.shutting_down = False  # set by begin_shutdown(): every request is aborted, new ones refused
         self.config: Config | None = None  # the engine's, once started (read-only from here on)
         self.cache_capacity_tokens = 0  # tokens the whole KV cache holds, once started
+        self.grammars: GrammarCompiler | None = None  # the engine's structured-outputs compiler, once started
 
     # --- lifetime ---
 
@@ -170,7 +173,8 @@ class EngineClient:
 
     # --- requests (called on the event loop) ---
 
-    async def add(self, prompts: list[Prompt], params: SamplingParams, request_id: str) -> Submission:
+    async def add(self, prompts: list[Prompt], params: SamplingParams, request_id: str,
+                  priority: int = 0) -> Submission:
         """Queue the prompts (request ids `{request_id}-{i}`), once the engine has accepted all of
         them. Raises ValueError if it refused one (then none is queued; a ParamError names the
         field), QueueFullError if the queue is full, EngineDeadError if the loop has stopped."""
@@ -186,7 +190,7 @@ class EngineClient:
         submission = Submission([f"{request_id}-{i}" for i in range(len(prompts))], params.n)
         accepted = self._loop.create_future()
         if not self._send(_Add(list(zip(submission.request_ids, prompts, [params] * len(prompts))), accepted,
-                               time.monotonic())):
+                               time.monotonic(), priority)):
             raise EngineDeadError("the engine is not running") from self._dead
         # Registered before this coroutine yields, so before any output can be delivered.
         for rid in submission.request_ids:
@@ -253,6 +257,11 @@ class EngineClient:
             return
         self.config = engine.config
         self.cache_capacity_tokens = engine.block_manager.num_blocks * engine.config.kvcache_block_size
+        try:  # here, in the tokenizer's own thread: the prompt thread then only compiles
+            engine.grammars.load()
+        except Exception:  # a vocabulary xgrammar cannot read: each constrained request is refused with why
+            logger.warning("structured outputs are unavailable for this tokenizer", exc_info=True)
+        self.grammars = engine.grammars
         self.metrics.observe_engine(engine.stats())  # every metric shows from the start
         self._post(_settle, ready, None)
         live: dict[str, _Timing] = {}
@@ -310,7 +319,8 @@ class EngineClient:
     def _accept(self, engine: LLMEngine, command: _Add, live: dict[str, _Timing]) -> None:
         request_ids, prompts, params = zip(*command.requests)
         try:  # all or none: the engine checks and builds every prompt before it queues any
-            engine.add_requests(list(prompts), list(params), request_ids=list(request_ids))
+            engine.add_requests(list(prompts), list(params), request_ids=list(request_ids),
+                                priority=[command.priority] * len(prompts))
         except Exception as exc:
             if not isinstance(exc, ValueError):  # not bad input (that is the caller's 400): a fault
                 logger.exception("queueing requests %s failed", ", ".join(request_ids))

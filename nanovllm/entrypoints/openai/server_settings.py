@@ -8,6 +8,8 @@ import math
 import os
 from dataclasses import dataclass, field
 
+from nanovllm.entrypoints.openai.reasoning import REASONING_PARSERS
+
 DEFAULT_HOST = "127.0.0.1"  # loopback: exposing the server is a deliberate --host choice
 DEFAULT_PORT = 8000  # vLLM's
 # Sequences that may wait for their first token; beyond it a request gets 503 (no unbounded backlog).
@@ -44,6 +46,14 @@ class ServerSettings:
     # seconds a client has to send a request's headers (from connecting, or after its previous response)
     header_timeout: float = DEFAULT_HEADER_TIMEOUT
     body_timeout: float = DEFAULT_BODY_TIMEOUT  # seconds a client has to send a whole request body; then 408
+    # the chat template to render conversations with instead of the checkpoint's: a file, or the template itself
+    chat_template: str | None = None
+    # let a chat request carry its own chat_template (it runs in Jinja's sandbox, but costs what it costs)
+    trust_request_chat_template: bool = False
+    # split <think>...</think> off chat answers into reasoning_content: one of REASONING_PARSERS (qwen3)
+    reasoning_parser: str | None = None
+    # how tool calls are found in a chat answer under tool_choice "auto" (e.g. hermes, as Qwen writes them)
+    tool_call_parser: str | None = None
 
     @property
     def model_name(self) -> str:
@@ -69,6 +79,18 @@ class ServerSettings:
                                                    or not self.served_model_name.strip()):
             raise ValueError(f"served_model_name={self.served_model_name!r} is not allowed; it must be a non-empty "
                              "name, or left out to serve MODEL under the name it was given as")
+        if self.reasoning_parser is not None and self.reasoning_parser not in REASONING_PARSERS:
+            raise ValueError(f"reasoning_parser={self.reasoning_parser!r} is not allowed; it must be one of "
+                             f"{sorted(REASONING_PARSERS)}")
+        if self.chat_template is not None:
+            # Here, not at the top: the CLI builds its flags from this module without transformers.
+            from nanovllm.engine.chat import load_chat_template
+            load_chat_template(self.chat_template)
+        if self.tool_call_parser is not None:
+            from nanovllm.entrypoints.openai.tool_parsers import TOOL_PARSERS  # plain Python, no web stack
+            if self.tool_call_parser not in TOOL_PARSERS:
+                raise ValueError(f"tool_call_parser={self.tool_call_parser!r} is not allowed; it must be one of "
+                                 f"{sorted(TOOL_PARSERS)}")
         if self.engine_kwargs.get("skip_tokenizer_init"):
             raise ValueError("skip_tokenizer_init=True is not allowed when serving: the OpenAI API takes and "
                              "returns text, which needs the tokenizer")
