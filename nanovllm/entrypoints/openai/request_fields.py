@@ -5,7 +5,7 @@ protocol.py) are the reference: a client written for vLLM may send any of their 
 may be dropped without a word. So every vLLM field is one of:
 - declared by a request model in `protocol.py` (implemented there or by the route);
 - implemented by another part of the server that declares it itself (`IMPLEMENTED_ELSEWHERE`:
-  structured outputs, tool calling, prompt logprobs);
+  structured outputs and tool calling);
 - refused here with a 400 naming it (`REFUSED`), unless its value is the one that asks for
   nothing (null, or vLLM's default), which is accepted so full vLLM-shaped requests still work.
 A field in none of these lists is unknown: logged once per name (as vLLM logs them), then
@@ -47,12 +47,12 @@ REFUSED: dict[str, Any] = {
     "repetition_min_count": 0,
 }
 
-# vLLM fields another part of the server declares (structured outputs, tool calling, prompt
-# logprobs): never refused here; until a request model declares them they are unknown fields.
+# vLLM fields another part of the server declares (structured outputs, tool calling): never
+# refused here; until a request model declares them they are unknown fields.
 IMPLEMENTED_ELSEWHERE = frozenset({
     "response_format", "structured_outputs", "tools", "tool_choice", "parallel_tool_calls",
     "guided_json", "guided_regex", "guided_choice", "guided_grammar", "guided_decoding_backend",
-    "guided_whitespace_pattern", "structural_tag", "prompt_logprobs",
+    "guided_whitespace_pattern", "structural_tag",
 })
 
 # Every field of vLLM's requests, for the test that checks each is accounted for.
