@@ -178,14 +178,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         parser.error("--num-prompts, --input-len, --output-len and --repeats must be >= 1")
     if args.input_len + args.output_len > common.MAX_MODEL_LEN:
         parser.error(f"--input-len + --output-len must fit max_model_len {common.MAX_MODEL_LEN}")
-    names = ["nanovllm", "baseline", "vllm"]
-    for name, *env in args.variant:
-        if name in names or "=" in name:
-            parser.error(f"--variant {name!r}: its first word is a new engine name (not one of {names}, no '=')")
-        names.append(name)
-        for item in env:
-            if "=" not in item:
-                parser.error(f"--variant {name}: expected KEY=VALUE; got {item!r}")
+    common.check_variants(parser, args.variant, ["nanovllm", "baseline", "vllm"])
     if not 0 < args.port < 65536:
         parser.error(f"--port={args.port}: expected 1..65535")
     return args

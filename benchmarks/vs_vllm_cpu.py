@@ -363,6 +363,18 @@ def key_value(item: str) -> tuple[str, str]:
     return key, value
 
 
+def check_variants(parser: argparse.ArgumentParser, variants: list[list[str]], names: list[str]) -> None:
+    """--variant NAME KEY=VALUE...: NAME is a new engine name, the rest environment assignments."""
+    names = list(names)
+    for name, *env in variants:
+        if name in names or "=" in name:
+            parser.error(f"--variant {name!r}: its first word is a new engine name (not one of {names}, no '=')")
+        names.append(name)
+        for item in env:
+            if "=" not in item:
+                parser.error(f"--variant {name}: expected KEY=VALUE; got {item!r}")
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
@@ -403,14 +415,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     if args.repeats < 1 or args.timed_runs < 1 or any(n < 1 for n in args.num_prompts or []):
         parser.error("--repeats, --timed-runs and --num-prompts must be >= 1")
-    names = ["nanovllm", "baseline", *PEERS]
-    for name, *env in args.variant:
-        if name in names or "=" in name:
-            parser.error(f"--variant {name!r}: its first word is a new engine name (not one of {names}, no '=')")
-        names.append(name)
-        for item in env:
-            if "=" not in item:
-                parser.error(f"--variant {name}: expected KEY=VALUE; got {item!r}")
+    check_variants(parser, args.variant, ["nanovllm", "baseline", *PEERS])
     if args.no_preload and not args.vllm_python:
         parser.error("--no-preload is about vLLM's set-up; it needs --vllm-python")
     for name in ("nanovllm_config",):
