@@ -24,14 +24,22 @@ def shard(loaded: torch.Tensor, dim: int, rank: int, size: int, world: int, name
     return loaded.narrow(dim, rank * size, size)
 
 
+# The most rows multiplied by a packed weight (decode-sized products). oneDNN builds and caches a
+# primitive per row count; prefill steps bring a new row count nearly every step, and that cache
+# grew a batch job's memory by ~50 MB over 25,000 requests (tests/test_batch_scale.py). Larger
+# products go to F.linear on the plain weight.
+MAX_PACKED_ROWS = 64
+
+
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
            packed: torch.Tensor | None = None) -> torch.Tensor:
     """F.linear computed in the weight's dtype and returned in x's. The two differ only where
     half-precision layers keep float32 weights (utils/cpu.py: a CPU that emulates bf16/fp16
     matmul, ~10x slower there than float32); everywhere else this is F.linear. With `packed`
     (the same weight in oneDNN's blocked layout, utils/cpu.py pack_linear_weights) the product
-    is oneDNN's on it instead of a matmul that reorders the plain weight on every call."""
-    if packed is not None:
+    is oneDNN's on it instead of a matmul that reorders the plain weight on every call, for up to
+    MAX_PACKED_ROWS rows."""
+    if packed is not None and x.numel() <= MAX_PACKED_ROWS * x.size(-1):
         y = torch.ops.mkldnn._linear_pointwise(x.to(weight.dtype).reshape(-1, x.size(-1)), packed, bias, "none",
                                                [], "")
         return y.view(*x.shape[:-1], y.size(-1)).to(x.dtype)

@@ -257,10 +257,13 @@ class EngineClient:
             self.metrics.observe_engine(engine.stats())  # every metric shows from the start
         except BaseException as exc:  # handed to start(), which re-raises it
             self._dead = exc
+            if engine is not None:  # freed before start() hears of it
+                try:
+                    engine.exit()
+                except Exception:
+                    logger.exception("exiting the engine after its failed start-up failed too")
             self._close_inbox([], exc)
             self._post(_settle, ready, exc)
-            if engine is not None:
-                engine.exit()
             return
         try:  # here, in the tokenizer's own thread: the prompt thread then only compiles
             engine.grammars.load()
