@@ -251,14 +251,15 @@ def _sentencepiece_tokenizer():
     return PreTrainedTokenizerFast(tokenizer_object=tokenizer, unk_token="<unk>", eos_token="</s>")
 
 
-def _wordpiece_tokenizer():
+def _wordpiece_tokenizer(cleanup: bool = True):
+    """BERT's layout; its decoder cleans up (" ." -> "."), as BERT's does, unless told not to."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
     from nanovllm.testing.synthetic import CORPUS
     tokenizer = Tokenizer(models.WordPiece(unk_token="[UNK]"))
     tokenizer.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
-    tokenizer.decoder = decoders.WordPiece()
+    tokenizer.decoder = decoders.WordPiece(cleanup=cleanup)
     tokenizer.train_from_iterator(CORPUS.split("\n\n"), trainers.WordPieceTrainer(
         vocab_size=400, special_tokens=["[UNK]", "[SEP]"], show_progress=False))
     return PreTrainedTokenizerFast(tokenizer_object=tokenizer, unk_token="[UNK]", eos_token="[SEP]")
@@ -286,11 +287,79 @@ def test_a_sentencepiece_vocabulary_spells_what_the_grammar_says(text):
     assert state.is_terminated and tokenizer.decode(tokens) == text
 
 
-def test_a_wordpiece_tokenizer_is_refused_with_the_reason():
+def _walk(grammars: GrammarCompiler, params: StructuredOutputsParams, vocab: int, eos: int, seed: int = 0,
+          limit: int = 40) -> list[int]:
+    """Tokens the grammar allows, a random one per step (never end-of-text until it is the only one)."""
+    state = grammars.new_state(grammars.compile(params))
+    generator = torch.Generator().manual_seed(seed)
+    tokens = []
+    while len(tokens) < limit:
+        bitmask = torch.full((1, (vocab + 31) // 32), -1, dtype=torch.int32)
+        state.fill_bitmask(bitmask, 0)
+        allowed = sorted(allowed_ids(bitmask, 0, vocab) - {eos})
+        if not allowed:
+            state.accept(eos)
+            assert state.is_terminated
+            break
+        tokens.append(allowed[int(torch.randint(len(allowed), (), generator=generator))])
+        state.accept(tokens[-1])
+    return tokens
+
+
+@pytest.mark.parametrize("cleanup", [True, False])
+@pytest.mark.parametrize("constraint", [dict(choice=["the next request runs ."]), dict(regex=r"[a-z]+( [a-z]+){1,3}"),
+                                        dict(regex="[0-9]{3,5}")])
+def test_a_wordpiece_vocabulary_spells_what_the_grammar_says(constraint, cleanup, seed=3):
+    """WordPiece: a word token adds " word" after other text, a "##" piece glues on. The grammar
+    walks those texts, the request's text is their concatenation, and it is what the tokenizer
+    itself decodes after a prompt (with its cleanup off; cleanup would turn " ." into ".")."""
+    tokenizer = _wordpiece_tokenizer(cleanup)
+    vocab, eos = len(tokenizer) + 5, tokenizer.eos_token_id  # a model's vocabulary may be padded past the tokenizer's
+    grammars = GrammarCompiler(tokenizer, vocab, eos)
+    tokens = _walk(grammars, StructuredOutputsParams(**constraint), vocab, eos, seed)
+    text = grammars.text_tokenizer().decode(tokens)
+    if "choice" in constraint:
+        assert text == constraint["choice"][0]
+    else:
+        assert re.fullmatch(constraint["regex"], text), text
+    prompt = tokenizer.encode("the cache serves")
+    if not cleanup:
+        assert tokenizer.decode(prompt + tokens) == tokenizer.decode(prompt) + text
+
+
+def test_a_grammar_the_vocabulary_cannot_spell_fails_with_the_reason():
+    """This WordPiece vocabulary has "{" only as a word (" {"), never glued on: an output that must
+    start with "{" has no token to start with, and filling its mask says so (the sample fails alone)."""
     tokenizer = _wordpiece_tokenizer()
     grammars = GrammarCompiler(tokenizer, len(tokenizer), tokenizer.eos_token_id)
-    with pytest.raises(ValueError, match="tokenizer is WordPiece"):
-        grammars.compile(StructuredOutputsParams(regex="[0-9]+"))
+    state = grammars.new_state(grammars.compile(StructuredOutputsParams(choice=["{}"])))
+    with pytest.raises(ValueError, match="structured_outputs: no token of this tokenizer"):
+        state.fill_bitmask(torch.full((1, (len(tokenizer) + 31) // 32), -1, dtype=torch.int32), 0)
+
+
+def test_wordpiece_outputs_keep_their_grammar_through_the_engine(qwen3_tiny, tmp_path):
+    """The engine with a WordPiece tokenizer (its decoder cleaning up, as BERT's does): choice and
+    regex hold in the returned text under greedy and seeded n=2 sampling, " ." included (the
+    tokenizer's own decode would clean it to "."); a constraint the vocabulary cannot spell fails
+    its own request alone."""
+    import shutil
+    for name in ("config.json", "model.safetensors"):
+        shutil.copy(f"{qwen3_tiny}/{name}", tmp_path)
+    _wordpiece_tokenizer().save_pretrained(tmp_path)
+    regex = r"( [a-z]+){2,4}"
+    choices = ["the next request runs .", "a cache hit"]
+    with LLM(str(tmp_path), kvcache_block_size=16, num_kvcache_blocks=64) as engine:
+        params = [SamplingParams(max_tokens=24, temperature=0.0, structured_outputs=dict(choice=choices)),
+                  SamplingParams(max_tokens=24, temperature=1.0, seed=5, n=2, structured_outputs=dict(regex=regex)),
+                  SamplingParams(max_tokens=24, structured_outputs=dict(choice=["{}"])),
+                  SamplingParams(max_tokens=8, temperature=0.0)]
+        chosen, spelled, unspellable, free = engine.generate(["the cache"] * 4, params, use_tqdm=False)
+    assert chosen["text"] in choices and chosen["finish_reason"] == "stop"
+    for sample in spelled["outputs"]:
+        assert sample["finish_reason"] == "length" or re.fullmatch(regex, sample["text"]), sample
+        assert re.fullmatch(r"( [a-z]+)*( [a-z]*)?", sample["text"])  # every prefix of a match
+    assert "structured_outputs: no token of this tokenizer" in unspellable["error"]
+    assert len(free["token_ids"]) == 8 and "error" not in free
 
 
 def test_the_overlapped_loop_steps_plainly_while_a_grammar_is_live(qwen3_tiny, reference):

@@ -42,6 +42,9 @@ class Request:
         self.prompt_logprobs_handed = False
         self.error: str | None = None  # set when the engine failed this request (a client-safe message)
         self.fault: Exception | None = None  # what building it raised: it fails as soon as it is submitted
+        # What decodes its samples' text, when not the engine's tokenizer (structured outputs over
+        # a WordPiece vocabulary: structured_outputs/wordpiece.py).
+        self.text_tokenizer = None
 
     @property
     def finished(self) -> bool:
@@ -83,7 +86,7 @@ class Request:
         """This request's RequestOutput, once finished; a failed request's carries `error`, and
         every sample's finish_reason is "abort" (the request failed as a whole)."""
         failed = self.error is not None
-        samples = [_completion(i, seq, tokenizer, failed) for i, seq in enumerate(self.seqs)]
+        samples = [_completion(i, seq, self.text_tokenizer or tokenizer, failed) for i, seq in enumerate(self.seqs)]
         prompt_logprobs = prompt_logprobs_output(self.seqs[0], tokenizer) if self.params.prompt_logprobs is not None \
             else None
         return RequestOutput(self.request_id, self.prompt, self.prompt_token_ids, prompt_logprobs, samples, True,

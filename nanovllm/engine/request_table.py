@@ -18,12 +18,16 @@ from nanovllm.engine.outputs import RequestDelta, RequestOutput
 from nanovllm.engine.request import Request
 from nanovllm.engine.scheduler import Scheduler
 from nanovllm.engine.sequence import Sequence
+from nanovllm.utils.validation import ParamError
 
 logger = logging.getLogger("nanovllm")
 
 # What the caller of a failed request is told: no exception text, which may hold paths or data.
 FAILED_MESSAGE = ("request {request_id} failed: an internal error while {phase}; it was aborted and the engine "
                   "goes on serving (the server log has the details under this request id)")
+# A fault the request's own input causes on the way (a ParamError: a constraint its tokenizer
+# cannot spell), whose message is written for the client.
+REFUSED_MESSAGE = "request {request_id} failed: {error}"
 BUILDING = "building it (tokenization, detokenizer)"
 OUTPUT = "building its output (detokenization)"
 
@@ -79,7 +83,10 @@ class RequestTable:
         """Fail one request: its unfinished samples finish with "abort" (blocks freed at once), its
         final output carries `error`, its caller is told. `error` is logged with its traceback
         under the request id (None: the caller logged it already)."""
-        if request.error is None:
+        if request.error is None and isinstance(error, ParamError):
+            request.error = REFUSED_MESSAGE.format(request_id=request.request_id, error=error)
+            logger.warning("%s", request.error)
+        elif request.error is None:
             request.error = FAILED_MESSAGE.format(request_id=request.request_id, phase=phase)
             if error is not None:
                 logger.error("request %s failed while %s; aborting it alone", request.request_id, phase,

@@ -2,9 +2,10 @@
 
 The tokenizer's vocabulary is read once (xgrammar.TokenizerInfo: byte-level BPE and
 SentencePiece vocabularies, byte fallback included), at the first constrained request, so an
-engine that never sees one pays nothing but the import. A WordPiece tokenizer (BERT's) is
-refused: its decoder puts spaces between words that no token holds, so no grammar over the
-tokens' text can say what the decoded output will be. Compiling is thread-safe and cached by xgrammar per constraint text
+engine that never sees one pays nothing but the import. A WordPiece vocabulary (BERT's) is
+given to xgrammar as the text each token adds after others (structured_outputs/wordpiece.py):
+its decoder puts a space before every word token and glues "##" pieces on, so the grammar
+constrains the text the caller gets. Compiling is thread-safe and cached by xgrammar per constraint text
 (the schema is kept as canonical JSON, so equal schemas hit the cache): the server compiles in
 its prompt thread, and the engine's own call as it builds the request finds the result there.
 A constraint xgrammar cannot compile is a ValueError naming the field and xgrammar's reason.
@@ -18,6 +19,7 @@ from transformers import PreTrainedTokenizerBase
 
 from nanovllm.sampling_params import StructuredOutputsParams
 from nanovllm.structured_outputs.state import GrammarState
+from nanovllm.structured_outputs.wordpiece import WordPieceText
 from nanovllm.utils.validation import ParamError
 
 # A compiled grammar per constraint: a few hundred KB each for a large vocabulary; this bounds
@@ -38,30 +40,30 @@ class GrammarCompiler:
         self.eos = eos  # what ends a completed grammar: the engine's end-of-text token
         self._compiler = None
         self._lock = threading.Lock()
-
-    def _unsupported_reason(self) -> str | None:
-        backend = getattr(self.tokenizer, "backend_tokenizer", None)
-        if backend is not None and type(backend.model).__name__ == "WordPiece":
-            return ("structured_outputs is not supported for this model: its tokenizer is WordPiece, whose decoding "
-                    "adds spaces between tokens that the tokens do not hold, so a grammar cannot constrain the text")
-        return None
+        self._wordpiece = WordPieceText.of(tokenizer) if tokenizer is not None else None
 
     def load(self) -> None:
-        """Read the vocabulary now, if the tokenizer can be constrained at all: the server does this
-        in the engine's thread, so no other thread reads the engine's tokenizer later."""
-        if self.tokenizer is not None and self._unsupported_reason() is None:
+        """Read the vocabulary now: the server does this in the engine's thread, so no other
+        thread reads the engine's tokenizer later."""
+        if self.tokenizer is not None:
             self._xgrammar_compiler()
 
     def _xgrammar_compiler(self) -> xgrammar.GrammarCompiler:
         with self._lock:  # the first two constrained requests may come from two threads
             if self._compiler is None:
-                reason = self._unsupported_reason()
-                if reason is not None:
-                    raise ParamError("structured_outputs", reason)
-                info = xgrammar.TokenizerInfo.from_huggingface(self.tokenizer, vocab_size=self.vocab_size,
-                                                               stop_token_ids=[self.eos])
+                if self._wordpiece is not None:
+                    info = xgrammar.TokenizerInfo(self._wordpiece.vocabulary(self.vocab_size), xgrammar.VocabType.RAW,
+                                                  vocab_size=self.vocab_size, stop_token_ids=[self.eos])
+                else:
+                    info = xgrammar.TokenizerInfo.from_huggingface(self.tokenizer, vocab_size=self.vocab_size,
+                                                                   stop_token_ids=[self.eos])
                 self._compiler = xgrammar.GrammarCompiler(info, cache_limit_bytes=CACHE_LIMIT_BYTES)
             return self._compiler
+
+    def text_tokenizer(self) -> WordPieceText | None:
+        """What decodes a constrained request's text when the engine's tokenizer may not give the
+        grammar's text (a WordPiece vocabulary: see wordpiece.py); None: the engine's own."""
+        return self._wordpiece
 
     def compile(self, params: StructuredOutputsParams) -> xgrammar.CompiledGrammar:
         """The compiled grammar; a ValueError naming the field if it does not compile."""
