@@ -273,3 +273,49 @@ def test_llm_chat_takes_tools_and_a_tool_call_history(tools_model):
         assert out[0]["text"] in ("noon", "midnight")
         with pytest.raises(ValueError, match="content None only in an assistant message with tool_calls"):
             llm.chat([{"role": "user", "content": None}], params, use_tqdm=False)
+
+
+# ---- LangChain's ChatOpenAI against the server ----
+
+@pytest.fixture(scope="module")
+def chat_model(server, client):
+    from langchain_openai import ChatOpenAI
+    return ChatOpenAI(model=client.models.list().data[0].id, base_url=server.base_url, api_key="unused",
+                      max_tokens=MAX_TOKENS, temperature=0, max_retries=0, timeout=120)
+
+
+def test_langchain_with_structured_output_gets_a_valid_object(chat_model):
+    """with_structured_output (json_schema, its default) on a pydantic model and on a JSON schema:
+    LangChain parses and validates the answer itself."""
+    from typing import Literal
+
+    from pydantic import BaseModel, Field
+
+    class Weather(BaseModel):
+        city: Literal["Paris", "Oslo", "Lima"]
+        days: int = Field(ge=1, le=7)
+
+    answer = chat_model.with_structured_output(Weather).invoke("What is the weather in Paris?")
+    assert isinstance(answer, Weather)
+    schema = {"title": "weather", "description": "a forecast request", **WEATHER}
+    answer = chat_model.with_structured_output(schema, method="json_schema").invoke("And in Oslo?")
+    jsonschema.validate(answer, WEATHER)
+
+
+@pytest.mark.parametrize("tool_choice", ["get_weather", "any"])
+def test_langchain_bind_tools_yields_tool_calls_and_round_trips(chat_model, tool_choice):
+    """bind_tools with a named function and with "any" (OpenAI's "required"): the AIMessage's
+    tool_calls carry ids and arguments valid for the schema; that message and a ToolMessage go
+    back in and the answer is plain text. (One call at a time: a random model making many may
+    run out of tokens before the list closes.)"""
+    from langchain_core.messages import HumanMessage, ToolMessage
+    bound = chat_model.bind_tools(TOOLS, tool_choice=tool_choice, parallel_tool_calls=False)
+    question = HumanMessage("What is the weather in Paris?")
+    reply = bound.invoke([question])
+    assert reply.tool_calls and all(call["id"].startswith("call_") for call in reply.tool_calls)
+    for call in reply.tool_calls:
+        assert tool_choice == "any" or call["name"] == tool_choice
+        jsonschema.validate(call["args"], SCHEMAS[call["name"]])
+    answers = [ToolMessage(json.dumps({"forecast": "sunny"}), tool_call_id=call["id"]) for call in reply.tool_calls]
+    final = chat_model.bind_tools(TOOLS, tool_choice="none").invoke([question, reply, *answers])
+    assert isinstance(final.content, str) and not final.tool_calls
