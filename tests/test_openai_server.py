@@ -152,6 +152,25 @@ def test_stop_equals_offline(client, offline):
     assert "".join(c.choices[0].text for c in stream if c.choices) == expected["text"]
 
 
+def test_a_stream_sends_a_chunk_per_token_while_text_is_held_back(client, offline):
+    """A stop string of 12 characters that never matches holds back the last 11 characters of
+    text: the steps in between still send a chunk each (empty text), as vLLM does, so a client
+    timing inter-token latency sees every token; the text joins up to the offline text."""
+    stop = "\u2603" * 12  # never produced: every step's text is held back until enough follows
+    expected = offline.generate(PROMPTS[:1], greedy(12, stop=[stop]), use_tqdm=False)[0]
+    stream = client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=12, temperature=0, stop=[stop],
+                                       stream=True)
+    chunks = [c.choices[0] for c in stream if c.choices]
+    assert len(chunks) == len(expected["token_ids"]) == 12
+    assert "".join(c.text for c in chunks) == expected["text"] and chunks[0].text == ""
+    chat = offline.chat(CHAT, greedy(12, stop=[stop]), use_tqdm=False)[0]
+    stream = client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=12, temperature=0, stop=[stop],
+                                            stream=True)
+    deltas = [c.choices[0].delta for c in stream if c.choices][1:]  # after the role's chunk
+    assert len(deltas) == len(chat["token_ids"]) == 12
+    assert "".join(d.content or "" for d in deltas) == chat["text"] and deltas[0].content == ""
+
+
 def test_logprobs_equal_offline(client, offline):
     expected = offline.generate(PROMPTS[:1], greedy(logprobs=2), use_tqdm=False)[0]
     response = client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=MAX_TOKENS, temperature=0,

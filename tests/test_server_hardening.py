@@ -345,3 +345,19 @@ def test_tensor_parallel_store_listens_on_loopback_only(qwen3_tiny):
                                 use_tqdm=False)[0]["token_ids"]) == 3
     finally:
         llm.exit()
+
+
+def test_serving_on_cpu_prefills_a_bounded_number_of_tokens_per_step(qwen3_tiny):
+    """Left unset (the CLI's default too), max_num_batched_tokens is vLLM's CPU serving budget, so a
+    burst of prompts is prefilled a few per step; a given value, or another device, keeps its own."""
+    from nanovllm.entrypoints.openai.server_settings import CPU_SERVING_MAX_BATCHED_TOKENS
+    assert ServerSettings(qwen3_tiny, {"device": "cpu"}).engine_kwargs["max_num_batched_tokens"] == \
+        CPU_SERVING_MAX_BATCHED_TOKENS
+    assert ServerSettings(qwen3_tiny, {"device": "cpu", "max_num_batched_tokens": None}).engine_kwargs[
+        "max_num_batched_tokens"] == CPU_SERVING_MAX_BATCHED_TOKENS
+    assert ServerSettings(qwen3_tiny, {"device": "cpu", "max_num_batched_tokens": 512}).engine_kwargs[
+        "max_num_batched_tokens"] == 512
+    assert "max_num_batched_tokens" not in ServerSettings(qwen3_tiny, {"device": "cuda"}).engine_kwargs
+    from nanovllm.entrypoints.cli.main import build_parser
+    args = build_parser().parse_args(["serve", qwen3_tiny])
+    assert args.max_num_batched_tokens is None

@@ -117,7 +117,9 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
     server_fields = add_dataclass_flags(server_group, ServerSettings, skip=("model", "engine_kwargs"),
                                         choices={"reasoning_parser": tuple(REASONING_PARSERS)})
     engine_fields = _add_engine_flags(serve)
-    serve.set_defaults(run=_serve, engine_fields=engine_fields, server_fields=server_fields)
+    # Left unset, the server picks it (server_settings.CPU_SERVING_MAX_BATCHED_TOKENS on CPU).
+    serve.set_defaults(run=_serve, engine_fields=engine_fields, server_fields=server_fields,
+                       max_num_batched_tokens=None)
 
 
 def _add_generate(sub: argparse._SubParsersAction) -> None:

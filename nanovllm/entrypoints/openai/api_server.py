@@ -461,8 +461,10 @@ async def _completion_events(state, body: CompletionRequest, params: SamplingPar
                 if params.logprobs is not None and ids:
                     logprobs = _completion_logprobs(tokenizer, ids, entries, offsets[choice])
                 offsets[choice] += len(text)
-                if not (text or logprobs or sample.finished):
-                    continue  # text held back (a partial character or a possible stop string)
+                if not (text or ids or sample.finished):
+                    continue  # no new token (echo_only's empty chunk)
+                # A new token whose text is held back (a partial character, a possible stop string)
+                # still sends a chunk, with empty text, as vLLM does: one chunk per token per step.
                 finish_reason = ("length" if echo_only else sample.finish_reason) if sample.finished else None
                 chunk = CompletionChoice(index=choice, text=text, logprobs=logprobs, finish_reason=finish_reason,
                                          stop_reason=sample.stop_reason if sample.finished and not echo_only else None,
@@ -633,11 +635,17 @@ async def _chat_events(state, body: ChatCompletionRequest, params: SamplingParam
                     if not deltas and sample.finished:
                         deltas = [DeltaMessage()]
                     reason = finish_reason(sample.finish_reason, tools.called)
+                # Plain content sends a chunk for every step with new tokens, "" while text is held
+                # back (a partial character, a stop string), as vLLM does; the parsers' held-back
+                # text (a reasoning tag, a tool call being written) sends none.
+                plain = tool_deltas is None and parsers[sample.index] is None
                 for k, delta in enumerate(deltas):
                     last = k == len(deltas) - 1
-                    if last and not (delta.content or delta.reasoning_content or delta.tool_calls or logprobs
-                                     or sample.finished):
-                        continue  # text held back (a partial character, stop string, reasoning tag or tool call)
+                    if plain and sample.token_ids and delta.content is None:
+                        delta = DeltaMessage(content="")
+                    if last and not (delta.content is not None or delta.reasoning_content or delta.tool_calls
+                                     or logprobs or sample.finished):
+                        continue
                     yield chunk([ChatCompletionStreamChoice(
                         index=sample.index, delta=delta, logprobs=logprobs if k == 0 else None,
                         finish_reason=reason if sample.finished and last else None,

@@ -31,6 +31,11 @@ DEFAULT_HEADER_TIMEOUT = 10.0
 # at a slow 1 Mbit/s.
 DEFAULT_BODY_TIMEOUT = 40.0
 API_KEY_ENV = "NANOVLLM_API_KEY"
+# Tokens one step computes when serving on CPU, unless max_num_batched_tokens is given (vLLM's CPU
+# default for its server): a burst of prompts is prefilled a few per step, so the first streams
+# start before the last prompt is prefilled and running streams keep stepping in between. (On CUDA,
+# and offline, Config's default stands: a step's prefill is short there, or no one waits on it.)
+CPU_SERVING_MAX_BATCHED_TOKENS = 2048
 
 
 @dataclass
@@ -54,6 +59,12 @@ class ServerSettings:
     reasoning_parser: str | None = None
     # how tool calls are found in a chat answer under tool_choice "auto" (e.g. hermes, as Qwen writes them)
     tool_call_parser: str | None = None
+
+    def __post_init__(self):
+        if self.engine_kwargs.get("max_num_batched_tokens", None) is None:
+            self.engine_kwargs.pop("max_num_batched_tokens", None)
+            if _serves_on_cpu(self.engine_kwargs.get("device", "auto")):
+                self.engine_kwargs["max_num_batched_tokens"] = CPU_SERVING_MAX_BATCHED_TOKENS
 
     @property
     def model_name(self) -> str:
@@ -100,3 +111,12 @@ def api_key_from_env() -> str | None:
     """$NANOVLLM_API_KEY; None when unset. Set but empty is returned as "" for check() to refuse:
     an empty variable is more often a missing secret than a wish to serve without a key."""
     return os.environ.get(API_KEY_ENV)
+
+
+def _serves_on_cpu(device: object) -> bool:
+    if device == "cpu":
+        return True
+    if device != "auto":
+        return False
+    import torch  # here: the CLI builds its flags from this module without loading torch
+    return not torch.cuda.is_available()
