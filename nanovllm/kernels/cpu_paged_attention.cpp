@@ -30,6 +30,10 @@
 #include <type_traits>
 #include <vector>
 
+#ifdef __AVX512F__
+#include <immintrin.h>
+#endif
+
 namespace {
 
 enum DType { F32 = 0, BF16 = 1, F16 = 2 };
@@ -51,6 +55,23 @@ template <typename T> inline float load(const typename T::storage* p);
 template <> inline float load<F32T>(const float* p) { return *p; }
 template <> inline float load<F16T>(const _Float16* p) { return static_cast<float>(*p); }
 template <> inline float load<BF16T>(const uint16_t* p) { return bf16_to_float(*p); }
+
+// dst[0:n] = src[0:n] as float32, n a multiple of LANES. bfloat16 by explicit AVX-512 widening
+// where the compiler has it (its auto-vectorised memcpy form runs several times slower).
+template <typename T>
+inline void load_row(const typename T::storage* __restrict__ src, float* __restrict__ dst, int n) {
+#ifdef __AVX512F__
+  if constexpr (std::is_same_v<T, BF16T>) {
+    for (int j = 0; j < n; j += 16) {
+      const __m256i half = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + j));
+      _mm512_storeu_ps(dst + j, _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(half), 16)));
+    }
+    return;
+  }
+#endif
+#pragma omp simd
+  for (int j = 0; j < n; ++j) dst[j] = load<T>(src + j);
+}
 
 template <typename T> inline void store(typename T::storage* p, float x);
 template <> inline void store<F32T>(float* p, float x) { *p = x; }
@@ -92,7 +113,10 @@ inline float exp_nonpositive(float x) {
 }
 
 constexpr int LANES = 16;  // floats per AVX-512 vector (two AVX2 vectors): the unit of the inner loops
-constexpr int ROWS = 4;  // query rows per register block: each K/V vector loaded serves ROWS rows
+// Query rows per register block (a template parameter, ROWS): each K/V vector loaded serves ROWS
+// rows. Prefill takes MAX_ROWS; a decode item has `group` rows (one query per head of the group),
+// so it takes 1 or 2 for groups of 1 or 2 rather than compute padding rows.
+constexpr int MAX_ROWS = 4;
 constexpr int CACHE_LINE = 64;  // bytes per prefetch
 // A head's rows (queries x group, padded to ROWS) from which the block's K is transposed to
 // [head_dim][tokens] so scores are vectors over tokens (no horizontal sums); fewer rows (decode)
@@ -110,7 +134,7 @@ struct Item {
 
 // acc[r][0:CHUNK] += sum over t < n of p[r][t] * v[t][0:CHUNK] for ROWS rows, held in registers.
 // V rows are read from the cache where they lie (token stride `token_stride`), converted in registers.
-template <typename T, int CHUNK>
+template <typename T, int ROWS, int CHUNK>
 inline void accumulate_pv(float* __restrict__ acc, const float* __restrict__ p,
                           const typename T::storage* __restrict__ v, int64_t token_stride, int n,
                           int head_dim, int p_stride) {
@@ -119,8 +143,7 @@ inline void accumulate_pv(float* __restrict__ acc, const float* __restrict__ p,
     for (int j = 0; j < CHUNK; ++j) a[i][j] = acc[static_cast<size_t>(i) * head_dim + j];
   for (int t = 0; t < n; ++t) {
     float vt[CHUNK];
-#pragma omp simd
-    for (int j = 0; j < CHUNK; ++j) vt[j] = load<T>(v + t * token_stride + j);
+    load_row<T>(v + t * token_stride, vt, CHUNK);
     for (int i = 0; i < ROWS; ++i) {
       const float pi = p[static_cast<size_t>(i) * p_stride + t];
 #pragma omp simd
@@ -132,7 +155,7 @@ inline void accumulate_pv(float* __restrict__ acc, const float* __restrict__ p,
 }
 
 // s[r][t] = qf[r] . k[t] for `rows` rows (a multiple of ROWS) and the block's n tokens of one head.
-template <typename T>
+template <typename T, int ROWS>
 void scores_by_dot(float* __restrict__ s, const float* __restrict__ qf, const typename T::storage* __restrict__ k,
                    int64_t token_stride, int n, int rows, int head_dim, int width, float* __restrict__ kf) {
   for (int t = 0; t < n; ++t) {
@@ -140,6 +163,8 @@ void scores_by_dot(float* __restrict__ s, const float* __restrict__ qf, const ty
     const float* kr = kf;
     if constexpr (std::is_same_v<T, F32T>) {
       kr = kp;  // already float32: read in place
+    } else if (head_dim % LANES == 0) {
+      load_row<T>(kp, kf, head_dim);
     } else {
 #pragma omp simd
       for (int d = 0; d < head_dim; ++d) kf[d] = load<T>(kp + d);
@@ -155,17 +180,21 @@ void scores_by_dot(float* __restrict__ s, const float* __restrict__ qf, const ty
         }
       for (; d0 < head_dim; ++d0)  // a head_dim that is not a multiple of LANES: the last columns one by one
         for (int i = 0; i < ROWS; ++i) a[i][0] += qf[static_cast<size_t>(r0 + i) * head_dim + d0] * kr[d0];
-      for (int i = 0; i < ROWS; ++i) {  // a pairwise tree: vector halves added, not 16 scalar adds in a chain
+      for (int i = 0; i < ROWS; ++i) {
+#ifdef __AVX512F__
+        s[static_cast<size_t>(r0 + i) * width + t] = _mm512_reduce_add_ps(_mm512_loadu_ps(a[i]));
+#else  // a pairwise tree: vector halves added, not 16 scalar adds in a chain
         for (int half = LANES / 2; half > 0; half /= 2)
           for (int j = 0; j < half; ++j) a[i][j] += a[i][j + half];
         s[static_cast<size_t>(r0 + i) * width + t] = a[i][0];
+#endif
       }
     }
   }
 }
 
 // The same scores through K transposed into kt [head_dim][width] (tokens n..padded zeroed).
-template <typename T>
+template <typename T, int ROWS>
 void scores_transposed(float* __restrict__ s, const float* __restrict__ qf, const typename T::storage* __restrict__ k,
                        int64_t token_stride, int n, int rows, int head_dim, int width, float* __restrict__ kt) {
   const int n_padded = round_up(n, LANES);
@@ -192,7 +221,7 @@ void scores_transposed(float* __restrict__ s, const float* __restrict__ qf, cons
   }
 }
 
-template <typename T>
+template <typename T, int ROWS>
 void attend_item(const Item& item, const typename T::storage* q, typename T::storage* out,
                  const typename T::storage* k_cache, const typename T::storage* v_cache,
                  const int32_t* table, int64_t q_stride_token, int64_t q_stride_head,
@@ -261,9 +290,9 @@ void attend_item(const Item& item, const typename T::storage* q, typename T::sto
       float* sh = s + static_cast<size_t>(hl) * head_rows * width;
       const float* qh = qf + static_cast<size_t>(hl) * head_rows * head_dim;
       if (transpose)
-        scores_transposed<T>(sh, qh, k, token_stride, n, head_rows, head_dim, width, kbuf);
+        scores_transposed<T, ROWS>(sh, qh, k, token_stride, n, head_rows, head_dim, width, kbuf);
       else
-        scores_by_dot<T>(sh, qh, k, token_stride, n, head_rows, head_dim, width, kbuf);
+        scores_by_dot<T, ROWS>(sh, qh, k, token_stride, n, head_rows, head_dim, width, kbuf);
     }
     // Online softmax per row over the keys it sees here (positions first..first+nv-1); the
     // row's scores become its weights, zero past nv, and its accumulator is rescaled.
@@ -300,9 +329,9 @@ void attend_item(const Item& item, const typename T::storage* q, typename T::sto
       const S* v = v_block + static_cast<int64_t>(item.head_begin + r0 / head_rows) * head_dim;
       int d0 = 0;
       for (; d0 + 4 * LANES <= head_dim; d0 += 4 * LANES)
-        accumulate_pv<T, 4 * LANES>(ar + d0, pr, v + d0, token_stride, n, head_dim, width);
+        accumulate_pv<T, ROWS, 4 * LANES>(ar + d0, pr, v + d0, token_stride, n, head_dim, width);
       for (; d0 + LANES <= head_dim; d0 += LANES)
-        accumulate_pv<T, LANES>(ar + d0, pr, v + d0, token_stride, n, head_dim, width);
+        accumulate_pv<T, ROWS, LANES>(ar + d0, pr, v + d0, token_stride, n, head_dim, width);
       for (; d0 < head_dim; ++d0)  // a head_dim that is not a multiple of LANES: the last columns one by one
         for (int i = 0; i < ROWS; ++i)
           for (int t = 0; t < n; ++t)
@@ -344,13 +373,16 @@ void run(const void* q, void* out, const void* k_cache, const void* v_cache, con
     return k_len[a.seq] - q_len[a.seq] + a.q_end > k_len[b.seq] - q_len[b.seq] + b.q_end;
   });
   const int64_t count = static_cast<int64_t>(items.size());
+  // Rows per item's head: decode (one query) has `group`, prefill tiles many more.
+  const int max_live_rows = q_tile * group;
+  auto attend = max_live_rows == 1 ? attend_item<T, 1> : max_live_rows == 2 ? attend_item<T, 2> : attend_item<T, MAX_ROWS>;
 #pragma omp parallel num_threads(num_threads)
   {
     std::vector<float> scratch;
 #pragma omp for schedule(dynamic, 1)
     for (int64_t w = 0; w < count; ++w) {
       const Item& item = items[w];
-      attend_item<T>(item, static_cast<const S*>(q), static_cast<S*>(out), static_cast<const S*>(k_cache),
+      attend(item, static_cast<const S*>(q), static_cast<S*>(out), static_cast<const S*>(k_cache),
                      static_cast<const S*>(v_cache), block_tables + item.seq * table_stride, q_stride_token,
                      q_stride_head, out_stride_token, out_stride_head, q_start[item.seq], q_len[item.seq],
                      k_len[item.seq], group, num_kv_heads, head_dim, block_size, scale, scratch);
