@@ -76,11 +76,12 @@ def test_sampler_triton_race_and_verifier_apply_the_same_pipeline(seed, monkeypa
 
     # 1. The torch sampler: its greedy tokens, and the logits its race draws from.
     raced: list = []
-    spy(monkeypatch, sampler, "exponential_race", raced)
+    spy(monkeypatch, sampler, "draw", raced)
     t = prepare_sampling(seqs, VOCAB, EOS, torch.device("cpu"))
     assert t.before_temperature or t.after_temperature, "the batch exercises no processor"
     tokens, _ = Sampler().draw(logits.clone(), t)
-    expected = torch.softmax(raced[0][0], dim=-1)  # [rows, vocab]; sampled rows only are meaningful
+    weights = raced[0][0]  # [rows, vocab] what the draw picks from; sampled rows only are meaningful
+    expected = weights / weights.sum(dim=-1, keepdim=True)
     greedy_tokens = tokens[greedy]
 
     # 2. The Triton race (fused sampler), interpreted on CPU: what the kernel is handed.

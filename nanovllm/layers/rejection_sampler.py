@@ -25,28 +25,12 @@ import torch
 from torch import nn
 
 from nanovllm.layers.logits_processors import SamplingTensors
+from nanovllm.layers.sampler import draw, uniforms
 
 
 class Verdicts(NamedTuple):
     accepted: list[bool]  # per row: its proposed token is accepted (False on each sequence's last row)
     tokens: list[int]  # per row: the token emitted if the run of accepted tokens ends at this row
-
-
-def draw(weights: torch.Tensor, t: SamplingTensors) -> torch.Tensor:
-    """One token per row, with probability proportional to `weights` [rows, vocab] (unnormalised,
-    >= 0): argmax of w / E with E ~ Exp(1); seeded rows draw E from their own generator."""
-    noise = torch.empty_like(weights).exponential_()
-    for row, generator in t.generators:
-        noise[row].exponential_(generator=generator)
-    return (weights / noise.clamp_min(torch.finfo(noise.dtype).tiny)).argmax(dim=-1)
-
-
-def uniforms(rows: int, t: SamplingTensors, device: torch.device) -> torch.Tensor:
-    """[rows] float32 in [0, 1); seeded rows from their own generator."""
-    u = torch.rand(rows, device=device)
-    for row, generator in t.generators:
-        u[row] = torch.rand((), generator=generator, device=device)
-    return u
 
 
 class RejectionSampler(nn.Module):

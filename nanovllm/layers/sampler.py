@@ -4,8 +4,9 @@ Split in two (as mini-sglang): `prepare_sampling` (runner/sampling_inputs.py) ga
 row's parameters on the host into `SamplingTensors`, the batch's pipeline of logits processors
 (layers/logits_processors.py: bias, bans, penalties, then temperature, then min_p, top_k, top_p),
 and `Sampler` does the work on the device and never sees a sequence. Greedy rows (temperature 0)
-take the argmax of the adjusted logits and never see the random draw. A row with a seed draws
-its noise from its own generator, so its tokens do not depend on what else is in the batch.
+take the argmax of the adjusted logits and never see the random draw: on the CPU an inverse
+transform of one uniform per row (`draw`), elsewhere an exponential race over the vocabulary. A
+row with a seed draws from its own generator, so its tokens do not depend on what else is in the batch.
 Logprobs are the model's raw log-softmax, before any of that processing.
 
 With Triton kernels chosen (`enable_triton`, by the model runner) the draw is
@@ -54,6 +55,31 @@ def exponential_race(logits: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
     """argmax(p / E) with E ~ Exp(1) draws a token from p = softmax(logits), with no host sync."""
     probs = torch.softmax(logits, dim=-1)
     return (probs / noise.clamp_min(torch.finfo(noise.dtype).tiny)).argmax(dim=-1)
+
+
+def uniforms(rows: int, t: SamplingTensors, device: torch.device) -> torch.Tensor:
+    """[rows] float32 in [0, 1); seeded rows from their own generator."""
+    u = torch.rand(rows, device=device)
+    for row, generator in t.generators:
+        u[row] = torch.rand((), generator=generator, device=device)
+    return u
+
+
+def draw(weights: torch.Tensor, t: SamplingTensors) -> torch.Tensor:
+    """One token per row with probability proportional to `weights` [rows, vocab] (>= 0, not
+    necessarily normalised); seeded rows draw from their own generator. On the CPU by inverse
+    transform: one uniform per row against the row's cumulative sums (torch sums float32 in
+    double there; the first token whose sum exceeds the draw, so never one of weight 0): ~2 ms at
+    64 rows x 32k tokens, where the race's Exp(1) noise for every token took ~40 ms on its own.
+    Elsewhere the race (argmax of w / E, E ~ Exp(1)), which needs no sort, scan or host sync."""
+    if weights.device.type == "cpu":
+        cdf = weights.float().cumsum(dim=-1)
+        u = uniforms(weights.size(0), t, weights.device).unsqueeze(1) * cdf[:, -1:]
+        return torch.searchsorted(cdf, u, right=True).squeeze(1).clamp_max_(weights.size(-1) - 1)
+    noise = torch.empty_like(weights).exponential_()
+    for row, generator in t.generators:
+        noise[row].exponential_(generator=generator)
+    return (weights / noise.clamp_min(torch.finfo(noise.dtype).tiny)).argmax(dim=-1)
 
 
 class Sampler(nn.Module):
@@ -108,6 +134,8 @@ class Sampler(nn.Module):
     @staticmethod
     def _race(logits: torch.Tensor, t: SamplingTensors) -> torch.Tensor:
         """One token per row drawn from softmax(logits); seeded rows draw from their own generator."""
+        if logits.device.type == "cpu":
+            return draw(torch.softmax(logits, dim=-1), t)
         noise = torch.empty_like(logits).exponential_()
         for row, generator in t.generators:  # seeded rows draw from their own generator
             noise[row].exponential_(generator=generator)

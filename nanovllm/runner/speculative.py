@@ -27,8 +27,8 @@ from nanovllm.engine.ngram_proposer import NgramProposer
 from nanovllm.engine.scheduler import RECOMPUTE
 from nanovllm.engine.sequence import Sequence
 from nanovllm.layers.attention import Attention
-from nanovllm.layers.rejection_sampler import RejectionSampler, draw
-from nanovllm.layers.sampler import TokenLogprobs
+from nanovllm.layers.rejection_sampler import RejectionSampler
+from nanovllm.layers.sampler import TokenLogprobs, draw
 from nanovllm.runner.memory_check import kv_block_bytes, model_bytes, model_on_meta
 from nanovllm.runner.model_runner import MemoryReserve, ModelRunner, StepLogits
 from nanovllm.runner.protocol import RunnerOutput
