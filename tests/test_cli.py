@@ -386,7 +386,10 @@ def read_stderr_until(proc: subprocess.Popen, marker: str) -> str:
 
 
 def test_ctrl_c_during_generate_prints_one_line_and_exits_130(qwen3_tiny):
-    proc = start_cli("generate", qwen3_tiny, "Hello", "--max-tokens", "1000000", "--ignore-eos", *ENGINE_FLAGS)
+    # 64 prompts to the context's end (~64,000 tokens, many seconds): the Ctrl-C lands mid-run even
+    # when this busy machine is slow to read the start-up line (one prompt could finish first).
+    proc = start_cli("generate", qwen3_tiny, *["Hello"] * 64, "--max-tokens", "1000000", "--ignore-eos",
+                     *ENGINE_FLAGS)
     try:
         read_stderr_until(proc, "start-up")  # the engine is built: it is generating now
         proc.send_signal(signal.SIGINT)
