@@ -385,11 +385,20 @@ def read_stderr_until(proc: subprocess.Popen, marker: str) -> str:
     raise AssertionError("no " + marker)
 
 
-def test_ctrl_c_during_generate_prints_one_line_and_exits_130(qwen3_tiny):
-    # 64 prompts to the context's end (~64,000 tokens, many seconds): the Ctrl-C lands mid-run even
-    # when this busy machine is slow to read the start-up line (one prompt could finish first).
-    proc = start_cli("generate", qwen3_tiny, *["Hello"] * 64, "--max-tokens", "1000000", "--ignore-eos",
-                     *ENGINE_FLAGS)
+@pytest.fixture
+def interruptible_children():
+    """Children that start with SIGINT at its default, as from a terminal. A test run started in
+    the background by a non-interactive shell has SIGINT ignored, which children inherit, and
+    Python then installs no KeyboardInterrupt handler: a Ctrl-C test would see its child run on."""
+    previous = signal.getsignal(signal.SIGINT)
+    if previous == signal.SIG_IGN:
+        signal.signal(signal.SIGINT, signal.default_int_handler)  # exec resets a handler to SIG_DFL
+    yield
+    signal.signal(signal.SIGINT, previous)
+
+
+def test_ctrl_c_during_generate_prints_one_line_and_exits_130(qwen3_tiny, interruptible_children):
+    proc = start_cli("generate", qwen3_tiny, "Hello", "--max-tokens", "1000000", "--ignore-eos", *ENGINE_FLAGS)
     try:
         read_stderr_until(proc, "start-up")  # the engine is built: it is generating now
         proc.send_signal(signal.SIGINT)

@@ -8,6 +8,7 @@ compiled functions the greedy tokens equal the eager engine's. (The Triton path'
 with every kernel specialisation recorded, is tests/test_compile_once.py.)
 """
 import pytest
+import torch
 from torch._dynamo.utils import counters
 
 from nanovllm import LLM, SamplingParams
@@ -22,6 +23,14 @@ CALLS = [(1, SamplingParams(temperature=0.0, max_tokens=9, ignore_eos=True)),
               SamplingParams(temperature=0.0, max_tokens=7, ignore_eos=True),
               SamplingParams(temperature=1.0, top_p=0.9, repetition_penalty=1.1, max_tokens=6, ignore_eos=True)]),
          (7, SamplingParams(temperature=0.0, max_tokens=11, ignore_eos=True))]
+
+
+@pytest.fixture(autouse=True)
+def fresh_dynamo():
+    """Compiled functions are compiled once per process (utils/compile.py); reset dynamo after
+    each test so a later test that compiles them (tests/test_cuda_path.py) compiles anew."""
+    yield
+    torch._dynamo.reset()
 
 
 def dynamo_counts() -> dict:

@@ -131,7 +131,8 @@ def test_compiled_layers_keep_greedy_parity(qwen3_tiny):
     Pinned to CPU on every machine: the compiled functions are compiled once per process and
     kept, so on a GPU machine earlier CUDA tests have compiled them already; compiled code is
     specialised per device, though, and only this test compiles for CPU (compile_mode="auto"
-    leaves CPU eager), so new graphs show that the CPU run took the compiled branch.
+    leaves CPU eager; tests/test_cpu_compile_once.py also does, and resets dynamo after), so new
+    graphs show that the CPU run took the compiled branch.
     """
     from torch._dynamo.utils import counters
 
