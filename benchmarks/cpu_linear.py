@@ -5,11 +5,16 @@ what the engine runs), per GEMM shape of issue 29's real-proportion model and pe
 The variants alternate, round after round, so load on a shared host falls on all; the table gives
 the median and minimum over rounds of the process's CPU time per call (with one thread, the work
 done, little disturbed by other processes; with more it counts their spinning too) and, from the
-median, GFLOP/s (2*M*N*K) and GB/s of weight streamed (what bounds batch 1).
+median, GFLOP/s (2*M*N*K) and GB/s of weight streamed (what bounds batch 1), each also as a share
+of this machine's measured ceilings, timed the same way first: GFLOP/s of a large square matmul
+in the dtype (compute-bound) and GB/s of a sum over a buffer far larger than the caches
+(memory-bound). A final JSON line (`"benchmark": "cpu_linear"`) holds every row.
 
 Usage: python benchmarks/cpu_linear.py [--threads 1] [--rows 1,4,16,64,256] [--rounds 9]
 """
 import argparse
+import json
+import platform
 import statistics
 import time
 
@@ -21,6 +26,36 @@ PACK_BATCH_HINT = 64  # as nanovllm/utils/cpu.py
 SHAPES = [(1024, 512), (512, 512), (3072, 512), (512, 1536), (32000, 512)]
 
 
+CEILING_GEMM = 2048  # M = N = K of the compute ceiling's matmul
+CEILING_BUFFER_BYTES = 512 * 1024 * 1024  # the bandwidth ceiling's buffer: far past any cache
+SEED = 0
+
+
+def cpu_seconds(fn, calls: int, rounds: int) -> float:
+    """Median over rounds of the process's CPU time per call, after one untimed call."""
+    fn()
+    times = []
+    for _ in range(rounds):
+        start = time.process_time()
+        for _ in range(calls):
+            fn()
+        times.append((time.process_time() - start) / calls)
+    return statistics.median(times)
+
+
+def ceilings(rounds: int) -> dict:
+    """GFLOP/s of a CEILING_GEMM-cubed matmul per dtype, and GB/s of a sum over a large buffer."""
+    out = {}
+    for dtype in (torch.float32, torch.bfloat16):
+        a = torch.randn(CEILING_GEMM, CEILING_GEMM, dtype=dtype)
+        b = torch.randn(CEILING_GEMM, CEILING_GEMM, dtype=dtype)
+        out[f"{str(dtype).removeprefix('torch.')}_gflops"] = 2 * CEILING_GEMM ** 3 / cpu_seconds(
+            lambda: torch.mm(a, b), 2, rounds) / 1e9
+    buffer = torch.ones(CEILING_BUFFER_BYTES // 4, dtype=torch.float32)
+    out["gb_per_s"] = CEILING_BUFFER_BYTES / cpu_seconds(lambda: buffer.sum(), 2, rounds) / 1e9
+    return out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--threads", type=int, default=1)
@@ -28,6 +63,12 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=9)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
+    torch.manual_seed(SEED)
+    peak = ceilings(max(3, args.rounds // 3))
+    print(f"ceilings, {args.threads} thread(s): float32 {peak['float32_gflops']:.0f} GFLOP/s, bfloat16 "
+          f"{peak['bfloat16_gflops']:.0f} GFLOP/s (a {CEILING_GEMM}^3 matmul); {peak['gb_per_s']:.1f} GB/s "
+          f"(a sum over {CEILING_BUFFER_BYTES >> 20} MiB)", flush=True)
+    rows = []
     for dtype in (torch.float32, torch.bfloat16):
         for n, k in SHAPES:
             weight = torch.randn(n, k, dtype=dtype) * 0.02
@@ -47,11 +88,20 @@ def main() -> None:
                             fn()
                         times[name].append((time.process_time() - start) / calls)
                 cells = []
+                name_of_dtype = str(dtype).removeprefix('torch.')
                 for name, ts in times.items():
                     median, weight_bytes = statistics.median(ts), n * k * weight.element_size()
-                    cells.append(f"{name} {median * 1e6:.0f} us (min {min(ts) * 1e6:.0f}; "
-                                 f"{2 * m * n * k / median / 1e9:.0f} GFLOP/s, {weight_bytes / median / 1e9:.0f} GB/s)")
-                print(f"{str(dtype).removeprefix('torch.')} M={m} N={n} K={k}: " + " | ".join(cells), flush=True)
+                    gflops, gbps = 2 * m * n * k / median / 1e9, weight_bytes / median / 1e9
+                    share_flops, share_bytes = gflops / peak[f"{name_of_dtype}_gflops"], gbps / peak["gb_per_s"]
+                    cells.append(f"{name} {median * 1e6:.0f} us (min {min(ts) * 1e6:.0f}; {gflops:.0f} GFLOP/s = "
+                                 f"{share_flops:.0%}, {gbps:.0f} GB/s = {share_bytes:.0%})")
+                    rows.append({"dtype": name_of_dtype, "m": m, "n": n, "k": k, "variant": name, "us": median * 1e6,
+                                 "gflops": gflops, "gflops_share": share_flops, "gb_per_s": gbps,
+                                 "gb_share": share_bytes})
+                print(f"{name_of_dtype} M={m} N={n} K={k}: " + " | ".join(cells), flush=True)
+    print(json.dumps({"benchmark": "cpu_linear", "date": time.strftime("%Y-%m-%d"), "cpu": platform.processor() or
+                      platform.machine(), "threads": args.threads, "torch": torch.__version__, "ceilings": peak,
+                      "rows": rows}))
 
 
 if __name__ == "__main__":
