@@ -71,6 +71,13 @@ MAX_TENSOR_PARALLEL_SIZE = 8
 MIN_HEARTBEAT_TIMEOUT_S = 1.0
 
 
+def auto_device(device: str) -> str:
+    """The device `device` names here: "auto" is cuda when torch sees a CUDA device, else cpu."""
+    if device == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    return device
+
+
 @dataclass
 class Config:
     model: str
@@ -313,7 +320,7 @@ class Config:
 
     def _resolve_device(self) -> str:
         if self.device == "auto":
-            return "cuda" if torch.cuda.is_available() else "cpu"
+            return auto_device(self.device)
         if self.device == "cuda" and not torch.cuda.is_available():
             raise ParamError("device", "device='cuda' but torch sees no CUDA device; use device='cpu' or 'auto'")
         return self.device

@@ -27,7 +27,8 @@ class Request:
     """One prompt of a call (or of add_requests) and its n samples; sample i is seqs[i]."""
 
     def __init__(self, index: int, prompt_token_ids: list[int], params: SamplingParams, seqs: list[Sequence],
-                 request_id: str | None, inbox: dict[str, None], prompt: str | None = None):
+                 request_id: str | None, inbox: dict[str, None], prompt: str | None = None,
+                 text_tokenizer=None):
         self.index = index  # its position in the call that made it
         self.prompt = prompt  # its text, when it was given as text
         self.prompt_token_ids = prompt_token_ids
@@ -44,7 +45,7 @@ class Request:
         self.fault: Exception | None = None  # what building it raised: it fails as soon as it is submitted
         # What decodes its samples' text, when not the engine's tokenizer (structured outputs over
         # a WordPiece vocabulary: structured_outputs/wordpiece.py).
-        self.text_tokenizer = None
+        self.text_tokenizer = text_tokenizer
 
     @property
     def finished(self) -> bool:

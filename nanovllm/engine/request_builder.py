@@ -171,8 +171,8 @@ class RequestBuilder:
         # Compiled once per request (a cache hit when the server compiled it already); a constraint
         # that does not compile is a ParamError naming it, before anything is queued.
         grammar = self.grammars.compile(params.structured_outputs) if params.structured_outputs else None
-        # A constrained request's text is the grammar's text: some tokenizers decode it themselves.
-        text_tokenizer = (grammar is not None and self.grammars.text_tokenizer()) or self.tokenizer
+        # A constrained request's text is the grammar's text: some vocabularies decode it themselves.
+        own_decoder = self.grammars.text_tokenizer() if grammar is not None else None
         seqs = []
         for i in range(params.n):
             seq = Sequence(next(self._seq_ids), token_ids, params, bs, priority=priority)
@@ -184,12 +184,10 @@ class RequestBuilder:
             # way. A sample with a detokenizer reports each new token to its caller (LLMEngine._report):
             # so every sample of stream() and add_requests() does.
             if deltas or params.stop_strings:
-                seq.detokenizer = Detokenizer(text_tokenizer, params, token_ids)
+                seq.detokenizer = Detokenizer(own_decoder or self.tokenizer, params, token_ids)
             seqs.append(seq)
-        request = Request(index, token_ids, params, seqs, request_id, inbox, prompt if isinstance(prompt, str) else None)
-        if text_tokenizer is not self.tokenizer:
-            request.text_tokenizer = text_tokenizer
-        return request
+        return Request(index, token_ids, params, seqs, request_id, inbox, prompt if isinstance(prompt, str) else None,
+                       own_decoder)
 
     def chat_prompts(self, messages: list[dict] | list[list[dict]], options: ChatOptions) -> list[list[int]]:
         """One conversation (a list of {"role", "content"} dicts) or a list of them, checked and

@@ -65,6 +65,14 @@ def uniforms(rows: int, t: SamplingTensors, device: torch.device) -> torch.Tenso
     return u
 
 
+def exponential_noise(like: torch.Tensor, t: SamplingTensors) -> torch.Tensor:
+    """Exp(1) noise shaped like `like`; seeded rows draw theirs from their own generator."""
+    noise = torch.empty_like(like).exponential_()
+    for row, generator in t.generators:
+        noise[row].exponential_(generator=generator)
+    return noise
+
+
 def draw(weights: torch.Tensor, t: SamplingTensors) -> torch.Tensor:
     """One token per row with probability proportional to `weights` [rows, vocab] (>= 0, not
     necessarily normalised); seeded rows draw from their own generator. On the CPU by inverse
@@ -76,9 +84,7 @@ def draw(weights: torch.Tensor, t: SamplingTensors) -> torch.Tensor:
         cdf = weights.float().cumsum(dim=-1)
         u = uniforms(weights.size(0), t, weights.device).unsqueeze(1) * cdf[:, -1:]
         return torch.searchsorted(cdf, u, right=True).squeeze(1).clamp_max_(weights.size(-1) - 1)
-    noise = torch.empty_like(weights).exponential_()
-    for row, generator in t.generators:
-        noise[row].exponential_(generator=generator)
+    noise = exponential_noise(weights, t)
     return (weights / noise.clamp_min(torch.finfo(noise.dtype).tiny)).argmax(dim=-1)
 
 
@@ -136,10 +142,7 @@ class Sampler(nn.Module):
         """One token per row drawn from softmax(logits); seeded rows draw from their own generator."""
         if logits.device.type == "cpu":
             return draw(torch.softmax(logits, dim=-1), t)
-        noise = torch.empty_like(logits).exponential_()
-        for row, generator in t.generators:  # seeded rows draw from their own generator
-            noise[row].exponential_(generator=generator)
-        return exponential_race(logits, noise)
+        return exponential_race(logits, exponential_noise(logits, t))
 
     @staticmethod
     def _logprobs(raw_logits: torch.Tensor, tokens: torch.Tensor, n: int) -> list[TokenLogprobs | None]:

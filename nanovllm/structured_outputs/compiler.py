@@ -40,7 +40,7 @@ class GrammarCompiler:
         self.eos = eos  # what ends a completed grammar: the engine's end-of-text token
         self._compiler = None
         self._lock = threading.Lock()
-        self._wordpiece = WordPieceText.of(tokenizer) if tokenizer is not None else None
+        self._wordpiece: WordPieceText | None = None  # read with the vocabulary, for a WordPiece one
 
     def load(self) -> None:
         """Read the vocabulary now: the server does this in the engine's thread, so no other
@@ -51,6 +51,7 @@ class GrammarCompiler:
     def _xgrammar_compiler(self) -> xgrammar.GrammarCompiler:
         with self._lock:  # the first two constrained requests may come from two threads
             if self._compiler is None:
+                self._wordpiece = WordPieceText.of(self.tokenizer)
                 if self._wordpiece is not None:
                     info = xgrammar.TokenizerInfo(self._wordpiece.vocabulary(self.vocab_size), xgrammar.VocabType.RAW,
                                                   vocab_size=self.vocab_size, stop_token_ids=[self.eos])
@@ -62,7 +63,8 @@ class GrammarCompiler:
 
     def text_tokenizer(self) -> WordPieceText | None:
         """What decodes a constrained request's text when the engine's tokenizer may not give the
-        grammar's text (a WordPiece vocabulary: see wordpiece.py); None: the engine's own."""
+        grammar's text (a WordPiece vocabulary: see wordpiece.py); None: the engine's own. Known
+        once the vocabulary is read (the first compile)."""
         return self._wordpiece
 
     def compile(self, params: StructuredOutputsParams) -> xgrammar.CompiledGrammar:

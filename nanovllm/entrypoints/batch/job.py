@@ -26,7 +26,7 @@ from typing import Any, Callable, Iterator, NamedTuple
 
 from tqdm.auto import tqdm
 
-from nanovllm.config import Config
+from nanovllm.config import Config, auto_device
 from nanovllm.engine.chat import render_chat
 from nanovllm.entrypoints.batch.lines import (BatchRequest, LineError, line_custom_id, parse_line,
                                               resolve_sampling_defaults, result_line)
@@ -442,8 +442,7 @@ def _worker_placements(job: BatchJob) -> list[dict[str, str]]:
     import torch
 
     n = job.data_parallel
-    device = job.engine_kwargs.get("device", "auto")
-    if device == "cuda" or (device == "auto" and torch.cuda.is_available()):
+    if auto_device(job.engine_kwargs.get("device", "auto")) == "cuda":
         tp = job.engine_kwargs.get("tensor_parallel_size", 1)
         visible = os.environ.get("CUDA_VISIBLE_DEVICES")
         gpus = visible.split(",") if visible else [str(i) for i in range(torch.cuda.device_count())]

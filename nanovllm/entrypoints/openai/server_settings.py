@@ -61,6 +61,7 @@ class ServerSettings:
     tool_call_parser: str | None = None
 
     def __post_init__(self):
+        self.engine_kwargs = dict(self.engine_kwargs)  # the caller's dict stays as it was
         if self.engine_kwargs.get("max_num_batched_tokens", None) is None:
             self.engine_kwargs.pop("max_num_batched_tokens", None)
             if _serves_on_cpu(self.engine_kwargs.get("device", "auto")):
@@ -113,10 +114,6 @@ def api_key_from_env() -> str | None:
     return os.environ.get(API_KEY_ENV)
 
 
-def _serves_on_cpu(device: object) -> bool:
-    if device == "cpu":
-        return True
-    if device != "auto":
-        return False
-    import torch  # here: the CLI builds its flags from this module without loading torch
-    return not torch.cuda.is_available()
+def _serves_on_cpu(device: str) -> bool:
+    from nanovllm.config import auto_device  # here: the CLI builds its flags from this module without torch
+    return auto_device(device) == "cpu"
