@@ -351,3 +351,46 @@ def test_bf16_kernels_on_gpu():
     noise = torch.empty(8, 151936).exponential_(generator=gen)
     assert race(logits, temperatures, [0] * 8, [0] * 8, noise) == \
         torch_sampler_tokens(logits.cpu(), temperatures, noise)
+
+
+class LaunchRecorder:
+    """Stands in for a Triton kernel: `kernel[grid](*args, **launch)` records the launch and runs
+    nothing, so a wrapper's launch options can be checked without CUDA."""
+
+    def __init__(self):
+        self.launches = []
+
+    def __getitem__(self, grid):
+        return lambda *args, **launch: self.launches.append(launch)
+
+
+def is_power_of_2(n: int) -> bool:
+    return n > 0 and n & (n - 1) == 0
+
+
+@pytest.mark.parametrize("num_heads,num_kv_heads,head_dim", [(6, 2, 16), (9, 3, 16), (12, 4, 32), (16, 8, 128),
+                                                              (5, 1, 64), (3, 3, 32), (40, 8, 128), (14, 2, 64)])
+@pytest.mark.parametrize("num_tokens", [1, 7, 300])
+def test_qk_norm_rope_launches_a_power_of_2_warps(monkeypatch, num_heads, num_kv_heads, head_dim, num_tokens):
+    # On CUDA Triton refuses any other warp count; the interpreter ignores it. 6 query heads + 2 KV
+    # heads pad to 8 + 2 x 2 = 12 rows, which gave 3 or 6 warps and failed the first H200 parity run.
+    from nanovllm.kernels import qk_norm_rope as module
+    recorder = LaunchRecorder()
+    monkeypatch.setattr(module, "_qk_norm_rope_store_kernel", recorder)
+    q, k, v = qkv_views(num_tokens, num_heads, num_kv_heads, head_dim, torch.float32, torch.Generator().manual_seed(0))
+    rotary = RotaryEmbedding(head_dim, 512, RopeConfig(10000.0, "default", {}))
+    qk_norm_rope_store(q, k, v, torch.arange(num_tokens) % 512, rotary.cos_sin_cache)
+    (launch,) = recorder.launches
+    assert is_power_of_2(launch["num_warps"]) and launch["num_warps"] <= module.MAX_WARPS, launch["num_warps"]
+
+
+@pytest.mark.parametrize("hidden", [1, 48, 96, 1000, 1024, 2048, 4096, 5120])
+@pytest.mark.parametrize("rows", [1, 5, 64])
+def test_rms_norm_launches_a_power_of_2_warps(monkeypatch, hidden, rows):
+    from nanovllm.kernels import rms_norm as module
+    recorder = LaunchRecorder()
+    monkeypatch.setattr(module, "_rms_norm_kernel", recorder)
+    x = torch.randn(rows, hidden)
+    rms_norm(x, torch.ones(hidden), EPS)
+    (launch,) = recorder.launches
+    assert is_power_of_2(launch["num_warps"]) and launch["num_warps"] <= module.MAX_WARPS, launch["num_warps"]

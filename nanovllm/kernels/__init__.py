@@ -41,6 +41,13 @@ def previous_power_of_2(n: int) -> int:
     return 1 << (n.bit_length() - 1)
 
 
+def num_warps_for(elements: int, elements_per_warp: int, max_warps: int) -> int:
+    """One warp per `elements_per_warp` elements of a program, at least 1 and at most `max_warps`,
+    rounded down to a power of two: Triton refuses any other warp count on CUDA (the interpreter
+    ignores it, so CPU runs never see a bad one)."""
+    return previous_power_of_2(min(max_warps, max(1, elements // elements_per_warp)))
+
+
 def padded_head_dim(head_dim: int) -> int:
     """tl.arange needs a power of two: head_dim is padded up and the tail masked off."""
     return max(MIN_DOT_SIZE, next_power_of_2(head_dim))

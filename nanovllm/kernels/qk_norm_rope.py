@@ -21,7 +21,7 @@ import triton
 import triton.language as tl
 
 from nanovllm.kernels import INDEX_DTYPES, SUPPORTED_DTYPES, check_head_dim, check_paged_cache, check_tensor, \
-    next_power_of_2, previous_power_of_2
+    next_power_of_2, num_warps_for, previous_power_of_2
 from nanovllm.kernels.kv_quant import kv_cache_scales, quantize_kv
 from nanovllm.kernels.reductions import SUM
 
@@ -211,5 +211,5 @@ def qk_norm_rope_store(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positi
         BLOCK_T=block_t, Q_HEADS_PAD=q_heads_pad, KV_HEADS_PAD=kv_heads_pad, HALF=half, HALF_PAD=half_pad,
         BLOCK_SIZE=k_cache.size(1) if store else 1, HAS_NORM=has_norm, STORE=store, QUANTIZED=quantized,
         FP8_MAX=fp8_max,
-        num_warps=min(MAX_WARPS, max(1, block_t * token_elements // ELEMENTS_PER_WARP)),
+        num_warps=num_warps_for(block_t * token_elements, ELEMENTS_PER_WARP, MAX_WARPS),
     )

@@ -17,7 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
-from nanovllm.kernels import SUPPORTED_DTYPES, check_tensor, next_power_of_2
+from nanovllm.kernels import SUPPORTED_DTYPES, check_tensor, next_power_of_2, num_warps_for
 from nanovllm.kernels.reductions import SUM
 
 # One tile holds whole rows; past this a row's fp32 copy would not fit in registers.
@@ -100,6 +100,6 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.
         x.stride(0), res_in.stride(0), out.stride(0), res_out.stride(0),
         rows, hidden, eps,
         HAS_RESIDUAL=residual is not None, BLOCK_ROWS=block_rows, BLOCK=block,
-        num_warps=min(MAX_WARPS, max(1, block_rows * block // ELEMENTS_PER_WARP)),
+        num_warps=num_warps_for(block_rows * block, ELEMENTS_PER_WARP, MAX_WARPS),
     )
     return RMSNormOutput(out, residual_out)
