@@ -3,6 +3,7 @@ random prompts, stop strings that span a token boundary, and what each test need
 device it is about. (A module of its own,
 since conftest.py is not meant to be imported.)"""
 import importlib.util
+import os
 import random
 
 import pytest
@@ -28,6 +29,14 @@ else:
 GPU_ONLY = [pytest.mark.gpu, pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU; torch sees none here")]
 # Parametrize a test with this to run it on CPU everywhere and on CUDA where there is a GPU.
 EVERY_DEVICE = ["cpu", pytest.param("cuda", marks=GPU_ONLY)]
+
+# A test of the Triton kernels on CPU tensors: they run there only under TRITON_INTERPRET=1, which
+# conftest.py sets only where there is no GPU (then the kernels are compiled for the GPU instead).
+TRITON_ON_CPU = [pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
+                                    reason="Triton kernels run on CPU tensors only under TRITON_INTERPRET=1, which is "
+                                           "not set where there is a GPU (the cuda variant runs them there)")]
+# EVERY_DEVICE for a test of the Triton kernels: on CPU under the interpreter, on CUDA where there is a GPU.
+TRITON_DEVICES = [pytest.param("cpu", marks=TRITON_ON_CPU), pytest.param("cuda", marks=GPU_ONLY)]
 
 _hf_models: dict[str, PreTrainedModel] = {}
 

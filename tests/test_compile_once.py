@@ -22,7 +22,7 @@ import torch
 pytest.importorskip("triton", reason="triton is not installed")
 
 import nanovllm.layers.fused_moe as fused_moe_layer  # noqa: E402
-from helpers import EVERY_DEVICE, GPU_ONLY, hf_greedy, random_prompts  # noqa: E402
+from helpers import GPU_ONLY, TRITON_DEVICES, TRITON_ON_CPU, hf_greedy, random_prompts  # noqa: E402
 from nanovllm import LLM, SamplingParams  # noqa: E402
 from nanovllm.kernels import decode_attention  # noqa: E402
 from nanovllm.testing.kernel_launches import recording, triton_kernels  # noqa: E402
@@ -84,8 +84,8 @@ def run_workload(qwen3_tiny: str, device: str, eager: bool, kv_cache_dtype: str 
                 kernels=kernels, stats=stats)
 
 
-@pytest.fixture(scope="module", params=[("cpu", True), *[pytest.param(("cuda", eager), marks=GPU_ONLY)
-                                                         for eager in (False, True)]],
+@pytest.fixture(scope="module", params=[pytest.param(("cpu", True), marks=TRITON_ON_CPU),
+                                        *[pytest.param(("cuda", eager), marks=GPU_ONLY) for eager in (False, True)]],
                 ids=lambda p: f"{p[0]}-{'eager' if p[1] else 'graphs'}")
 def run(request, qwen3_tiny):
     device, eager = request.param
@@ -111,7 +111,8 @@ def test_no_kernel_variant_is_new_after_start_up(run):
     assert_no_new_variant(run)
 
 
-@pytest.mark.parametrize("device,eager", [("cpu", True), pytest.param("cuda", False, marks=GPU_ONLY)])
+@pytest.mark.parametrize("device,eager", [pytest.param("cpu", True, marks=TRITON_ON_CPU),
+                                          pytest.param("cuda", False, marks=GPU_ONLY)])
 def test_fp8_kv_cache_compiles_nothing_after_start_up(qwen3_tiny, device, eager):
     """The same run with an fp8 cache: the kernels' quantised variants (store, fused rotary + store,
     paged prefill, which an fp8 cache takes for every prompt, and decode) are all launched at
@@ -154,7 +155,7 @@ def test_seeded_request_draws_the_same_alone_and_beside_general_rows(run):
         assert all(len(entry["top_logprobs"]) == 2 for entry in sample["logprobs"])
 
 
-@pytest.mark.parametrize("device", EVERY_DEVICE)
+@pytest.mark.parametrize("device", TRITON_DEVICES)
 def test_fused_kernels_without_qk_norm_equal_hf(qwen2_tiny, device):
     """Qwen2: q/k/v biases and no q/k norm (the kernel's no-norm variant), with the torch attention
     backend, so only the fused layer kernels and the sampler are Triton's."""

@@ -378,8 +378,8 @@ def test_qk_norm_rope_launches_a_power_of_2_warps(monkeypatch, num_heads, num_kv
     recorder = LaunchRecorder()
     monkeypatch.setattr(module, "_qk_norm_rope_store_kernel", recorder)
     q, k, v = qkv_views(num_tokens, num_heads, num_kv_heads, head_dim, torch.float32, torch.Generator().manual_seed(0))
-    rotary = RotaryEmbedding(head_dim, 512, RopeConfig(10000.0, "default", {}))
-    qk_norm_rope_store(q, k, v, torch.arange(num_tokens) % 512, rotary.cos_sin_cache)
+    rotary = RotaryEmbedding(head_dim, 512, RopeConfig(10000.0, "default", {})).to(DEVICE)
+    qk_norm_rope_store(q, k, v, torch.arange(num_tokens, device=DEVICE) % 512, rotary.cos_sin_cache)
     (launch,) = recorder.launches
     assert is_power_of_2(launch["num_warps"]) and launch["num_warps"] <= module.MAX_WARPS, launch["num_warps"]
 
@@ -390,7 +390,7 @@ def test_rms_norm_launches_a_power_of_2_warps(monkeypatch, hidden, rows):
     from nanovllm.kernels import rms_norm as module
     recorder = LaunchRecorder()
     monkeypatch.setattr(module, "_rms_norm_kernel", recorder)
-    x = torch.randn(rows, hidden)
-    rms_norm(x, torch.ones(hidden), EPS)
+    x = torch.randn(rows, hidden, device=DEVICE)
+    rms_norm(x, torch.ones(hidden, device=DEVICE), EPS)
     (launch,) = recorder.launches
     assert is_power_of_2(launch["num_warps"]) and launch["num_warps"] <= module.MAX_WARPS, launch["num_warps"]

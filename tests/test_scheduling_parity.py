@@ -12,7 +12,7 @@ from dataclasses import asdict
 import pytest
 import torch
 
-from helpers import GPU_ONLY, greedy, hf_greedy, random_prompts
+from helpers import AUTO_DEVICE, GPU_ONLY, greedy, hf_greedy, random_prompts
 from nanovllm import LLM
 from nanovllm.attention.torch_backend import TorchBackend, causal_attention, gather_kv
 from nanovllm.engine.scheduler import MIXED, PREFILL_FIRST
@@ -143,9 +143,9 @@ def test_tensor_parallel_swaps_each_ranks_shard(qwen3_tiny, prompts_and_expected
 
 def test_triton_backend_runs_mixed_batches(qwen3_tiny):
     """Decode rows are query length 1 over their cache in the varlen prefill kernel (under
-    TRITON_INTERPRET=1 on CPU): the same tokens as HF."""
+    TRITON_INTERPRET=1 on CPU, compiled where there is a GPU): the same tokens as HF."""
     prompts = random_prompts(200, [3, 20], seed=22)
-    llm = LLM(qwen3_tiny, device="cpu", attention_backend="triton", kvcache_block_size=BLOCK, num_kvcache_blocks=16,
+    llm = LLM(qwen3_tiny, device=AUTO_DEVICE, attention_backend="triton", kvcache_block_size=BLOCK, num_kvcache_blocks=16,
               max_num_batched_tokens=8, enforce_eager=True)
     outputs = llm.generate(prompts, greedy(3), use_tqdm=False)
     assert llm.stats().mixed_steps >= 2  # the short prompt decodes beside the long one's chunks
