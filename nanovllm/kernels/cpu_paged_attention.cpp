@@ -193,6 +193,85 @@ void scores_by_dot(float* __restrict__ s, const float* __restrict__ qf, const ty
   }
 }
 
+#ifdef __AVX512F__
+// Lane i of the result = the sum of v[i]'s 16 lanes: a transpose-and-add tree, 45 instructions for
+// 16 sums where 16 separate horizontal sums take ~130.
+inline __m512 sum16(const __m512* v) {
+  __m512 x[8], y[4];
+  for (int i = 0; i < 8; ++i)  // per 128-bit lane: [a0+a2, b0+b2, a1+a3, b1+b3]
+    x[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]), _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
+  for (int i = 0; i < 4; ++i) {  // per 128-bit lane: the lane's sums of v[4i..4i+3]
+    const __m512d a = _mm512_castps_pd(x[2 * i]), b = _mm512_castps_pd(x[2 * i + 1]);
+    y[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(a, b)), _mm512_castpd_ps(_mm512_unpackhi_pd(a, b)));
+  }
+  // Across the four 128-bit lanes: lanes 0+2 and 1+3, then (0+2)+(1+3).
+  const __m512 w0 = _mm512_add_ps(_mm512_shuffle_f32x4(y[0], y[1], 0x44), _mm512_shuffle_f32x4(y[0], y[1], 0xEE));
+  const __m512 w1 = _mm512_add_ps(_mm512_shuffle_f32x4(y[2], y[3], 0x44), _mm512_shuffle_f32x4(y[2], y[3], 0xEE));
+  return _mm512_add_ps(_mm512_shuffle_f32x4(w0, w1, 0x88), _mm512_shuffle_f32x4(w0, w1, 0xDD));
+}
+
+// Whether scores_by_sums takes this type and head_dim: float32 and bfloat16, whole vectors.
+template <typename T>
+constexpr bool sums_path() { return std::is_same_v<T, F32T> || std::is_same_v<T, BF16T>; }
+inline bool sums_head_dim(int head_dim) { return head_dim % 32 == 0; }
+
+// One query row's products with one key row, summed to 16 lanes (not yet across them). float32:
+// FMAs; bfloat16: pairwise dot products on the raw bfloat16 (qb, unscaled: products are exact in
+// float32, the scale is applied to the sums) with AVX512-BF16, else K widened to float32 for FMAs
+// with qf (scaled).
+template <typename T>
+inline __m512 dot_lanes(const float* __restrict__ qf, const uint16_t* __restrict__ qb,
+                        const typename T::storage* __restrict__ kp, int head_dim) {
+  __m512 acc = _mm512_setzero_ps();
+  if constexpr (std::is_same_v<T, F32T>) {
+    for (int d = 0; d < head_dim; d += LANES) acc = _mm512_fmadd_ps(_mm512_loadu_ps(qf + d), _mm512_loadu_ps(kp + d), acc);
+  } else {
+#ifdef __AVX512BF16__
+    for (int d = 0; d < head_dim; d += 2 * LANES)
+      acc = _mm512_dpbf16_ps(acc, (__m512bh)_mm512_loadu_si512(qb + d), (__m512bh)_mm512_loadu_si512(kp + d));
+#else
+    for (int d = 0; d < head_dim; d += LANES) {
+      const __m256i half = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(kp + d));
+      const __m512 kd = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(half), 16));
+      acc = _mm512_fmadd_ps(_mm512_loadu_ps(qf + d), kd, acc);
+    }
+#endif
+  }
+  return acc;
+}
+
+// scores_by_dot's result for the few-row (decode) case, 16 / ROWS tokens at a time: each (row,
+// token) product left as 16 lanes, the 16 of a pass summed together by sum16 and stored as
+// vectors. Tokens past n repeat the last one (their scores are never read).
+template <typename T, int ROWS>
+void scores_by_sums(float* __restrict__ s, const float* __restrict__ qf, const uint16_t* __restrict__ qb,
+                    const typename T::storage* __restrict__ k, int64_t token_stride, int n, int rows, int head_dim,
+                    int width, float scale) {
+  constexpr int TOKENS = LANES / ROWS;
+#ifdef __AVX512BF16__
+  const __m512 factor = _mm512_set1_ps(std::is_same_v<T, BF16T> ? scale : 1.0f);
+#else
+  const __m512 factor = _mm512_set1_ps(1.0f);
+#endif
+  for (int r0 = 0; r0 < rows; r0 += ROWS) {
+    for (int t0 = 0; t0 < n; t0 += TOKENS) {
+      __m512 lanes[LANES];
+      for (int j = 0; j < TOKENS; ++j) {
+        const typename T::storage* kp = k + std::min(t0 + j, n - 1) * token_stride;
+        for (int i = 0; i < ROWS; ++i)
+          lanes[i * TOKENS + j] = dot_lanes<T>(qf + static_cast<size_t>(r0 + i) * head_dim,
+                                               qb + static_cast<size_t>(r0 + i) * head_dim, kp, head_dim);
+      }
+      const __m512 sums = _mm512_mul_ps(sum16(lanes), factor);
+      // Row i's scores are lanes i*TOKENS.. : a masked store shifted so they land at t0.
+      for (int i = 0; i < ROWS; ++i)
+        _mm512_mask_storeu_ps(s + static_cast<size_t>(r0 + i) * width + t0 - i * TOKENS,
+                              static_cast<__mmask16>(((1u << TOKENS) - 1) << (i * TOKENS)), sums);
+    }
+  }
+}
+#endif
+
 // The same scores through K transposed into kt [head_dim][width] (tokens n..padded zeroed).
 template <typename T, int ROWS>
 void scores_transposed(float* __restrict__ s, const float* __restrict__ qf, const typename T::storage* __restrict__ k,
@@ -245,7 +324,12 @@ void attend_item(const Item& item, const typename T::storage* q, typename T::sto
   const size_t q_size = static_cast<size_t>(rows) * head_dim;
   const size_t s_size = static_cast<size_t>(rows) * width;
   const size_t k_size = static_cast<size_t>(head_dim) * (transpose ? width : 1);
-  const size_t need = 2 * q_size + s_size + k_size + 2 * static_cast<size_t>(rows);
+#ifdef __AVX512F__
+  const bool by_sums = sums_path<T>() && !transpose && sums_head_dim(head_dim);
+#endif
+  // bfloat16 queries as they are, for scores_by_sums's dot products (q_size halves: 16-bit each).
+  const size_t qb_size = std::is_same_v<T, BF16T> ? (q_size + 1) / 2 : 0;
+  const size_t need = 2 * q_size + s_size + k_size + 2 * static_cast<size_t>(rows) + qb_size;
   if (scratch.size() < need) scratch.resize(need);
   float* qf = scratch.data();
   float* acc = qf + q_size;
@@ -253,14 +337,17 @@ void attend_item(const Item& item, const typename T::storage* q, typename T::sto
   float* kbuf = s + s_size;
   float* m = kbuf + k_size;
   float* l = m + rows;
+  uint16_t* qb = reinterpret_cast<uint16_t*>(l + rows);
   std::fill(qf, qf + q_size, 0.0f);
+  if (qb_size) std::fill(qb, qb + q_size, uint16_t{0});
   for (int hl = 0; hl < heads; ++hl)
     for (int i = 0; i < queries; ++i)
       for (int g = 0; g < group; ++g) {
         const S* src = q + static_cast<int64_t>(q_start + item.q_begin + i) * q_stride_token +
                        static_cast<int64_t>((item.head_begin + hl) * group + g) * q_stride_head;
-        float* dst = qf + static_cast<size_t>(hl * head_rows + i * group + g) * head_dim;
-        for (int d = 0; d < head_dim; ++d) dst[d] = load<T>(src + d) * scale;
+        const size_t row = static_cast<size_t>(hl * head_rows + i * group + g) * head_dim;
+        for (int d = 0; d < head_dim; ++d) qf[row + d] = load<T>(src + d) * scale;
+        if (qb_size) std::memcpy(qb + row, src, head_dim * sizeof(S));
       }
   std::fill(acc, acc + q_size, 0.0f);
   std::fill(m, m + rows, -INFINITY);
@@ -276,12 +363,22 @@ void attend_item(const Item& item, const typename T::storage* q, typename T::sto
     const S* v_block = v_cache + static_cast<int64_t>(table[b]) * block_stride;
     if (b + 1 < num_blocks) {  // the next block's rows of these heads, fetched while this one computes
       const int64_t next = static_cast<int64_t>(table[b + 1]) * block_stride;
-      for (int t = 0; t < block_size; ++t) {
-        const char* kp = reinterpret_cast<const char*>(k_cache + next + t * token_stride + item.head_begin * head_dim);
-        const char* vp = reinterpret_cast<const char*>(v_cache + next + t * token_stride + item.head_begin * head_dim);
-        for (int off = 0; off < heads * head_bytes; off += CACHE_LINE) {
-          __builtin_prefetch(kp + off, 0, 1);  // to L2: a whole block of all heads would overflow L1
+      if (heads == num_kv_heads) {  // the whole block: one contiguous run of bytes
+        const char* kp = reinterpret_cast<const char*>(k_cache + next);
+        const char* vp = reinterpret_cast<const char*>(v_cache + next);
+        const int64_t bytes = block_stride * static_cast<int64_t>(sizeof(S));
+        for (int64_t off = 0; off < bytes; off += CACHE_LINE) {
+          __builtin_prefetch(kp + off, 0, 1);  // to L2: a whole block would overflow L1
           __builtin_prefetch(vp + off, 0, 1);
+        }
+      } else {
+        for (int t = 0; t < block_size; ++t) {
+          const char* kp = reinterpret_cast<const char*>(k_cache + next + t * token_stride + item.head_begin * head_dim);
+          const char* vp = reinterpret_cast<const char*>(v_cache + next + t * token_stride + item.head_begin * head_dim);
+          for (int off = 0; off < heads * head_bytes; off += CACHE_LINE) {
+            __builtin_prefetch(kp + off, 0, 1);
+            __builtin_prefetch(vp + off, 0, 1);
+          }
         }
       }
     }
@@ -289,10 +386,18 @@ void attend_item(const Item& item, const typename T::storage* q, typename T::sto
       const S* k = k_block + static_cast<int64_t>(item.head_begin + hl) * head_dim;
       float* sh = s + static_cast<size_t>(hl) * head_rows * width;
       const float* qh = qf + static_cast<size_t>(hl) * head_rows * head_dim;
-      if (transpose)
+      if (transpose) {
         scores_transposed<T, ROWS>(sh, qh, k, token_stride, n, head_rows, head_dim, width, kbuf);
-      else
-        scores_by_dot<T, ROWS>(sh, qh, k, token_stride, n, head_rows, head_dim, width, kbuf);
+        continue;
+      }
+#ifdef __AVX512F__
+      if (by_sums) {
+        scores_by_sums<T, ROWS>(sh, qh, qb + static_cast<size_t>(hl) * head_rows * head_dim, k, token_stride, n,
+                                head_rows, head_dim, width, scale);
+        continue;
+      }
+#endif
+      scores_by_dot<T, ROWS>(sh, qh, k, token_stride, n, head_rows, head_dim, width, kbuf);
     }
     // Online softmax per row over the keys it sees here (positions first..first+nv-1); the
     // row's scores become its weights, zero past nv, and its accumulator is rescaled.
@@ -305,6 +410,7 @@ void attend_item(const Item& item, const typename T::storage* q, typename T::sto
         continue;
       }
       float block_max = sr[0];
+#pragma omp simd reduction(max : block_max)
       for (int t = 1; t < nv; ++t) block_max = std::max(block_max, sr[t]);
       const float new_max = std::max(m[r], block_max);
       const float correction = exp_nonpositive(m[r] - new_max);  // 0 on the first block (-inf)
