@@ -24,7 +24,7 @@ except ImportError:  # an older huggingface_hub: its configs raise ValueError an
 
 from nanovllm.attention.kv_quant import FP8_DTYPES
 from nanovllm.engine.scheduler import DEFAULT_SCHEDULING_POLICY, PREEMPTION_MODES, RECOMPUTE, SCHEDULING_POLICIES
-from nanovllm.kernels import MIN_DOT_SIZE
+from nanovllm.kernels import MIN_DOT_SIZE, cpu_build
 from nanovllm.speculative_config import DRAFT_MODEL, SpeculativeConfig
 from nanovllm.utils.cpu import available_cores
 from nanovllm.utils.tokenizer import end_of_text_id, load_tokenizer
@@ -40,7 +40,7 @@ logger = logging.getLogger("nanovllm")
 DEVICES = ("auto", "cuda", "cpu")
 ATTENTION_BACKENDS = ("auto", "flash_attn", "triton", "torch", "cpu")
 COMPILE_MODES = ("auto", "on", "off")
-FUSED_KERNELS = ("auto", "triton", "torch")
+FUSED_KERNELS = ("auto", "triton", "cpu", "torch")
 ASYNC_SCHEDULING_MODES = ("auto", "on", "off")
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 KV_CACHE_DTYPES = ("auto", *FP8_DTYPES)
@@ -133,10 +133,12 @@ class Config:
     swap_space: float = 4.0
     # The small layer functions (residual add + RMSNorm, q/k norm + rotary + KV store, SiLU-and-mul)
     # and the sampler's race as Triton kernels (nanovllm/kernels/), or as the torch functions:
-    # "auto" = "triton" on CUDA when triton is installed, else "torch". "triton" without CUDA needs
-    # TRITON_INTERPRET=1 (tests). On Llama, Qwen2/3 and Qwen3-MoE the Triton path calls no
-    # torch.compile'd function, whatever compile_mode says; GPT-2's LayerNorm and GELU stay torch's.
-    # Resolved to "triton" or "torch" when the Config is made.
+    # "auto" = "triton" on CUDA when triton is installed, "cpu" on CPU where a C++ compiler is
+    # (kernels/cpu_fused.cpp: RMSNorm, SiLU-and-mul, q/k norm + rotary; the sampler stays torch's),
+    # else "torch". "triton" without CUDA needs TRITON_INTERPRET=1 (tests). On Llama, Qwen2/3 and
+    # Qwen3-MoE the Triton path calls no torch.compile'd function, whatever compile_mode says;
+    # GPT-2's LayerNorm and GELU stay torch's. Resolved to "triton", "cpu" or "torch" when the
+    # Config is made ("cpu" becomes "torch" at start-up if the library cannot be built).
     fused_kernels: FusedKernels = "auto"
     # Speculative decoding (README, "Speculative decoding"): None (off), {"method": "ngram",
     # "num_speculative_tokens": k, "prompt_lookup_min": a, "prompt_lookup_max": b} or
@@ -328,7 +330,11 @@ class Config:
     def _resolve_fused_kernels(self) -> str:
         has_triton = importlib.util.find_spec("triton") is not None
         if self.fused_kernels == "auto":
-            return "triton" if self.device == "cuda" and has_triton else "torch"
+            if self.device == "cpu":
+                return "cpu" if cpu_build.compiler() is not None else "torch"
+            return "triton" if has_triton else "torch"
+        if self.fused_kernels == "cpu" and self.device != "cpu":
+            raise ParamError("fused_kernels", f"fused_kernels='cpu' runs on the CPU only (device is {self.device!r})")
         if self.fused_kernels == "triton":
             if not has_triton:
                 raise ParamError("fused_kernels", "fused_kernels='triton' but triton is not installed (pip install triton)")

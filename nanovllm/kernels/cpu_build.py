@@ -1,4 +1,5 @@
-"""Builds and loads the CPU paged-attention kernel (cpu_paged_attention.cpp) once per machine.
+"""Builds and loads the CPU kernels once per machine: paged attention (cpu_paged_attention.cpp) and
+the fused elementwise kernels (cpu_fused.cpp), one library sharing cpu_kernels.h.
 
 The source is plain C++ with a C ABI (pointers and integers, no torch headers), so g++ builds it
 in about a second, where a torch C++ extension (torch.utils.cpp_extension) spends ~30-60 s of a
@@ -10,8 +11,9 @@ processes only load it (milliseconds). A machine without a C++ compiler, or a fa
 gets a reason string instead, which the attention backend choice logs before falling back to the
 torch backend.
 
-Owns the build, the cache and the ctypes binding (`PagedAttentionKernel`); the tensors' checks
-and the metadata live with the backend (attention/cpu_backend.py).
+Owns the build, the cache and the ctypes bindings (`PagedAttentionKernel`, `FusedKernels`); the
+attention tensors' checks and metadata live with the backend (attention/cpu_backend.py), and the
+fused kernels are called by the layers (layers/) with the tensors those make, unchecked.
 """
 import ctypes
 import hashlib
@@ -21,6 +23,7 @@ import shutil
 import subprocess
 import tempfile
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 
@@ -28,16 +31,17 @@ from nanovllm.utils.paths import cache_dir
 
 logger = logging.getLogger("nanovllm")
 
-SOURCE = Path(__file__).with_name("cpu_paged_attention.cpp")
+SOURCES = tuple(Path(__file__).with_name(name) for name in ("cpu_paged_attention.cpp", "cpu_fused.cpp"))
+HEADERS = (Path(__file__).with_name("cpu_kernels.h"),)
 # -march=native: AVX-512/AVX2 as this CPU has them (the library is cached per CPU flags).
 # -fopenmp: the (sequence, KV head, query tile) loop runs on torch's OpenMP pool.
 CXX_FLAGS = ("-O3", "-march=native", "-fopenmp", "-std=c++17", "-shared", "-fPIC")
-ABI_VERSION = 2  # nanovllm_paged_attention_abi() of a library this module can call
+ABI_VERSION = 3  # nanovllm_paged_attention_abi() of a library this module can call
 BUILD_TIMEOUT_S = 120  # a build takes ~1 s alone; a loaded machine may stretch it
 DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 CPUINFO = "/proc/cpuinfo"
 
-_loaded: "PagedAttentionKernel | str | None" = None  # the kernel, or why there is none; None: not tried yet
+_loaded: "ctypes.CDLL | str | None" = None  # the library, or why there is none; None: not tried yet
 
 
 class PagedAttentionKernel:
@@ -70,6 +74,70 @@ class PagedAttentionKernel:
         assert rc == 0, f"nanovllm_paged_attention returned {rc}"
 
 
+class RMSNormOutput(NamedTuple):
+    out: torch.Tensor
+    residual: torch.Tensor | None
+
+
+class FusedKernels:
+    """The library's fused elementwise kernels (cpu_fused.cpp), called with tensors, with the
+    signatures of the Triton kernels they stand in for (kernels/rms_norm.py, silu_mul.py and the
+    norm + rotary half of qk_norm_rope.py), so the layers take either. Inputs are the layers' own
+    tensors: CPU, the model's dtype, unit stride in the last dimension; nothing is checked."""
+
+    def __init__(self, library: ctypes.CDLL):
+        ptr, i32, i64, f32 = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_float
+        self._rms_norm = library.nanovllm_rms_norm
+        self._rms_norm.argtypes = [i32, ptr, i64, ptr, i64, ptr, ptr, i64, ptr, i64, i32, i32, f32, i32]
+        self._silu_and_mul = library.nanovllm_silu_and_mul
+        self._silu_and_mul.argtypes = [i32, ptr, i64, ptr, i64, i32, i32, i32]
+        self._qk_norm_rope = library.nanovllm_qk_norm_rope
+        self._qk_norm_rope.argtypes = [i32, ptr, i64, i64, i32, ptr, i64, i64, i32, ptr, ptr, i64, ptr, ptr, f32, i32,
+                                       i32, i32]
+        for fn in (self._rms_norm, self._silu_and_mul, self._qk_norm_rope):
+            fn.restype = i32
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float,
+                 residual: torch.Tensor | None = None) -> RMSNormOutput:
+        """weight * rms_normalise(x) per row of a [rows, hidden] x; with `residual`, of x + residual,
+        which is returned too (as layers/layernorm.py's add_rms_norm)."""
+        rows, hidden = x.shape
+        out = torch.empty(rows, hidden, dtype=x.dtype)
+        residual_out = None if residual is None else torch.empty_like(out)
+        rc = self._rms_norm(DTYPE_CODES[x.dtype], x.data_ptr(), x.stride(0),
+                            None if residual is None else residual.data_ptr(), 0 if residual is None else residual.stride(0),
+                            weight.data_ptr(), out.data_ptr(), hidden,
+                            None if residual_out is None else residual_out.data_ptr(), hidden, rows, hidden, eps,
+                            torch.get_num_threads())
+        assert rc == 0, f"nanovllm_rms_norm returned {rc}"
+        return RMSNormOutput(out, residual_out)
+
+    def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
+        """silu(gate) * up for x = [rows, gate | up] -> [rows, width]."""
+        rows, width = x.shape[0], x.shape[1] // 2
+        out = torch.empty(rows, width, dtype=x.dtype)
+        rc = self._silu_and_mul(DTYPE_CODES[x.dtype], x.data_ptr(), x.stride(0), out.data_ptr(), width, rows, width,
+                                torch.get_num_threads())
+        assert rc == 0, f"nanovllm_silu_and_mul returned {rc}"
+        return out
+
+    def qk_norm_rope(self, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tensor,
+                     q_weight: torch.Tensor | None = None, k_weight: torch.Tensor | None = None,
+                     eps: float = 1e-6) -> None:
+        """In place: q [tokens, q_heads, head_dim] and k [tokens, k_heads, head_dim] RMS-normalised
+        per head (when the weights are given) and rotated by `positions` (int64) through
+        cos_sin_cache [max_position, 1, head_dim] float32 (cos | sin)."""
+        tokens, q_heads, head_dim = q.shape
+        if positions.dtype != torch.int64:
+            positions = positions.long()
+        rc = self._qk_norm_rope(DTYPE_CODES[q.dtype], q.data_ptr(), q.stride(0), q.stride(1), q_heads, k.data_ptr(),
+                                k.stride(0), k.stride(1), k.shape[1], positions.data_ptr(), cos_sin_cache.data_ptr(),
+                                cos_sin_cache.stride(0), None if q_weight is None else q_weight.data_ptr(),
+                                None if k_weight is None else k_weight.data_ptr(), eps, tokens, head_dim,
+                                torch.get_num_threads())
+        assert rc == 0, f"nanovllm_qk_norm_rope returned {rc}"
+
+
 def compiler() -> str | None:
     """The C++ compiler to build with: $CXX when set, else g++ or c++ on the PATH."""
     for name in (os.environ.get("CXX"), "g++", "c++"):
@@ -80,7 +148,9 @@ def compiler() -> str | None:
 
 def _cache_key(cxx: str) -> str:
     """Changes when anything that shapes the binary does: source, flags, compiler, CPU features."""
-    digest = hashlib.sha256(SOURCE.read_bytes())
+    digest = hashlib.sha256()
+    for path in (*SOURCES, *HEADERS):
+        digest.update(path.read_bytes())
     digest.update(" ".join(CXX_FLAGS).encode())
     version = subprocess.run([cxx, "--version"], capture_output=True, text=True, timeout=30).stdout
     digest.update(version.encode())
@@ -108,7 +178,7 @@ def build(directory: Path | None = None) -> Path:
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=directory)
     os.close(fd)
     try:
-        result = subprocess.run([cxx, *CXX_FLAGS, str(SOURCE), "-o", tmp], capture_output=True, text=True,
+        result = subprocess.run([cxx, *CXX_FLAGS, *map(str, SOURCES), "-o", tmp], capture_output=True, text=True,
                                 timeout=BUILD_TIMEOUT_S)
         if result.returncode != 0:
             raise RuntimeError(f"{cxx} failed ({result.returncode}): {result.stderr.strip()[-2000:]}")
@@ -121,8 +191,8 @@ def build(directory: Path | None = None) -> Path:
     return path
 
 
-def load() -> "PagedAttentionKernel | str":
-    """The kernel, built on first use in this process (or loaded from the cache), or a string
+def load_library() -> "ctypes.CDLL | str":
+    """The library, built on first use in this process (or loaded from the cache), or a string
     saying why it cannot be had here. Tried once per process."""
     global _loaded
     if _loaded is None:
@@ -132,7 +202,20 @@ def load() -> "PagedAttentionKernel | str":
             abi = library.nanovllm_paged_attention_abi()
             if abi != ABI_VERSION:
                 raise RuntimeError(f"{path} has ABI {abi}, expected {ABI_VERSION}")
-            _loaded = PagedAttentionKernel(library, path)
+            library.path = path
+            _loaded = library
         except (OSError, RuntimeError, subprocess.SubprocessError) as e:
-            _loaded = f"the CPU paged-attention kernel could not be built or loaded: {e}"
+            _loaded = f"the CPU kernels could not be built or loaded: {e}"
     return _loaded
+
+
+def load() -> "PagedAttentionKernel | str":
+    """The paged-attention kernel, or a string saying why it cannot be had here."""
+    library = load_library()
+    return library if isinstance(library, str) else PagedAttentionKernel(library, library.path)
+
+
+def load_fused() -> "FusedKernels | str":
+    """The fused elementwise kernels, or a string saying why they cannot be had here."""
+    library = load_library()
+    return library if isinstance(library, str) else FusedKernels(library)

@@ -23,96 +23,14 @@
 //
 // No torch headers: the library is plain C with an ABI of pointers and integers, built by
 // nanovllm/kernels/cpu_build.py with g++ in about a second and loaded with ctypes.
-#include <algorithm>
-#include <cmath>
-#include <cstdint>
-#include <cstring>
-#include <type_traits>
 #include <vector>
 
-#ifdef __AVX512F__
-#include <immintrin.h>
-#endif
+#include "cpu_kernels.h"
 
 namespace {
 
-enum DType { F32 = 0, BF16 = 1, F16 = 2 };
+using namespace nanovllm_cpu;
 
-struct F32T { using storage = float; };
-struct BF16T { using storage = uint16_t; };
-struct F16T { using storage = _Float16; };
-
-inline float to_float(float x) { return x; }
-inline float to_float(_Float16 x) { return static_cast<float>(x); }
-inline float bf16_to_float(uint16_t x) {
-  uint32_t bits = static_cast<uint32_t>(x) << 16;
-  float f;
-  std::memcpy(&f, &bits, sizeof f);
-  return f;
-}
-
-template <typename T> inline float load(const typename T::storage* p);
-template <> inline float load<F32T>(const float* p) { return *p; }
-template <> inline float load<F16T>(const _Float16* p) { return static_cast<float>(*p); }
-template <> inline float load<BF16T>(const uint16_t* p) { return bf16_to_float(*p); }
-
-// dst[0:n] = src[0:n] as float32, n a multiple of LANES. bfloat16 by explicit AVX-512 widening
-// where the compiler has it (its auto-vectorised memcpy form runs several times slower).
-template <typename T>
-inline void load_row(const typename T::storage* __restrict__ src, float* __restrict__ dst, int n) {
-#ifdef __AVX512F__
-  if constexpr (std::is_same_v<T, BF16T>) {
-    for (int j = 0; j < n; j += 16) {
-      const __m256i half = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + j));
-      _mm512_storeu_ps(dst + j, _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(half), 16)));
-    }
-    return;
-  }
-#endif
-#pragma omp simd
-  for (int j = 0; j < n; ++j) dst[j] = load<T>(src + j);
-}
-
-template <typename T> inline void store(typename T::storage* p, float x);
-template <> inline void store<F32T>(float* p, float x) { *p = x; }
-template <> inline void store<F16T>(_Float16* p, float x) { *p = static_cast<_Float16>(x); }
-template <> inline void store<BF16T>(uint16_t* p, float x) {
-  // Round to nearest even, as torch's float -> bfloat16 conversion does; NaN stays NaN.
-  uint32_t bits;
-  std::memcpy(&bits, &x, sizeof bits);
-  if ((bits & 0x7fffffffu) > 0x7f800000u) {
-    *p = static_cast<uint16_t>((bits >> 16) | 0x40);
-    return;
-  }
-  bits += 0x7fffu + ((bits >> 16) & 1u);
-  *p = static_cast<uint16_t>(bits >> 16);
-}
-
-// exp(x) for x <= 0 (scores minus their running max) in a form the compiler vectorises:
-// 2^(x log2 e) split into 2^n (built in the exponent bits) times a degree-6 polynomial for 2^f,
-// f in [-0.5, 0.5] (Cephes' exp2f coefficients); relative error ~2e-7, about float32 rounding.
-// Below -87 it returns 0.
-inline float exp_nonpositive(float x) {
-  const float log2e = 1.44269504088896341f;
-  float t = std::max(x, -87.0f) * log2e;
-  float n = __builtin_rintf(t);  // nearest, ties to even: vectorises (roundf does not)
-  float f = t - n;
-  float p = 1.535336188319500e-4f;
-  p = p * f + 1.339887440266574e-3f;
-  p = p * f + 9.618437357674640e-3f;
-  p = p * f + 5.550332471162809e-2f;
-  p = p * f + 2.402264791363012e-1f;
-  p = p * f + 6.931472028550421e-1f;
-  p = p * f + 1.0f;
-  int32_t bits;
-  std::memcpy(&bits, &p, sizeof bits);
-  bits += static_cast<int32_t>(n) << 23;
-  float r;
-  std::memcpy(&r, &bits, sizeof r);
-  return x < -87.0f ? 0.0f : r;
-}
-
-constexpr int LANES = 16;  // floats per AVX-512 vector (two AVX2 vectors): the unit of the inner loops
 // Query rows per register block (a template parameter, ROWS): each K/V vector loaded serves ROWS
 // rows. Prefill takes MAX_ROWS; a decode item has `group` rows (one query per head of the group),
 // so it takes 1 or 2 for groups of 1 or 2 rather than compute padding rows.
@@ -501,7 +419,7 @@ void run(const void* q, void* out, const void* k_cache, const void* v_cache, con
 extern "C" {
 
 // The ABI version Python checks after loading, so a stale cached library is never called.
-int nanovllm_paged_attention_abi() { return 2; }
+int nanovllm_paged_attention_abi() { return 3; }
 
 // Returns 0, or -1 for a dtype code it does not know.
 int nanovllm_paged_attention(int dtype, const void* q, void* out, const void* k_cache, const void* v_cache,

@@ -1,9 +1,10 @@
 """Activations: SwiGLU's silu(gate) * up on the merged gate_up projection, and GELU in the
 variants checkpoints name in config.json.
 
-The torch functions are the CPU path and the oracle (compiled where the compile mode says); with
-Triton kernels chosen (`enable_triton`, by the model runner) SiluAndMul sends a 2-D input to
-kernels/silu_mul.py instead, which computes the same thing in one pass. GELU stays on torch
+The torch functions are the oracle and the path without fused kernels (compiled where the compile
+mode says); with fused kernels chosen by the model runner, SiluAndMul sends a 2-D input to one:
+Triton's (kernels/silu_mul.py, `enable_triton`) or the CPU's (kernels/cpu_fused.cpp, `enable_cpu`),
+which compute the same thing in one pass. GELU stays on torch
 (GPT-2 only; its MLP is one GEMM, GELU, one GEMM, with nothing beside the activation to fuse).
 """
 import math
@@ -29,15 +30,18 @@ class SiluAndMul(nn.Module):
 
     def __init__(self) -> None:
         super().__init__()
-        self.triton_kernel: Callable[[torch.Tensor], torch.Tensor] | None = None
+        self.fused_kernel: Callable[[torch.Tensor], torch.Tensor] | None = None
 
     def enable_triton(self) -> None:
         from nanovllm.kernels.silu_mul import silu_and_mul as kernel  # lazy: triton only when chosen
-        self.triton_kernel = kernel
+        self.fused_kernel = kernel
+
+    def enable_cpu(self, kernels) -> None:
+        self.fused_kernel = kernels.silu_and_mul
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.triton_kernel is not None and x.dim() == 2:
-            return self.triton_kernel(x)
+        if self.fused_kernel is not None and x.dim() == 2:
+            return self.fused_kernel(x)
         return silu_and_mul(x)
 
 

@@ -6,7 +6,8 @@ whatever the backend and cache dtype.
 
 Preparing q and k here, not in the model, is what lets one Triton kernel (kernels/qk_norm_rope.py,
 chosen by `enable_triton`) do the norm, the rotation and the cache store (quantised for an fp8
-cache) in one pass; the torch path (the CPU path and the oracle) calls the model's own q_norm,
+cache) in one pass, and the CPU's (kernels/cpu_fused.cpp, `enable_cpu`) the norm and the rotation
+in place before the backend's store; the torch path (the oracle) calls the model's own q_norm,
 k_norm and rotary modules.
 """
 from typing import Callable
@@ -32,13 +33,17 @@ class Attention(nn.Module):
         self.backend: AttentionBackend | None = None  # set by the model runner
         # [num_blocks, block_size, num_kv_heads, head_dim] each; empty until the cache exists
         self.k_cache = self.v_cache = torch.tensor([])
-        self.fused_qk_kernel: Callable | None = None  # set by enable_triton
+        self.fused_qk_kernel: Callable | None = None  # norm + rotary + store, in place; set by enable_triton
+        self.qk_kernel: Callable | None = None  # norm + rotary, in place; set by enable_cpu
         self.kv_scales: KVScales | None = None  # an fp8 cache's scales (set by the runner); None: unquantised
         self.kv_observer: KVRangeObserver | None = None  # set by the runner while it calibrates kv_scales
 
     def enable_triton(self) -> None:
         from nanovllm.kernels.qk_norm_rope import qk_norm_rope_store  # lazy: triton only when chosen
         self.fused_qk_kernel = qk_norm_rope_store
+
+    def enable_cpu(self, kernels) -> None:
+        self.qk_kernel = kernels.qk_norm_rope
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor | None = None,
                 rotary: RotaryEmbedding | None = None, q_norm: RMSNorm | None = None,
@@ -57,10 +62,14 @@ class Attention(nn.Module):
                 cache.update(k_scale=self.kv_scales.k, v_scale=self.kv_scales.v)
             self.fused_qk_kernel(q, k, v, positions, rotary.cos_sin_cache, **norm, **cache)
         else:
-            if q_norm is not None:
-                q, k = q_norm(q), k_norm(k)
-            if rotary is not None:
-                q, k = rotary(positions, q, k)
+            if rotary is not None and self.qk_kernel is not None:
+                norm = {} if q_norm is None else dict(q_weight=q_norm.weight, k_weight=k_norm.weight, eps=float(q_norm.eps))
+                self.qk_kernel(q, k, positions, rotary.cos_sin_cache, **norm)
+            else:
+                if q_norm is not None:
+                    q, k = q_norm(q), k_norm(k)
+                if rotary is not None:
+                    q, k = rotary(positions, q, k)
             if cached:
                 self.backend.store_kv(k, v, self.k_cache, self.v_cache, meta.slot_mapping, self.kv_scales)
         if self.kv_observer is not None:  # calibration sees K as it is stored: normalised and rotated

@@ -2,9 +2,10 @@
 LayerNorm with a bias (GPT-2).
 
 RMSNorm is computed in float32 and cast back, exactly as HF transformers' Qwen RMSNorm does.
-The torch functions are the CPU path and the oracle (compiled where the compile mode says); with
-Triton kernels chosen (`enable_triton`, by the model runner) 2-D inputs go to kernels/rms_norm.py,
-which computes the same thing in one pass over each row. LayerNorm is torch's, as HF's
+The torch functions are the oracle and the path without fused kernels (compiled where the compile
+mode says); with fused kernels chosen by the model runner, 2-D inputs go to one: Triton's
+(kernels/rms_norm.py, `enable_triton`) or the CPU's (kernels/cpu_fused.cpp, `enable_cpu`), which
+compute the same thing in one pass over each row. LayerNorm is torch's, as HF's
 nn.LayerNorm (GPT-2 only; it stays on torch with fused kernels on).
 """
 from typing import Callable
@@ -40,16 +41,19 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(hidden_size))
-        self.triton_kernel: Callable | None = None
+        self.fused_kernel: Callable | None = None  # (x, weight, eps, residual) -> (out, residual)
 
     def enable_triton(self) -> None:
         from nanovllm.kernels.rms_norm import rms_norm as kernel  # lazy: triton only when chosen
-        self.triton_kernel = kernel
+        self.fused_kernel = kernel
+
+    def enable_cpu(self, kernels) -> None:
+        self.fused_kernel = kernels.rms_norm
 
     def forward(self, x: torch.Tensor,
                 residual: torch.Tensor | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        if self.triton_kernel is not None and x.dim() == 2:
-            out = self.triton_kernel(x, self.weight, self.eps, residual)
+        if self.fused_kernel is not None and x.dim() == 2:
+            out = self.fused_kernel(x, self.weight, self.eps, residual)
             return out.out if residual is None else (out.out, out.residual)
         if residual is None:
             return rms_norm(x, self.weight, self.eps)

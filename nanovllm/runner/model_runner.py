@@ -22,6 +22,7 @@ from nanovllm.config import Config
 from nanovllm.engine.block_manager import NO_COPIES, BlockCopies
 from nanovllm.engine.scheduler import SWAP
 from nanovllm.engine.sequence import Sequence
+from nanovllm.kernels import cpu_build
 from nanovllm.layers.activation import SiluAndMul
 from nanovllm.layers.attention import Attention
 from nanovllm.layers.layernorm import RMSNorm
@@ -56,6 +57,8 @@ CPU_WARMUP_TOKENS = 64
 
 # The modules with a Triton path (kernels/), switched to it when Config.fused_kernels is "triton".
 TRITON_LAYERS = (RMSNorm, SiluAndMul, Attention, Sampler)
+# The modules with a CPU kernel (kernels/cpu_fused.cpp), switched to it when Config.fused_kernels is "cpu".
+CPU_FUSED_LAYERS = (RMSNorm, SiluAndMul, Attention)
 
 
 class StartupTimes(NamedTuple):
@@ -162,6 +165,16 @@ class ModelRunner:
             for module in [*self.model.modules(), self.sampler]:
                 if isinstance(module, TRITON_LAYERS):
                     module.enable_triton()
+        elif config.fused_kernels == "cpu":
+            kernels = cpu_build.load_fused()
+            if isinstance(kernels, str):  # no compiler, or the build failed: the torch functions
+                if self.rank == 0:
+                    logger.warning("fused kernels: torch (%s)", kernels)
+                config.fused_kernels = "torch"
+            else:
+                for module in self.model.modules():
+                    if isinstance(module, CPU_FUSED_LAYERS):
+                        module.enable_cpu(kernels)
         self.max_blocks_per_seq = cdiv(config.max_model_len, self.block_size)
         self.cache_dtype = config.kv_cache_torch_dtype
         self.kv_quantized = self.cache_dtype != config.dtype

@@ -1,0 +1,175 @@
+// The CPU's fused elementwise kernels: residual add + RMSNorm, SiLU-and-mul, and q/k RMSNorm +
+// rotary, each one pass over its rows where torch takes five to ten ops (and as many temporary
+// tensors). Each computes what the torch functions of layers/ compute, step for step in float32
+// with the same roundings to the model's type between steps, so that float32 matches them to the
+// last bits or nearly (sums are taken in another order) and bfloat16 rounds where torch rounds.
+// Contraction into fused multiply-adds is off in this file: torch rounds each product.
+//
+// Rows run in parallel on OpenMP (torch's pool, `num_threads` passed in) when there are enough
+// elements to pay for waking the threads; a decode step of one sequence stays on the caller's.
+//
+// Built with cpu_paged_attention.cpp into one library by cpu_build.py; plain C ABI.
+#pragma GCC optimize("fp-contract=off")
+#include <vector>
+
+#include "cpu_kernels.h"
+
+namespace {
+
+using namespace nanovllm_cpu;
+
+// Elements below which a call stays on one thread.
+constexpr int64_t PARALLEL_MIN_ELEMENTS = 16384;
+
+inline int threads_for(int64_t elements, int num_threads) {
+  return elements >= PARALLEL_MIN_ELEMENTS ? num_threads : 1;
+}
+
+// 1 / sqrt(mean(v[0:n]^2) + eps), as torch.rsqrt(x.pow(2).mean(-1) + eps) in float32.
+inline float inverse_rms(const float* __restrict__ v, int n, float eps) {
+  float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
+  for (int d = 0; d < n; ++d) sum += v[d] * v[d];
+  return 1.0f / std::sqrt(sum / static_cast<float>(n) + eps);
+}
+
+// layers/layernorm.py: residual = x + residual (in T); y = residual in float32 times its inverse
+// RMS, rounded to T; out = weight * y (in T). Without a residual, the same on x.
+template <typename T>
+void rms_norm_rows(const void* x_, int64_t x_stride, const void* residual_, int64_t residual_stride,
+                   const void* weight_, void* out_, int64_t out_stride, void* residual_out_,
+                   int64_t residual_out_stride, int rows, int hidden, float eps, int num_threads) {
+  using S = typename T::storage;
+  const S* x = static_cast<const S*>(x_);
+  const S* residual = static_cast<const S*>(residual_);
+  const S* weight = static_cast<const S*>(weight_);
+  S* out = static_cast<S*>(out_);
+  S* residual_out = static_cast<S*>(residual_out_);
+#pragma omp parallel num_threads(threads_for(static_cast<int64_t>(rows) * hidden, num_threads))
+  {
+    std::vector<float> buffer(hidden);
+    float* v = buffer.data();
+#pragma omp for schedule(static)
+    for (int r = 0; r < rows; ++r) {
+      const S* xr = x + r * x_stride;
+      if (residual) {
+        const S* rr = residual + r * residual_stride;
+        S* ro = residual_out + r * residual_out_stride;
+        for (int d = 0; d < hidden; ++d) {
+          v[d] = rounded<T>(load<T>(xr + d) + load<T>(rr + d));
+          store<T>(ro + d, v[d]);
+        }
+      } else {
+        for (int d = 0; d < hidden; ++d) v[d] = load<T>(xr + d);
+      }
+      const float inv = inverse_rms(v, hidden, eps);
+      S* o = out + r * out_stride;
+      for (int d = 0; d < hidden; ++d) store<T>(o + d, load<T>(weight + d) * rounded<T>(v[d] * inv));
+    }
+  }
+}
+
+// layers/activation.py: silu(gate) in T, then times up in T; x = [gate | up] per row.
+// silu(g) = g / (1 + exp(-g)), with exp taken of -|g| so that it never overflows.
+template <typename T>
+void silu_and_mul_rows(const void* x_, int64_t x_stride, void* out_, int64_t out_stride, int rows, int width,
+                       int num_threads) {
+  using S = typename T::storage;
+  const S* x = static_cast<const S*>(x_);
+  S* out = static_cast<S*>(out_);
+#pragma omp parallel for schedule(static) num_threads(threads_for(static_cast<int64_t>(rows) * width, num_threads))
+  for (int r = 0; r < rows; ++r) {
+    const S* gate = x + r * x_stride;
+    const S* up = gate + width;
+    S* o = out + r * out_stride;
+    for (int d = 0; d < width; ++d) {
+      const float g = load<T>(gate + d);
+      const float e = exp_nonpositive(-std::fabs(g));  // exp(-g) for g >= 0, exp(g) for g < 0
+      const float silu = g >= 0.0f ? g / (1.0f + e) : g * e / (1.0f + e);
+      store<T>(o + d, rounded<T>(silu) * load<T>(up + d));
+    }
+  }
+}
+
+// layers/attention.py's q_norm/k_norm then layers/rotary_embedding.py's rotation, in place, for
+// every head of q ([tokens, q_heads, head_dim] at the given strides) and k: each head's row
+// RMS-normalised with its weight when `q_weight` is given, then rotated by its token's position
+// (cos | sin halves of a float32 row of cos_sin, NeoX style: the first half pairs with the second).
+template <typename T>
+void qk_norm_rope_rows(void* q_, int64_t q_token_stride, int64_t q_head_stride, int q_heads, void* k_,
+                       int64_t k_token_stride, int64_t k_head_stride, int k_heads, const int64_t* positions,
+                       const float* cos_sin, int64_t cos_sin_stride, const void* q_weight_, const void* k_weight_,
+                       float eps, int tokens, int head_dim, int num_threads) {
+  using S = typename T::storage;
+  const int half = head_dim / 2;
+  const int heads = q_heads + k_heads;
+#pragma omp parallel num_threads(threads_for(static_cast<int64_t>(tokens) * heads * head_dim, num_threads))
+  {
+    std::vector<float> buffer(head_dim);
+    float* v = buffer.data();
+#pragma omp for schedule(static)
+    for (int t = 0; t < tokens; ++t) {
+      const float* cos = cos_sin + positions[t] * cos_sin_stride;
+      const float* sin = cos + half;
+      for (int h = 0; h < heads; ++h) {
+        const bool is_q = h < q_heads;
+        S* row = is_q ? static_cast<S*>(q_) + t * q_token_stride + h * q_head_stride
+                      : static_cast<S*>(k_) + t * k_token_stride + (h - q_heads) * k_head_stride;
+        for (int d = 0; d < head_dim; ++d) v[d] = load<T>(row + d);
+        if (q_weight_) {
+          const S* weight = static_cast<const S*>(is_q ? q_weight_ : k_weight_);
+          const float inv = inverse_rms(v, head_dim, eps);
+          for (int d = 0; d < head_dim; ++d) v[d] = rounded<T>(load<T>(weight + d) * rounded<T>(v[d] * inv));
+        }
+        for (int d = 0; d < half; ++d) {
+          const float x1 = v[d], x2 = v[d + half];
+          store<T>(row + d, x1 * cos[d] - x2 * sin[d]);
+          store<T>(row + d + half, x2 * cos[d] + x1 * sin[d]);
+        }
+      }
+    }
+  }
+}
+
+template <template <typename> class F, typename... Args>
+int by_dtype(int dtype, Args... args) {
+  switch (dtype) {
+    case F32: F<F32T>::run(args...); return 0;
+    case BF16: F<BF16T>::run(args...); return 0;
+    case F16: F<F16T>::run(args...); return 0;
+    default: return -1;
+  }
+}
+
+template <typename T> struct RmsNorm { template <typename... A> static void run(A... a) { rms_norm_rows<T>(a...); } };
+template <typename T> struct SiluAndMul { template <typename... A> static void run(A... a) { silu_and_mul_rows<T>(a...); } };
+template <typename T> struct QkNormRope { template <typename... A> static void run(A... a) { qk_norm_rope_rows<T>(a...); } };
+
+}  // namespace
+
+extern "C" {
+
+// Each returns 0, or -1 for a dtype code it does not know (codes as cpu_paged_attention.cpp's).
+
+int nanovllm_rms_norm(int dtype, const void* x, int64_t x_stride, const void* residual, int64_t residual_stride,
+                      const void* weight, void* out, int64_t out_stride, void* residual_out,
+                      int64_t residual_out_stride, int rows, int hidden, float eps, int num_threads) {
+  return by_dtype<RmsNorm>(dtype, x, x_stride, residual, residual_stride, weight, out, out_stride, residual_out,
+                           residual_out_stride, rows, hidden, eps, num_threads);
+}
+
+int nanovllm_silu_and_mul(int dtype, const void* x, int64_t x_stride, void* out, int64_t out_stride, int rows,
+                          int width, int num_threads) {
+  return by_dtype<SiluAndMul>(dtype, x, x_stride, out, out_stride, rows, width, num_threads);
+}
+
+int nanovllm_qk_norm_rope(int dtype, void* q, int64_t q_token_stride, int64_t q_head_stride, int q_heads, void* k,
+                          int64_t k_token_stride, int64_t k_head_stride, int k_heads, const int64_t* positions,
+                          const float* cos_sin, int64_t cos_sin_stride, const void* q_weight, const void* k_weight,
+                          float eps, int tokens, int head_dim, int num_threads) {
+  return by_dtype<QkNormRope>(dtype, q, q_token_stride, q_head_stride, q_heads, k, k_token_stride, k_head_stride,
+                              k_heads, positions, cos_sin, cos_sin_stride, q_weight, k_weight, eps, tokens, head_dim,
+                              num_threads);
+}
+
+}  // extern "C"

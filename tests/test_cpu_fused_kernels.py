@@ -1,0 +1,123 @@
+"""The CPU's fused elementwise kernels (kernels/cpu_fused.cpp) against the torch functions they
+replace (layers/layernorm.py, activation.py, rotary_embedding.py), which stay the oracle: float32
+to a few ulps (sums taken in another order), bfloat16 and float16 to one unit of their rounding in
+a few elements at most. Odd widths, one row and more rows than one thread takes (the parallel
+path), strided rows as the model hands them (views of the fused qkv and gate_up outputs)."""
+import logging
+
+import pytest
+import torch
+
+from helpers import greedy, hf_greedy, random_prompts
+
+from nanovllm import LLM
+from nanovllm.kernels import cpu_build
+from nanovllm.layers.activation import silu_and_mul
+from nanovllm.layers.layernorm import add_rms_norm, rms_norm
+from nanovllm.layers.rotary_embedding import RopeConfig, RotaryEmbedding, rotate_qk
+
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+
+
+@pytest.fixture(scope="module")
+def kernels():
+    loaded = cpu_build.load_fused()
+    if isinstance(loaded, str):
+        pytest.skip(loaded)
+    return loaded
+
+
+def randn(*shape, dtype, seed, scale=1.0):
+    return (torch.randn(*shape, generator=torch.Generator().manual_seed(seed)) * scale).to(dtype)
+
+
+def assert_close(actual: torch.Tensor, expected: torch.Tensor) -> None:
+    """float32 within a few ulps; half types: in under 2% of the elements (where the two took a
+    float32 value on either side of a rounding tie) and by at most two units of rounding of the
+    element, or of its row's largest element where a difference cancels (rotary's x1 cos - x2 sin)."""
+    assert actual.shape == expected.shape and actual.dtype == expected.dtype
+    if actual.dtype == torch.float32:
+        torch.testing.assert_close(actual, expected, rtol=4e-6, atol=1e-6)
+        return
+    a, e = actual.float(), expected.float()
+    eps = torch.finfo(actual.dtype).eps
+    bound = 2 * eps * torch.maximum(e.abs(), e.abs().amax(-1, keepdim=True)) + 1e-6
+    differ = a != e
+    assert ((a - e).abs() <= bound)[differ].all(), (a - e).abs().max()
+    assert differ.float().mean() < 0.02, differ.float().mean()
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows,hidden", [(1, 1), (1, 48), (5, 7), (3, 1000), (300, 512), (64, 4096)])
+@pytest.mark.parametrize("with_residual", [False, True])
+def test_rms_norm_matches_torch(kernels, dtype, rows, hidden, with_residual):
+    # x as a strided view (row stride 2 * hidden), as the first half of a wider output would be.
+    x = randn(rows, 2 * hidden, dtype=dtype, seed=rows + hidden, scale=3.0)[:, :hidden]
+    weight = randn(hidden, dtype=dtype, seed=1)
+    residual = randn(rows, hidden, dtype=dtype, seed=2) if with_residual else None
+    out = kernels.rms_norm(x, weight, 1e-6, residual)
+    if with_residual:
+        expected, expected_residual = add_rms_norm(x, residual, weight, 1e-6)
+        assert torch.equal(out.residual, expected_residual)  # one add, rounded once: exact
+    else:
+        expected = rms_norm(x, weight, 1e-6)
+        assert out.residual is None
+    assert_close(out.out, expected)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows,width", [(1, 1), (1, 96), (7, 33), (300, 1536)])
+def test_silu_and_mul_matches_torch(kernels, dtype, rows, width):
+    # Large gates both ways, where exp(-g) would overflow if taken as it is written.
+    x = randn(rows, 2 * width, dtype=dtype, seed=width, scale=4.0)
+    x[0, 0] = 100.0
+    x[0, -1 - width] = -100.0 if width > 1 else x[0, 0]
+    assert_close(kernels.silu_and_mul(x), silu_and_mul(x))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("heads,kv_heads,head_dim", [(6, 2, 16), (8, 4, 64), (16, 8, 128), (3, 3, 32)])
+@pytest.mark.parametrize("tokens", [1, 5, 200])
+@pytest.mark.parametrize("with_norm", [False, True])
+def test_qk_norm_rope_matches_torch(kernels, dtype, heads, kv_heads, head_dim, tokens, with_norm):
+    # q and k as views of one fused qkv output, positions past the first few.
+    qkv = randn(tokens, (heads + 2 * kv_heads) * head_dim, dtype=dtype, seed=tokens * heads, scale=2.0)
+    q = qkv[:, :heads * head_dim].view(tokens, heads, head_dim)
+    k = qkv[:, heads * head_dim:(heads + kv_heads) * head_dim].view(tokens, kv_heads, head_dim)
+    positions = torch.randint(0, 4096, (tokens,), generator=torch.Generator().manual_seed(tokens))
+    rotary = RotaryEmbedding(head_dim, 4096, RopeConfig(1_000_000.0, "default", {}))
+    q_ref, k_ref = q.clone(), k.clone()
+    norm = {}
+    if with_norm:
+        norm = dict(q_weight=randn(head_dim, dtype=dtype, seed=3), k_weight=randn(head_dim, dtype=dtype, seed=4), eps=1e-6)
+        q_ref, k_ref = rms_norm(q_ref, norm["q_weight"], 1e-6), rms_norm(k_ref, norm["k_weight"], 1e-6)
+    q_ref, k_ref = rotate_qk(positions, q_ref, k_ref, rotary.cos_sin_cache)
+    v_before = qkv[:, (heads + kv_heads) * head_dim:].clone()
+    kernels.qk_norm_rope(q, k, positions.to(torch.int32), rotary.cos_sin_cache, **norm)
+    assert_close(q, q_ref)
+    assert_close(k, k_ref)
+    assert torch.equal(qkv[:, (heads + kv_heads) * head_dim:], v_before)  # v untouched
+
+
+def test_engine_with_fused_kernels_equals_hf_and_the_torch_path(qwen3_tiny, kernels):
+    prompts = random_prompts(200, [3, 17, 40, 1, 64], seed=5)
+    expected = hf_greedy(qwen3_tiny, prompts, 12)
+    tokens = {}
+    for fused in ("cpu", "torch"):
+        llm = LLM(qwen3_tiny, device="cpu", fused_kernels=fused, kvcache_block_size=16, num_kvcache_blocks=64,
+                  max_num_batched_tokens=48)  # chunked prefill too
+        if fused == "cpu":
+            assert all(layer.qk_kernel is not None for layer in llm.model_runner.attention_layers)
+        tokens[fused] = [o["token_ids"] for o in llm.generate(prompts, greedy(12), use_tqdm=False)]
+        llm.exit()
+    assert tokens["cpu"] == expected == tokens["torch"]
+
+
+def test_a_library_that_cannot_be_built_falls_back_to_torch(qwen3_tiny, monkeypatch, caplog):
+    monkeypatch.setattr(cpu_build, "load_fused", lambda: "no C++ compiler found (set CXX, or install g++)")
+    with caplog.at_level(logging.WARNING, logger="nanovllm"):
+        llm = LLM(qwen3_tiny, device="cpu", fused_kernels="cpu", kvcache_block_size=16, num_kvcache_blocks=16)
+    assert "fused kernels: torch (no C++ compiler found" in caplog.text
+    assert llm.model_runner.config.fused_kernels == "torch"
+    assert all(layer.qk_kernel is None for layer in llm.model_runner.attention_layers)
+    llm.exit()
