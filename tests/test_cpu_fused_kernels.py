@@ -99,6 +99,30 @@ def test_qk_norm_rope_matches_torch(kernels, dtype, heads, kv_heads, head_dim, t
     assert torch.equal(qkv[:, (heads + kv_heads) * head_dim:], v_before)  # v untouched
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_qk_norm_rope_stores_k_and_v_at_their_slots(kernels, dtype):
+    tokens, heads, kv_heads, head_dim, block_size = 7, 4, 2, 32, 4
+    qkv = randn(tokens, (heads + 2 * kv_heads) * head_dim, dtype=dtype, seed=9)
+    q = qkv[:, :heads * head_dim].view(tokens, heads, head_dim)
+    k = qkv[:, heads * head_dim:(heads + kv_heads) * head_dim].view(tokens, kv_heads, head_dim)
+    v = qkv[:, (heads + kv_heads) * head_dim:].view(tokens, kv_heads, head_dim)
+    k_cache = torch.full((5, block_size, kv_heads, head_dim), float("nan"), dtype=dtype)
+    v_cache = torch.full_like(k_cache, float("nan"))
+    slots = torch.tensor([3, 0, -1, 17, 9, -1, 12])  # -1: padding, not stored
+    rotary = RotaryEmbedding(head_dim, 64, RopeConfig(10000.0, "default", {}))
+    positions = torch.arange(tokens)
+    q_ref, k_ref = rotate_qk(positions, q.clone(), k.clone(), rotary.cos_sin_cache)
+    kernels.qk_norm_rope(q, k, positions, rotary.cos_sin_cache, v=v, k_cache=k_cache, v_cache=v_cache,
+                         slot_mapping=slots)
+    assert_close(k, k_ref)
+    flat_k, flat_v = k_cache.view(-1, kv_heads, head_dim), v_cache.view(-1, kv_heads, head_dim)
+    kept = slots >= 0
+    assert torch.equal(flat_k[slots[kept]], k[kept]) and torch.equal(flat_v[slots[kept]], v[kept])
+    untouched = torch.ones(flat_k.size(0), dtype=torch.bool)
+    untouched[slots[kept]] = False
+    assert flat_k[untouched].isnan().all() and flat_v[untouched].isnan().all()
+
+
 def test_engine_with_fused_kernels_equals_hf_and_the_torch_path(qwen3_tiny, kernels):
     prompts = random_prompts(200, [3, 17, 40, 1, 64], seed=5)
     expected = hf_greedy(qwen3_tiny, prompts, 12)

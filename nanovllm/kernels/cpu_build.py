@@ -92,8 +92,8 @@ class FusedKernels:
         self._silu_and_mul = library.nanovllm_silu_and_mul
         self._silu_and_mul.argtypes = [i32, ptr, i64, ptr, i64, i32, i32, i32]
         self._qk_norm_rope = library.nanovllm_qk_norm_rope
-        self._qk_norm_rope.argtypes = [i32, ptr, i64, i64, i32, ptr, i64, i64, i32, ptr, ptr, i64, ptr, ptr, f32, i32,
-                                       i32, i32]
+        self._qk_norm_rope.argtypes = [i32, ptr, i64, i64, i32, ptr, i64, i64, i32, ptr, ptr, i64, ptr, ptr, f32, ptr,
+                                       i64, i64, ptr, ptr, ptr, i32, i32, i32]
         for fn in (self._rms_norm, self._silu_and_mul, self._qk_norm_rope):
             fn.restype = i32
 
@@ -122,19 +122,26 @@ class FusedKernels:
         return out
 
     def qk_norm_rope(self, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tensor,
-                     q_weight: torch.Tensor | None = None, k_weight: torch.Tensor | None = None,
-                     eps: float = 1e-6) -> None:
+                     q_weight: torch.Tensor | None = None, k_weight: torch.Tensor | None = None, eps: float = 1e-6,
+                     v: torch.Tensor | None = None, k_cache: torch.Tensor | None = None,
+                     v_cache: torch.Tensor | None = None, slot_mapping: torch.Tensor | None = None) -> None:
         """In place: q [tokens, q_heads, head_dim] and k [tokens, k_heads, head_dim] RMS-normalised
-        per head (when the weights are given) and rotated by `positions` (int64) through
-        cos_sin_cache [max_position, 1, head_dim] float32 (cos | sin)."""
+        per head (when the weights are given) and rotated by `positions` through cos_sin_cache
+        [max_position, 1, head_dim] float32 (cos | sin). With a cache (k_cache, v_cache [blocks,
+        block_size, k_heads, head_dim] contiguous, in q's dtype, and v, slot_mapping int64), the
+        rotated k and v are then stored at each token's slot (a negative slot skipped)."""
         tokens, q_heads, head_dim = q.shape
         if positions.dtype != torch.int64:
             positions = positions.long()
+        store = k_cache is not None
         rc = self._qk_norm_rope(DTYPE_CODES[q.dtype], q.data_ptr(), q.stride(0), q.stride(1), q_heads, k.data_ptr(),
                                 k.stride(0), k.stride(1), k.shape[1], positions.data_ptr(), cos_sin_cache.data_ptr(),
                                 cos_sin_cache.stride(0), None if q_weight is None else q_weight.data_ptr(),
-                                None if k_weight is None else k_weight.data_ptr(), eps, tokens, head_dim,
-                                torch.get_num_threads())
+                                None if k_weight is None else k_weight.data_ptr(), eps,
+                                v.data_ptr() if store else None, v.stride(0) if store else 0,
+                                v.stride(1) if store else 0, k_cache.data_ptr() if store else None,
+                                v_cache.data_ptr() if store else None, slot_mapping.data_ptr() if store else None,
+                                tokens, head_dim, torch.get_num_threads())
         assert rc == 0, f"nanovllm_qk_norm_rope returned {rc}"
 
 

@@ -1,5 +1,5 @@
 // The CPU's fused elementwise kernels: residual add + RMSNorm, SiLU-and-mul, and q/k RMSNorm +
-// rotary, each one pass over its rows where torch takes five to ten ops (and as many temporary
+// rotary (+ the KV-cache store), each one pass over its rows where torch takes five to ten ops (and as many temporary
 // tensors). Each computes what the torch functions of layers/ compute, step for step in float32
 // with the same roundings to the model's type between steps, so that float32 matches them to the
 // last bits or nearly (sums are taken in another order) and bfloat16 rounds where torch rounds.
@@ -95,12 +95,17 @@ void silu_and_mul_rows(const void* x_, int64_t x_stride, void* out_, int64_t out
 // every head of q ([tokens, q_heads, head_dim] at the given strides) and k: each head's row
 // RMS-normalised with its weight when `q_weight` is given, then rotated by its token's position
 // (cos | sin halves of a float32 row of cos_sin, NeoX style: the first half pairs with the second).
+// With a cache (k_cache non-null), then the backend's store: token t's k and v rows (v given at its
+// strides) copied to slot slots[t] of k_cache / v_cache ([slots, k_heads, head_dim] contiguous),
+// a negative slot skipped.
 template <typename T>
 void qk_norm_rope_rows(void* q_, int64_t q_token_stride, int64_t q_head_stride, int q_heads, void* k_,
                        int64_t k_token_stride, int64_t k_head_stride, int k_heads, const int64_t* positions,
                        const float* cos_sin, int64_t cos_sin_stride, const void* q_weight_, const void* k_weight_,
-                       float eps, int tokens, int head_dim, int num_threads) {
+                       float eps, const void* v_, int64_t v_token_stride, int64_t v_head_stride, void* k_cache_,
+                       void* v_cache_, const int64_t* slots, int tokens, int head_dim, int num_threads) {
   using S = typename T::storage;
+  const int64_t slot_size = static_cast<int64_t>(k_heads) * head_dim;
   const int half = head_dim / 2;
   const int heads = q_heads + k_heads;
 #pragma omp parallel num_threads(threads_for(static_cast<int64_t>(tokens) * heads * head_dim, num_threads))
@@ -125,6 +130,12 @@ void qk_norm_rope_rows(void* q_, int64_t q_token_stride, int64_t q_head_stride, 
           const float x1 = v[d], x2 = v[d + half];
           store<T>(row + d, x1 * cos[d] - x2 * sin[d]);
           store<T>(row + d + half, x2 * cos[d] + x1 * sin[d]);
+        }
+        if (k_cache_ && !is_q && slots[t] >= 0) {
+          const int64_t at = slots[t] * slot_size + static_cast<int64_t>(h - q_heads) * head_dim;
+          const S* v_row = static_cast<const S*>(v_) + t * v_token_stride + (h - q_heads) * v_head_stride;
+          std::memcpy(static_cast<S*>(k_cache_) + at, row, head_dim * sizeof(S));
+          std::memcpy(static_cast<S*>(v_cache_) + at, v_row, head_dim * sizeof(S));
         }
       }
     }
@@ -166,10 +177,11 @@ int nanovllm_silu_and_mul(int dtype, const void* x, int64_t x_stride, void* out,
 int nanovllm_qk_norm_rope(int dtype, void* q, int64_t q_token_stride, int64_t q_head_stride, int q_heads, void* k,
                           int64_t k_token_stride, int64_t k_head_stride, int k_heads, const int64_t* positions,
                           const float* cos_sin, int64_t cos_sin_stride, const void* q_weight, const void* k_weight,
-                          float eps, int tokens, int head_dim, int num_threads) {
+                          float eps, const void* v, int64_t v_token_stride, int64_t v_head_stride, void* k_cache,
+                          void* v_cache, const int64_t* slots, int tokens, int head_dim, int num_threads) {
   return by_dtype<QkNormRope>(dtype, q, q_token_stride, q_head_stride, q_heads, k, k_token_stride, k_head_stride,
-                              k_heads, positions, cos_sin, cos_sin_stride, q_weight, k_weight, eps, tokens, head_dim,
-                              num_threads);
+                              k_heads, positions, cos_sin, cos_sin_stride, q_weight, k_weight, eps, v, v_token_stride,
+                              v_head_stride, k_cache, v_cache, slots, tokens, head_dim, num_threads);
 }
 
 }  // extern "C"

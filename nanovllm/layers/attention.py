@@ -50,28 +50,31 @@ class Attention(nn.Module):
                 k_norm: RMSNorm | None = None) -> torch.Tensor:
         """q: [num_tokens, num_heads, head_dim]; k, v: [num_tokens, num_kv_heads, head_dim]. With
         `rotary` (and `positions`), q and k are rotated first, after q_norm/k_norm when given
-        (both or neither); the Triton path does that in place, in q and k."""
+        (both or neither); the fused kernels do that in place, in q and k, and store K/V."""
         meta = get_context()
         cached = self.k_cache.numel() > 0  # warm-up runs before the cache exists
-        # The kernel rotates whole heads, as every model here does (rope_config_of refuses partial rotary).
+        # The kernels rotate whole heads, as every model here does (rope_config_of refuses partial rotary).
+        norm = {} if q_norm is None else dict(q_weight=q_norm.weight, k_weight=k_norm.weight, eps=float(q_norm.eps))
+        stored = False  # whether a kernel stored this step's K/V in the cache
         if rotary is not None and self.fused_qk_kernel is not None:
             assert (q_norm is None) == (k_norm is None) and (q_norm is None or q_norm.eps == k_norm.eps)
-            norm = {} if q_norm is None else dict(q_weight=q_norm.weight, k_weight=k_norm.weight, eps=float(q_norm.eps))
             cache = dict(k_cache=self.k_cache, v_cache=self.v_cache, slot_mapping=meta.slot_mapping) if cached else {}
             if cached and self.kv_scales is not None:
                 cache.update(k_scale=self.kv_scales.k, v_scale=self.kv_scales.v)
             self.fused_qk_kernel(q, k, v, positions, rotary.cos_sin_cache, **norm, **cache)
+            stored = cached
+        elif rotary is not None and self.qk_kernel is not None:
+            # The CPU kernel stores K/V too, unless they are quantised (the backend's store does that).
+            stored = cached and self.kv_scales is None
+            cache = dict(v=v, k_cache=self.k_cache, v_cache=self.v_cache, slot_mapping=meta.slot_mapping) if stored else {}
+            self.qk_kernel(q, k, positions, rotary.cos_sin_cache, **norm, **cache)
         else:
-            if rotary is not None and self.qk_kernel is not None:
-                norm = {} if q_norm is None else dict(q_weight=q_norm.weight, k_weight=k_norm.weight, eps=float(q_norm.eps))
-                self.qk_kernel(q, k, positions, rotary.cos_sin_cache, **norm)
-            else:
-                if q_norm is not None:
-                    q, k = q_norm(q), k_norm(k)
-                if rotary is not None:
-                    q, k = rotary(positions, q, k)
-            if cached:
-                self.backend.store_kv(k, v, self.k_cache, self.v_cache, meta.slot_mapping, self.kv_scales)
+            if q_norm is not None:
+                q, k = q_norm(q), k_norm(k)
+            if rotary is not None:
+                q, k = rotary(positions, q, k)
+        if cached and not stored:
+            self.backend.store_kv(k, v, self.k_cache, self.v_cache, meta.slot_mapping, self.kv_scales)
         if self.kv_observer is not None:  # calibration sees K as it is stored: normalised and rotated
             self.kv_observer.observe(k, v)
         if meta.is_prefill:
