@@ -29,6 +29,10 @@ def shard(loaded: torch.Tensor, dim: int, rank: int, size: int, world: int, name
 # grew a batch job's memory by ~50 MB over 25,000 requests (tests/test_batch_scale.py). Larger
 # products go to F.linear on the plain weight.
 MAX_PACKED_ROWS = 64
+# The fewest rows a packed product is given: 1-3 rows (a single stream's decode, a few sequences)
+# are padded with zero rows up to this, which oneDNN multiplies 7-12% faster than one row on a
+# Zen 4 (its one-row path streams the weight more slowly; benchmarks/cpu_linear.py, BENCHMARKS).
+MIN_PACKED_ROWS = 4
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
@@ -38,10 +42,13 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
     matmul, ~10x slower there than float32); everywhere else this is F.linear. With `packed`
     (the same weight in oneDNN's blocked layout, utils/cpu.py pack_linear_weights) the product
     is oneDNN's on it instead of a matmul that reorders the plain weight on every call, for up to
-    MAX_PACKED_ROWS rows."""
+    MAX_PACKED_ROWS rows (at least MIN_PACKED_ROWS, zero rows padding fewer)."""
     if packed is not None and x.numel() <= MAX_PACKED_ROWS * x.size(-1):
-        y = torch.ops.mkldnn._linear_pointwise(x.to(weight.dtype).reshape(-1, x.size(-1)), packed, bias, "none",
-                                               [], "")
+        rows = x.numel() // x.size(-1)
+        flat = x.to(weight.dtype).reshape(rows, x.size(-1))
+        if rows < MIN_PACKED_ROWS:
+            flat = F.pad(flat, (0, 0, 0, MIN_PACKED_ROWS - rows))
+        y = torch.ops.mkldnn._linear_pointwise(flat, packed, bias, "none", [], "")[:rows]
         return y.view(*x.shape[:-1], y.size(-1)).to(x.dtype)
     if weight.dtype == x.dtype:
         return F.linear(x, weight, bias)
