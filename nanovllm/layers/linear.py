@@ -33,6 +33,7 @@ MAX_PACKED_ROWS = 64
 # are padded with zero rows up to this, which oneDNN multiplies 7-12% faster than one row on a
 # Zen 4 (its one-row path streams the weight more slowly; benchmarks/cpu_linear.py, BENCHMARKS).
 MIN_PACKED_ROWS = 4
+_LINEAR_POINTWISE = torch.ops.mkldnn._linear_pointwise.default if torch.backends.mkldnn.is_available() else None
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
@@ -44,12 +45,18 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
     is oneDNN's on it instead of a matmul that reorders the plain weight on every call, for up to
     MAX_PACKED_ROWS rows (at least MIN_PACKED_ROWS, zero rows padding fewer)."""
     if packed is not None and x.numel() <= MAX_PACKED_ROWS * x.size(-1):
-        rows = x.numel() // x.size(-1)
-        flat = x.to(weight.dtype).reshape(rows, x.size(-1))
+        flat = x if x.dim() == 2 else x.reshape(-1, x.size(-1))
+        if flat.dtype != weight.dtype:
+            flat = flat.to(weight.dtype)
+        rows = flat.size(0)
         if rows < MIN_PACKED_ROWS:
             flat = F.pad(flat, (0, 0, 0, MIN_PACKED_ROWS - rows))
-        y = torch.ops.mkldnn._linear_pointwise(flat, packed, bias, "none", [], "")[:rows]
-        return y.view(*x.shape[:-1], y.size(-1)).to(x.dtype)
+        y = _LINEAR_POINTWISE(flat, packed, bias, "none", [], "")
+        if rows < MIN_PACKED_ROWS:
+            y = y[:rows]
+        if x.dim() != 2:
+            y = y.view(*x.shape[:-1], y.size(-1))
+        return y if y.dtype == x.dtype else y.to(x.dtype)
     if weight.dtype == x.dtype:
         return F.linear(x, weight, bias)
     return F.linear(x.to(weight.dtype), weight, bias).to(x.dtype)
