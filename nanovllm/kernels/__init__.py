@@ -1,7 +1,8 @@
 """Triton kernels: attention on the paged KV cache (store_kv, decode, prefill/extend), the fused
 layer functions (rms_norm, qk_norm_rope, silu_mul) and the sampler's race (sampling). Beside
-them, CPU's paged attention in C++ (cpu_paged_attention.cpp, built and loaded by cpu_build.py;
-no Triton involved).
+them, the CPU's kernels in C++, built into one library and loaded by cpu_build.py (no Triton
+involved): paged attention (cpu_paged_attention.cpp) and the fused layer functions
+(cpu_fused.cpp), sharing cpu_kernels.h.
 
 Each kernel lives in its own module next to a wrapper that checks shapes, strides and dtypes.
 This file holds only the checks and tile rules those wrappers share, and imports nothing from
