@@ -145,3 +145,16 @@ def test_a_library_that_cannot_be_built_falls_back_to_torch(qwen3_tiny, monkeypa
     assert llm.model_runner.config.fused_kernels == "torch"
     assert all(layer.qk_kernel is None for layer in llm.model_runner.attention_layers)
     llm.exit()
+
+
+def test_every_file_the_build_reads_ships_in_the_package():
+    """An installed wheel builds the library on the user's machine: each source and header
+    cpu_build compiles must match pyproject's package-data."""
+    import fnmatch
+    import tomllib
+    from pathlib import Path
+    root = Path(__file__).resolve().parents[1]
+    globs = tomllib.loads((root / "pyproject.toml").read_text())["tool"]["setuptools"]["package-data"]["nanovllm"]
+    for path in (*cpu_build.SOURCES, *cpu_build.HEADERS):
+        relative = path.relative_to(root / "nanovllm").as_posix()
+        assert any(fnmatch.fnmatch(relative, g) for g in globs), f"{relative} is not package data"
