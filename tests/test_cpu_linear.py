@@ -10,15 +10,18 @@ import torch
 import torch.nn.functional as F
 
 from nanovllm import LLM
-from nanovllm.layers.linear import LinearBase, linear
+from nanovllm.layers.linear import (BUCKETED_PACKED_ROWS, EXACT_PACKED_ROWS, MIN_PACKED_ROWS, LinearBase, linear,
+                                    packed_rows)
 from nanovllm.utils import cpu
 
 pytestmark = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="torch has no oneDNN here")
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-# 1-3 rows are padded with zero rows to MIN_PACKED_ROWS inside linear(); 5, 6 and 64 are not.
-@pytest.mark.parametrize("shape", [(1, 64), (2, 64), (3, 64), (5, 64), (2, 3, 64), (1, 1, 64), (64, 64)])
+# 1-3 rows are padded with zero rows to MIN_PACKED_ROWS inside linear(), 5 and 64 are not, 65 and
+# 300 go to F.linear, 1030 is padded to its bucket (1152), 2 x 3 is a 3-D input.
+@pytest.mark.parametrize("shape", [(1, 64), (2, 64), (3, 64), (5, 64), (2, 3, 64), (1, 1, 64), (64, 64), (65, 64),
+                                   (300, 64), (1030, 64)])
 @pytest.mark.parametrize("bias", [False, True])
 def test_packed_linear_equals_f_linear(dtype, shape, bias):
     if not cpu.native_half_matmul(dtype):
@@ -32,6 +35,19 @@ def test_packed_linear_equals_f_linear(dtype, shape, bias):
     assert out.shape == (*shape[:-1], 48) and out.dtype == dtype and out.is_contiguous()
     tolerance = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=2e-2, rtol=2e-2)
     torch.testing.assert_close(out, F.linear(x, weight, b), **tolerance)
+
+
+def test_packed_row_buckets_are_few_and_pad_little():
+    """oneDNN caches a primitive per row count: decode-sized counts exactly, prefill chunks from
+    BUCKETED_PACKED_ROWS in at most 8 buckets per doubling, each under an eighth larger than the
+    rows it holds; the counts between go to F.linear (None)."""
+    counts = {rows: packed_rows(rows) for rows in range(1, 16385)}
+    assert {counts[rows] for rows in range(1, MIN_PACKED_ROWS)} == {MIN_PACKED_ROWS}
+    assert all(counts[rows] == rows for rows in range(MIN_PACKED_ROWS, EXACT_PACKED_ROWS + 1))
+    assert all(counts[rows] is None for rows in range(EXACT_PACKED_ROWS + 1, BUCKETED_PACKED_ROWS))
+    large = {rows: padded for rows, padded in counts.items() if rows >= BUCKETED_PACKED_ROWS}
+    assert all(rows <= padded < rows * 9 / 8 + 1 for rows, padded in large.items())
+    assert len(set(large.values())) <= 8 * 4 + 1  # 1024 .. 16384: four doublings
 
 
 def test_half_activations_over_float32_weights():

@@ -24,16 +24,29 @@ def shard(loaded: torch.Tensor, dim: int, rank: int, size: int, world: int, name
     return loaded.narrow(dim, rank * size, size)
 
 
-# The most rows multiplied by a packed weight (decode-sized products). oneDNN builds and caches a
-# primitive per row count; prefill steps bring a new row count nearly every step, and that cache
-# grew a batch job's memory by ~50 MB over 25,000 requests (tests/test_batch_scale.py). Larger
-# products go to F.linear on the plain weight.
-MAX_PACKED_ROWS = 64
-# The fewest rows a packed product is given: 1-3 rows (a single stream's decode, a few sequences)
-# are padded with zero rows up to this, which oneDNN multiplies 7-12% faster than one row on a
-# Zen 4 (its one-row path streams the weight more slowly; benchmarks/cpu_linear.py, BENCHMARKS).
+# Products on a packed weight (utils/cpu.py) are oneDNN's, which builds and caches a primitive per
+# row count. Steps bring a new row count nearly every step, and caching one per count grew a batch
+# job's memory by ~50 MB over 25,000 requests (tests/test_batch_scale.py), so packed products are
+# limited to a bounded set of row counts (packed_rows): decode-sized ones exactly (up to
+# EXACT_PACKED_ROWS; 1-3 rows padded with zero rows to MIN_PACKED_ROWS, which oneDNN multiplies
+# 7-12% faster than one row on a Zen 4), and large prefill chunks (BUCKETED_PACKED_ROWS or more)
+# padded to multiples of an eighth of the power of two below them (8 buckets per doubling, under
+# 1/8 padding; float32 prefill GEMMs ~25% faster packed than F.linear). Row counts between the two
+# go to F.linear on the plain weight.
 MIN_PACKED_ROWS = 4
+EXACT_PACKED_ROWS = 64
+BUCKETED_PACKED_ROWS = 1024
 _LINEAR_POINTWISE = torch.ops.mkldnn._linear_pointwise.default if torch.backends.mkldnn.is_available() else None
+
+
+def packed_rows(rows: int) -> int | None:
+    """The row count a packed product of `rows` rows is computed at (>= rows), or None for F.linear."""
+    if rows <= EXACT_PACKED_ROWS:
+        return max(rows, MIN_PACKED_ROWS)
+    if rows < BUCKETED_PACKED_ROWS:
+        return None
+    step = (1 << (rows.bit_length() - 1)) // 8
+    return -(-rows // step) * step
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
@@ -42,17 +55,18 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
     half-precision layers keep float32 weights (utils/cpu.py: a CPU that emulates bf16/fp16
     matmul, ~10x slower there than float32); everywhere else this is F.linear. With `packed`
     (the same weight in oneDNN's blocked layout, utils/cpu.py pack_linear_weights) the product
-    is oneDNN's on it instead of a matmul that reorders the plain weight on every call, for up to
-    MAX_PACKED_ROWS rows (at least MIN_PACKED_ROWS, zero rows padding fewer)."""
-    if packed is not None and x.numel() <= MAX_PACKED_ROWS * x.size(-1):
+    is oneDNN's on it instead of a matmul that reorders the plain weight on every call, at
+    packed_rows(rows) rows (zero rows padding the difference)."""
+    padded = None if packed is None else packed_rows(x.numel() // x.size(-1))
+    if padded is not None:
         flat = x if x.dim() == 2 else x.reshape(-1, x.size(-1))
         if flat.dtype != weight.dtype:
             flat = flat.to(weight.dtype)
         rows = flat.size(0)
-        if rows < MIN_PACKED_ROWS:
-            flat = F.pad(flat, (0, 0, 0, MIN_PACKED_ROWS - rows))
+        if padded != rows:
+            flat = F.pad(flat, (0, 0, 0, padded - rows))
         y = _LINEAR_POINTWISE(flat, packed, bias, "none", [], "")
-        if rows < MIN_PACKED_ROWS:
+        if padded != rows:
             y = y[:rows]
         if x.dim() != 2:
             y = y.view(*x.shape[:-1], y.size(-1))
