@@ -111,6 +111,21 @@ def test_multi_byte_character_split_across_tokens_is_held_back(tokenizer):
         assert deltas[:-1] == [""] * (len(ids) - 1) and final.endswith(char) and REPLACEMENT_CHAR not in final
 
 
+def test_context_does_not_begin_inside_a_character_spelled_in_bytes(tokenizer):
+    """A prompt ending in characters spelled in byte tokens (byte fallback): a context of its last
+    five tokens would begin with continuation bytes, and the byte-fallback decoder would turn the
+    whole byte run, the output's byte tokens included, into U+FFFD (hypothesis found ['', '\ufffd!']
+    for this prompt and <0x00>, '!'). The context reaches back to the character's first byte."""
+    vocab = tokenizer.get_vocab()
+    if "<0x00>" not in vocab or "!" not in vocab:
+        pytest.skip("no byte fallback in this tokenizer family")
+    prompt = tokenizer.encode("🎉🎉")
+    output = [vocab["<0x00>"], vocab["!"]]
+    deltas, final = stream(tokenizer, prompt, output, SamplingParams())
+    assert deltas == ["\x00", "!"] and final == "\x00!"
+    assert tokenizer.decode(prompt) + final == tokenizer.decode(prompt + output)
+
+
 @pytest.fixture(scope="module")
 def sentencepiece_checkpoint(qwen3_tiny, tmp_path_factory) -> str:
     return with_tokenizer(qwen3_tiny, "sentencepiece", str(tmp_path_factory.mktemp("qwen3_sp")))

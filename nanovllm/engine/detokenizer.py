@@ -22,15 +22,33 @@ REPLACEMENT_CHAR = "\ufffd"  # what a decoder yields for an incomplete UTF-8 seq
 # Prompt tokens decoded before the first output token (vLLM's initial offset): enough for a
 # leading-space marker and a character begun in the prompt, few enough to decode every step.
 CONTEXT_TOKENS = 5
+# Further prompt tokens the context may take so as not to begin inside a character spelled in
+# byte tokens (SentencePiece's byte fallback): a UTF-8 character has at most 4 bytes.
+MAX_CONTEXT_BACKOFF = 3
+
+
+def prompt_context(tokenizer: PreTrainedTokenizerBase, prompt_token_ids: list[int],
+                   skip_special_tokens: bool) -> list[int]:
+    """The prompt's last CONTEXT_TOKENS, reaching back up to MAX_CONTEXT_BACKOFF more while they
+    decode to text that begins with U+FFFD: a context that begins with a character's continuation
+    bytes makes a byte-fallback decoder replace its whole run of byte tokens (the output's bytes
+    that follow included) with U+FFFD."""
+    start = max(0, len(prompt_token_ids) - CONTEXT_TOKENS)
+    for _ in range(MAX_CONTEXT_BACKOFF):
+        text = tokenizer.decode(prompt_token_ids[start:], skip_special_tokens=skip_special_tokens)
+        if start == 0 or not text.startswith(REPLACEMENT_CHAR):
+            break
+        start -= 1
+    return list(prompt_token_ids[start:])
 
 
 def decode_after(tokenizer: PreTrainedTokenizerBase | None, prompt_token_ids: list[int], token_ids: list[int],
                  skip_special_tokens: bool) -> str:
-    """The text `token_ids` add after the prompt: the prompt's last CONTEXT_TOKENS and them
+    """The text `token_ids` add after the prompt: the prompt's context (prompt_context) and them
     decoded together, less the context's own text (what a Detokenizer's deltas add up to)."""
     if tokenizer is None:
         return ""
-    context = list(prompt_token_ids[-CONTEXT_TOKENS:])
+    context = prompt_context(tokenizer, list(prompt_token_ids), skip_special_tokens)
     context_text = tokenizer.decode(context, skip_special_tokens=skip_special_tokens)
     text = tokenizer.decode(context + list(token_ids), skip_special_tokens=skip_special_tokens)
     return text[len(context_text):]
@@ -44,7 +62,9 @@ class Detokenizer:
         self.params = params
         self.prompt_token_ids = list(prompt_token_ids)
         # The decode window's context (the prompt's last tokens), then every output token.
-        self.token_ids: list[int] = self.prompt_token_ids[-CONTEXT_TOKENS:]
+        self.token_ids: list[int] = (self.prompt_token_ids[-CONTEXT_TOKENS:] if tokenizer is None else
+                                     prompt_context(tokenizer, self.prompt_token_ids, params.skip_special_tokens))
+        self.num_context = len(self.token_ids)
         self.prefix_offset = 0  # start of the decode window
         self.read_offset = len(self.token_ids)  # tokens before this are already in `text` (or the prompt's)
         self.text = ""
@@ -90,8 +110,7 @@ class Detokenizer:
         also renders a trailing incomplete character the incremental text held back)."""
         if self.stopped is not None:
             return self.text
-        num_context = min(len(self.prompt_token_ids), CONTEXT_TOKENS)
-        return decode_after(self.tokenizer, self.prompt_token_ids, self.token_ids[num_context:],
+        return decode_after(self.tokenizer, self.prompt_token_ids, self.token_ids[self.num_context:],
                             self.params.skip_special_tokens)
 
     def stream_delta(self, finished: bool) -> str:
