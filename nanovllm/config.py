@@ -134,7 +134,7 @@ class Config:
     # The small layer functions (residual add + RMSNorm, q/k norm + rotary + KV store, SiLU-and-mul)
     # and the sampler's race as Triton kernels (nanovllm/kernels/), or as the torch functions:
     # "auto" = "triton" on CUDA when triton is installed, "cpu" on CPU where a C++ compiler is
-    # (kernels/cpu_fused.cpp: RMSNorm, SiLU-and-mul, q/k norm + rotary; the sampler stays torch's),
+    # (kernels/cpu_fused.cpp: RMSNorm, SiLU-and-mul, q/k norm + rotary + KV store; the sampler stays torch's),
     # else "torch". "triton" without CUDA needs TRITON_INTERPRET=1 (tests). On Llama, Qwen2/3 and
     # Qwen3-MoE the Triton path calls no torch.compile'd function, whatever compile_mode says;
     # GPT-2's LayerNorm and GELU stay torch's. Resolved to "triton", "cpu" or "torch" when the

@@ -49,6 +49,12 @@ def decode_after(tokenizer: PreTrainedTokenizerBase | None, prompt_token_ids: li
     if tokenizer is None:
         return ""
     context = prompt_context(tokenizer, list(prompt_token_ids), skip_special_tokens)
+    return text_after(tokenizer, context, token_ids, skip_special_tokens)
+
+
+def text_after(tokenizer: PreTrainedTokenizerBase, context: list[int], token_ids: list[int],
+               skip_special_tokens: bool) -> str:
+    """`context` and `token_ids` decoded together, less the context's own text."""
     context_text = tokenizer.decode(context, skip_special_tokens=skip_special_tokens)
     text = tokenizer.decode(context + list(token_ids), skip_special_tokens=skip_special_tokens)
     return text[len(context_text):]
@@ -110,8 +116,10 @@ class Detokenizer:
         also renders a trailing incomplete character the incremental text held back)."""
         if self.stopped is not None:
             return self.text
-        return decode_after(self.tokenizer, self.prompt_token_ids, self.token_ids[self.num_context:],
-                            self.params.skip_special_tokens)
+        if self.tokenizer is None:
+            return ""
+        return text_after(self.tokenizer, self.token_ids[:self.num_context], self.token_ids[self.num_context:],
+                          self.params.skip_special_tokens)
 
     def stream_delta(self, finished: bool) -> str:
         """The text not yet handed to the stream; unfinished, it keeps back what might still

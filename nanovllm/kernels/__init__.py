@@ -20,6 +20,8 @@ is passed is fixed by the model: head counts, strides, the vocabulary. Row and t
 the kernels as the grid where they can, which Triton never specialises on.
 tests/test_compile_once.py checks the keys of every launch in a generate() against start-up's.
 """
+from typing import NamedTuple
+
 import torch
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -31,6 +33,12 @@ MIN_DOT_SIZE = 16
 # Kernels keep [rows, head_dim] fp32 accumulators in registers; beyond 256 they would spill.
 MAX_HEAD_DIM = 256
 LOG2E = 1.4426950408889634  # softmax runs on exp2, so scores are pre-multiplied by log2(e)
+
+
+class RMSNormOutput(NamedTuple):
+    """What an RMSNorm kernel returns (the Triton one, kernels/rms_norm.py, and the CPU's, cpu_build.py)."""
+    out: torch.Tensor  # [rows, hidden]: weight * normalised row
+    residual: torch.Tensor | None  # [rows, hidden]: x + residual, the stream the next layer adds to
 
 
 def next_power_of_2(n: int) -> int:

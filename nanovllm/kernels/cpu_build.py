@@ -23,10 +23,10 @@ import shutil
 import subprocess
 import tempfile
 from pathlib import Path
-from typing import NamedTuple
 
 import torch
 
+from nanovllm.kernels import RMSNormOutput
 from nanovllm.utils.paths import cache_dir
 
 logger = logging.getLogger("nanovllm")
@@ -74,15 +74,10 @@ class PagedAttentionKernel:
         assert rc == 0, f"nanovllm_paged_attention returned {rc}"
 
 
-class RMSNormOutput(NamedTuple):
-    out: torch.Tensor
-    residual: torch.Tensor | None
-
-
 class FusedKernels:
     """The library's fused elementwise kernels (cpu_fused.cpp), called with tensors, with the
-    signatures of the Triton kernels they stand in for (kernels/rms_norm.py, silu_mul.py and the
-    norm + rotary half of qk_norm_rope.py), so the layers take either. Inputs are the layers' own
+    signatures of the Triton kernels they stand in for (kernels/rms_norm.py, silu_mul.py and, but
+    for fp8 caches, qk_norm_rope.py's norm + rotary + K/V store), so the layers take either. Inputs are the layers' own
     tensors: CPU, the model's dtype, unit stride in the last dimension; nothing is checked."""
 
     def __init__(self, library: ctypes.CDLL):

@@ -11,13 +11,11 @@ rows per program for real models, dozens for tiny test models (fewer programs fo
 interpreter to run one after another). The row count changes every step, so it is excluded from
 integer specialisation (see kernels/__init__.py): one compiled variant serves every batch.
 """
-from typing import NamedTuple
-
 import torch
 import triton
 import triton.language as tl
 
-from nanovllm.kernels import SUPPORTED_DTYPES, check_tensor, next_power_of_2, num_warps_for
+from nanovllm.kernels import SUPPORTED_DTYPES, RMSNormOutput, check_tensor, next_power_of_2, num_warps_for
 from nanovllm.kernels.reductions import SUM
 
 # One tile holds whole rows; past this a row's fp32 copy would not fit in registers.
@@ -51,11 +49,6 @@ def _rms_norm_kernel(
     normed = (xf * inv_rms).to(dtype).to(tl.float32)  # torch rounds before the weight multiplies
     w = tl.load(weight_ptr + cols, mask=cols < hidden, other=0.0).to(tl.float32)
     tl.store(out_ptr + row * stride_out + cols, (normed * w).to(dtype), mask=mask)
-
-
-class RMSNormOutput(NamedTuple):
-    out: torch.Tensor  # [rows, hidden]: weight * normalised row
-    residual: torch.Tensor | None  # [rows, hidden]: x + residual, the stream the next layer adds to
 
 
 def _check_rows(name: str, t: torch.Tensor, like: torch.Tensor) -> None:

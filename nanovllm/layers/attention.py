@@ -6,8 +6,8 @@ whatever the backend and cache dtype.
 
 Preparing q and k here, not in the model, is what lets one Triton kernel (kernels/qk_norm_rope.py,
 chosen by `enable_triton`) do the norm, the rotation and the cache store (quantised for an fp8
-cache) in one pass, and the CPU's (kernels/cpu_fused.cpp, `enable_cpu`) the norm and the rotation
-in place before the backend's store; the torch path (the oracle) calls the model's own q_norm,
+cache) in one pass, and the CPU's (kernels/cpu_fused.cpp, `enable_cpu`) the same for an unquantised
+cache (an fp8 one is stored by the backend); the torch path (the oracle) calls the model's own q_norm,
 k_norm and rotary modules.
 """
 from typing import Callable
