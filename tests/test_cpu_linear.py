@@ -4,12 +4,18 @@ bf16 where this CPU multiplies it natively); the packed product equals F.linear 
 (float32 to rounding, bf16 within its tolerance), for 1, 2-D and 3-D inputs, with and without a
 bias, and for half-precision activations over float32-held weights. The engine on packed weights
 gives HF's greedy tokens: tests/test_parity.py and the engine tests run with them (the default).
+
+The CPU's few-row product (kernels/cpu_linear.cpp), which linear() takes for decode steps of a few
+sequences, equals the float64 product to float32 rounding (bf16: within its tolerance and next to
+oneDNN's), for every row count it takes, weights whose rows and width leave tails, strided rows
+and a bias; the engine switches every linear layer and the LM head to it.
 """
 import pytest
 import torch
 import torch.nn.functional as F
 
 from nanovllm import LLM
+from nanovllm.kernels import cpu_build
 from nanovllm.layers.linear import (BUCKETED_PACKED_ROWS, EXACT_PACKED_ROWS, MIN_PACKED_ROWS, LinearBase, linear,
                                     packed_rows)
 from nanovllm.utils import cpu
@@ -65,4 +71,74 @@ def test_engine_packs_every_linear_layer_and_the_lm_head(qwen3_tiny):
     linears = [m for m in model.modules() if isinstance(m, LinearBase)]
     assert linears and all(m.packed_weight is not None for m in linears)
     assert model.lm_head.packed_weight is not None
+    llm.exit()
+
+
+@pytest.fixture(scope="module")
+def kernels():
+    loaded = cpu_build.load_fused()
+    if isinstance(loaded, str):
+        pytest.skip(loaded)
+    return loaded
+
+
+def few_rows_for(kernels, dtype):
+    product = kernels.few_rows_linear(dtype)
+    if product is None:
+        pytest.skip(f"this CPU's build has no few-row product for {dtype} (float32 needs AVX-512F, bfloat16 AVX512-BF16)")
+    return product
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+# Widths: whole vector pairs, a single vector's tail, odd tails; rows of the weight: whole groups
+# of 16 / rows, a last group cut short, fewer than one group; the LM head's shape.
+@pytest.mark.parametrize("n,k", [(48, 64), (33, 100), (5, 7), (1, 1), (1000, 512), (300, 1536), (32000, 64)])
+@pytest.mark.parametrize("bias", [False, True])
+def test_few_rows_product_equals_the_exact_product(kernels, dtype, n, k, bias):
+    product = few_rows_for(kernels, dtype)
+    gen = torch.Generator().manual_seed(n + k)
+    weight = torch.randn(n, k, generator=gen).to(dtype)
+    b = torch.randn(n, generator=gen).to(dtype) if bias else None
+    for rows in range(1, product.max_rows + 1):
+        x = torch.randn(rows, 2 * k, generator=gen).to(dtype)[:, k // 2:k // 2 + k]  # strided rows
+        out = linear(x, weight, b, few_rows=product)
+        assert out.shape == (rows, n) and out.dtype == dtype and out.is_contiguous()
+        exact = F.linear(x.double(), weight.double(), None if b is None else b.double())
+        if dtype == torch.float32:
+            # float32 sums in another order than F.linear's: within a few ulps of the row's magnitudes
+            scale = (x.double().abs() @ weight.double().abs().T) + (0 if b is None else b.double().abs())
+            assert ((out.double() - exact).abs() <= 1e-6 * scale + 1e-30).all()
+        else:  # float32 sums of exact products, rounded once to bf16: within one unit of rounding
+            assert ((out.double() - exact).abs() <= 2 ** -8 * exact.abs() + 1e-3 * exact.abs().max()).all()
+            torch.testing.assert_close(out, F.linear(x, weight, b), atol=2e-2, rtol=2e-2)
+
+
+def test_linear_takes_the_few_row_product_only_for_its_rows(kernels):
+    product = few_rows_for(kernels, torch.float32)
+    calls = []
+
+    class Counting:
+        max_rows = product.max_rows
+
+        def __call__(self, *args):
+            calls.append(args[0].size(0))
+            return product(*args)
+
+    weight = torch.randn(24, 32)
+    for shape in [(1, 32), (product.max_rows, 32), (product.max_rows + 1, 32), (2, 1, 32), (1, 32)]:
+        linear(torch.randn(*shape), weight, None, None, Counting())
+    linear(torch.randn(1, 32).bfloat16(), weight, None, None, Counting())  # activations in another dtype
+    assert calls == [1, product.max_rows, 1]
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_engine_gives_linear_layers_and_the_lm_head_the_few_row_product(qwen3_tiny, kernels, dtype):
+    llm = LLM(qwen3_tiny, num_kvcache_blocks=16, dtype=dtype)
+    model = llm.model_runner.model
+    expected = kernels.few_rows_linear(getattr(torch, dtype))
+    layers = [m for m in model.modules() if isinstance(m, LinearBase)] + [model.lm_head]
+    if expected is None or not cpu.native_half_matmul(getattr(torch, dtype)):
+        assert all(m.few_rows is None or m.weight.dtype != getattr(torch, dtype) for m in layers)
+    else:
+        assert all(m.few_rows is not None and m.few_rows.max_rows == expected.max_rows for m in layers)
     llm.exit()

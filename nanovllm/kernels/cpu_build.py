@@ -1,5 +1,6 @@
-"""Builds and loads the CPU kernels once per machine: paged attention (cpu_paged_attention.cpp) and
-the fused elementwise kernels (cpu_fused.cpp), one library sharing cpu_kernels.h.
+"""Builds and loads the CPU kernels once per machine: paged attention (cpu_paged_attention.cpp),
+the fused elementwise kernels (cpu_fused.cpp) and few-row linear products (cpu_linear.cpp), one
+library sharing cpu_kernels.h.
 
 The source is plain C++ with a C ABI (pointers and integers, no torch headers), so g++ builds it
 in about a second, where a torch C++ extension (torch.utils.cpp_extension) spends ~30-60 s of a
@@ -31,14 +32,19 @@ from nanovllm.utils.paths import cache_dir
 
 logger = logging.getLogger("nanovllm")
 
-SOURCES = tuple(Path(__file__).with_name(name) for name in ("cpu_paged_attention.cpp", "cpu_fused.cpp"))
+SOURCES = tuple(Path(__file__).with_name(name) for name in ("cpu_paged_attention.cpp", "cpu_fused.cpp",
+                                                                 "cpu_linear.cpp"))
 HEADERS = (Path(__file__).with_name("cpu_kernels.h"),)
 # -march=native: AVX-512/AVX2 as this CPU has them (the library is cached per CPU flags).
 # -fopenmp: the (sequence, KV head, query tile) loop runs on torch's OpenMP pool.
 CXX_FLAGS = ("-O3", "-march=native", "-fopenmp", "-std=c++17", "-shared", "-fPIC")
-ABI_VERSION = 3  # nanovllm_paged_attention_abi() of a library this module can call
+ABI_VERSION = 4  # nanovllm_paged_attention_abi() of a library this module can call
 BUILD_TIMEOUT_S = 120  # a build takes ~1 s alone; a loaded machine may stretch it
 DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+# The most rows of x the few-row product takes per dtype, where it was faster than oneDNN's packed
+# product (a whole model's products in a row, 2 threads, AMD EPYC Zen 4; docs/BENCHMARKS.md):
+# float32 ~20% at 1 row, ~10% at 2, ~5% slower at 3-4; bfloat16 35-40% at 1-3 rows, ~5% at 4.
+FEW_ROWS_MAX = {torch.float32: 2, torch.bfloat16: 4}
 CPUINFO = "/proc/cpuinfo"
 
 _loaded: "ctypes.CDLL | str | None" = None  # the library, or why there is none; None: not tried yet
@@ -74,8 +80,29 @@ class PagedAttentionKernel:
         assert rc == 0, f"nanovllm_paged_attention returned {rc}"
 
 
+class FewRowsLinear:
+    """x @ weight.T (+ bias) for 1..max_rows rows of x in weight's dtype (cpu_linear.cpp), the
+    product layers/linear.py linear() takes at decode steps of a few sequences."""
+
+    def __init__(self, fn, max_rows: int):
+        self._fn = fn
+        self.max_rows = max_rows
+
+    def __call__(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """x [rows, K] (rows <= max_rows), weight [N, K] contiguous, bias [N] or None, one dtype."""
+        if x.stride(1) != 1:
+            x = x.contiguous()
+        rows, (n, k) = x.size(0), weight.shape
+        out = torch.empty(rows, n, dtype=x.dtype)
+        rc = self._fn(DTYPE_CODES[x.dtype], rows, x.data_ptr(), x.stride(0), weight.data_ptr(),
+                      None if bias is None else bias.data_ptr(), out.data_ptr(), n, n, k, torch.get_num_threads())
+        assert rc == 0, f"nanovllm_few_rows_linear returned {rc}"
+        return out
+
+
 class FusedKernels:
-    """The library's fused elementwise kernels (cpu_fused.cpp), called with tensors, with the
+    """The library's fused elementwise kernels (cpu_fused.cpp), and its few-row linear products
+    (cpu_linear.cpp), called with tensors; the elementwise kernels with the
     signatures of the Triton kernels they stand in for (kernels/rms_norm.py, silu_mul.py and, but
     for fp8 caches, qk_norm_rope.py's norm + rotary + K/V store), so the layers take either. Inputs are the layers' own
     tensors: CPU, the model's dtype, unit stride in the last dimension; nothing is checked."""
@@ -89,8 +116,19 @@ class FusedKernels:
         self._qk_norm_rope = library.nanovllm_qk_norm_rope
         self._qk_norm_rope.argtypes = [i32, ptr, i64, i64, i32, ptr, i64, i64, i32, ptr, ptr, i64, ptr, ptr, f32, ptr,
                                        i64, i64, ptr, ptr, ptr, i32, i32, i32]
-        for fn in (self._rms_norm, self._silu_and_mul, self._qk_norm_rope):
+        self._few_rows_linear = library.nanovllm_few_rows_linear
+        self._few_rows_linear.argtypes = [i32, i32, ptr, i64, ptr, ptr, ptr, i64, i32, i32, i32]
+        for fn in (self._rms_norm, self._silu_and_mul, self._qk_norm_rope, self._few_rows_linear):
             fn.restype = i32
+        self._few_rows_supported = {dtype: bool(library.nanovllm_few_rows_supported(code))
+                                    for dtype, code in DTYPE_CODES.items()}
+
+    def few_rows_linear(self, dtype: torch.dtype) -> FewRowsLinear | None:
+        """The few-row product for weights of `dtype`, or None where this CPU's build has none
+        (float32 needs AVX-512F, bfloat16 AVX512-BF16) or oneDNN is faster (float16)."""
+        if not self._few_rows_supported.get(dtype) or dtype not in FEW_ROWS_MAX:
+            return None
+        return FewRowsLinear(self._few_rows_linear, FEW_ROWS_MAX[dtype])
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float,
                  residual: torch.Tensor | None = None) -> RMSNormOutput:

@@ -100,4 +100,22 @@ inline float exp_nonpositive(float x) {
 
 constexpr int LANES = 16;  // floats per AVX-512 vector (two AVX2 vectors): the unit of the inner loops
 
+#ifdef __AVX512F__
+// Lane i of the result = the sum of v[i]'s 16 lanes: a transpose-and-add tree, 45 instructions for
+// 16 sums where 16 separate horizontal sums take ~130.
+inline __m512 sum16(const __m512* v) {
+  __m512 x[8], y[4];
+  for (int i = 0; i < 8; ++i)  // per 128-bit lane: [a0+a2, b0+b2, a1+a3, b1+b3]
+    x[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]), _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
+  for (int i = 0; i < 4; ++i) {  // per 128-bit lane: the lane's sums of v[4i..4i+3]
+    const __m512d a = _mm512_castps_pd(x[2 * i]), b = _mm512_castps_pd(x[2 * i + 1]);
+    y[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(a, b)), _mm512_castpd_ps(_mm512_unpackhi_pd(a, b)));
+  }
+  // Across the four 128-bit lanes: lanes 0+2 and 1+3, then (0+2)+(1+3).
+  const __m512 w0 = _mm512_add_ps(_mm512_shuffle_f32x4(y[0], y[1], 0x44), _mm512_shuffle_f32x4(y[0], y[1], 0xEE));
+  const __m512 w1 = _mm512_add_ps(_mm512_shuffle_f32x4(y[2], y[3], 0x44), _mm512_shuffle_f32x4(y[2], y[3], 0xEE));
+  return _mm512_add_ps(_mm512_shuffle_f32x4(w0, w1, 0x88), _mm512_shuffle_f32x4(w0, w1, 0xDD));
+}
+#endif
+
 }  // namespace nanovllm_cpu

@@ -112,22 +112,6 @@ void scores_by_dot(float* __restrict__ s, const float* __restrict__ qf, const ty
 }
 
 #ifdef __AVX512F__
-// Lane i of the result = the sum of v[i]'s 16 lanes: a transpose-and-add tree, 45 instructions for
-// 16 sums where 16 separate horizontal sums take ~130.
-inline __m512 sum16(const __m512* v) {
-  __m512 x[8], y[4];
-  for (int i = 0; i < 8; ++i)  // per 128-bit lane: [a0+a2, b0+b2, a1+a3, b1+b3]
-    x[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]), _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
-  for (int i = 0; i < 4; ++i) {  // per 128-bit lane: the lane's sums of v[4i..4i+3]
-    const __m512d a = _mm512_castps_pd(x[2 * i]), b = _mm512_castps_pd(x[2 * i + 1]);
-    y[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(a, b)), _mm512_castpd_ps(_mm512_unpackhi_pd(a, b)));
-  }
-  // Across the four 128-bit lanes: lanes 0+2 and 1+3, then (0+2)+(1+3).
-  const __m512 w0 = _mm512_add_ps(_mm512_shuffle_f32x4(y[0], y[1], 0x44), _mm512_shuffle_f32x4(y[0], y[1], 0xEE));
-  const __m512 w1 = _mm512_add_ps(_mm512_shuffle_f32x4(y[2], y[3], 0x44), _mm512_shuffle_f32x4(y[2], y[3], 0xEE));
-  return _mm512_add_ps(_mm512_shuffle_f32x4(w0, w1, 0x88), _mm512_shuffle_f32x4(w0, w1, 0xDD));
-}
-
 // Whether scores_by_sums takes this type and head_dim: float32 and bfloat16, whole vectors.
 template <typename T>
 constexpr bool sums_path() { return std::is_same_v<T, F32T> || std::is_same_v<T, BF16T>; }
@@ -419,7 +403,7 @@ void run(const void* q, void* out, const void* k_cache, const void* v_cache, con
 extern "C" {
 
 // The ABI version Python checks after loading, so a stale cached library is never called.
-int nanovllm_paged_attention_abi() { return 3; }
+int nanovllm_paged_attention_abi() { return 4; }
 
 // Returns 0, or -1 for a dtype code it does not know.
 int nanovllm_paged_attention(int dtype, const void* q, void* out, const void* k_cache, const void* v_cache,

@@ -4,6 +4,8 @@ absolute position embeddings (GPT-2), replicated.
 Each rank holds a contiguous slice of the vocabulary; embedding lookups outside it produce
 zeros and are summed across ranks; the LM head's logits are gathered on rank 0.
 """
+from typing import Callable
+
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -41,10 +43,14 @@ class VocabParallelEmbedding(nn.Module):
 class ParallelLMHead(VocabParallelEmbedding):
     computes_in_weight_dtype = True  # its weight may be held in float32 (see layers/linear.py linear())
     packed_weight: torch.Tensor | None = None  # set on CPU after loading (utils/cpu.py pack_linear_weights)
+    few_rows: Callable | None = None  # the CPU's few-row product (layers/linear.py linear()), set by enable_cpu
+
+    def enable_cpu(self, kernels) -> None:
+        self.few_rows = kernels.few_rows_linear(self.weight.dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor | None:
         """x: [num_rows, hidden] -> logits [num_rows, vocab] on rank 0 (None on the others)."""
-        logits = linear(x, self.weight, None, self.packed_weight)
+        logits = linear(x, self.weight, None, self.packed_weight, self.few_rows)
         if self.tp_size == 1:
             return logits
         parts = [torch.empty_like(logits) for _ in range(self.tp_size)] if self.tp_rank == 0 else None

@@ -25,7 +25,9 @@ from nanovllm.engine.sequence import Sequence
 from nanovllm.kernels import cpu_build
 from nanovllm.layers.activation import SiluAndMul
 from nanovllm.layers.attention import Attention
+from nanovllm.layers.embed_head import ParallelLMHead
 from nanovllm.layers.layernorm import RMSNorm
+from nanovllm.layers.linear import LinearBase
 from nanovllm.layers.logits_processors import SamplingTensors
 from nanovllm.layers.sampler import Sampler
 from nanovllm.models.registry import MODELS
@@ -57,8 +59,8 @@ CPU_WARMUP_TOKENS = 64
 
 # The modules with a Triton path (kernels/), switched to it when Config.fused_kernels is "triton".
 TRITON_LAYERS = (RMSNorm, SiluAndMul, Attention, Sampler)
-# The modules with a CPU kernel (kernels/cpu_fused.cpp), switched to it when Config.fused_kernels is "cpu".
-CPU_FUSED_LAYERS = (RMSNorm, SiluAndMul, Attention)
+# The modules with a CPU kernel (kernels/cpu_fused.cpp, cpu_linear.cpp), switched to it when Config.fused_kernels is "cpu".
+CPU_FUSED_LAYERS = (RMSNorm, SiluAndMul, Attention, LinearBase, ParallelLMHead)
 
 
 class StartupTimes(NamedTuple):
