@@ -1,6 +1,7 @@
 """Builds and loads the CPU kernels once per machine: paged attention (cpu_paged_attention.cpp),
-the fused elementwise kernels (cpu_fused.cpp) and few-row linear products (cpu_linear.cpp), one
-library sharing cpu_kernels.h.
+the fused elementwise kernels (cpu_fused.cpp), few-row linear products (cpu_linear.cpp) and a
+decode step through all decoder layers built of those (cpu_decode_layers.cpp), one library
+sharing cpu_kernels.h.
 
 The source is plain C++ with a C ABI (pointers and integers, no torch headers), so g++ builds it
 in about a second, where a torch C++ extension (torch.utils.cpp_extension) spends ~30-60 s of a
@@ -33,7 +34,7 @@ from nanovllm.utils.paths import cache_dir
 logger = logging.getLogger("nanovllm")
 
 SOURCES = tuple(Path(__file__).with_name(name) for name in ("cpu_paged_attention.cpp", "cpu_fused.cpp",
-                                                                 "cpu_linear.cpp"))
+                                                                 "cpu_linear.cpp", "cpu_decode_layers.cpp"))
 HEADERS = (Path(__file__).with_name("cpu_kernels.h"),)
 # -march=native: AVX-512/AVX2 as this CPU has them (the library is cached per CPU flags).
 # -fopenmp: the (sequence, KV head, query tile) loop runs on torch's OpenMP pool.
@@ -118,7 +119,11 @@ class FusedKernels:
                                        i64, i64, ptr, ptr, ptr, i32, i32, i32]
         self._few_rows_linear = library.nanovllm_few_rows_linear
         self._few_rows_linear.argtypes = [i32, i32, ptr, i64, ptr, ptr, ptr, i64, i32, i32, i32]
-        for fn in (self._rms_norm, self._silu_and_mul, self._qk_norm_rope, self._few_rows_linear):
+        # (DecodeModel*, rows, x, out, positions, slots, block_tables, table_stride, q_start, q_len, k_len, threads):
+        # layers/cpu_decode.py makes the arguments
+        self.decode_layers = library.nanovllm_decode_layers
+        self.decode_layers.argtypes = [ptr, i32, ptr, ptr, ptr, ptr, ptr, i64, ptr, ptr, ptr, i32]
+        for fn in (self._rms_norm, self._silu_and_mul, self._qk_norm_rope, self._few_rows_linear, self.decode_layers):
             fn.restype = i32
         self._few_rows_supported = {dtype: bool(library.nanovllm_few_rows_supported(code))
                                     for dtype, code in DTYPE_CODES.items()}

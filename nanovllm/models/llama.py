@@ -5,8 +5,11 @@ Pre-norm blocks of RMSNorm, grouped-query attention with rotary positions (plain
 config asks for (attention_bias on q/k/v/o, mlp_bias on the MLP). The blocks take their
 variations as arguments, so Qwen2 (q/k/v bias), Qwen3 (per-head q/k norm) and Qwen3-MoE (sparse
 MLP) subclass this file rather than copy it. The model sees `input_ids, positions` and nothing
-else; attention metadata reaches only the attention layer.
+else; attention metadata reaches only the attention layer (and, on the CPU, the fused decode of
+layers/cpu_decode.py, which runs the attention layers' kernels itself).
 """
+from typing import Callable
+
 import torch
 from torch import nn
 from transformers import PretrainedConfig
@@ -103,9 +106,20 @@ class LlamaModel(nn.Module):
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(layers)
         self.norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        # The CPU's decode of a few sequences through every layer in one call (layers/cpu_decode.py),
+        # set by enable_cpu where it runs each layer's parts; it returns None for steps it does not take.
+        self.fused_decode: Callable[[torch.Tensor, torch.Tensor], torch.Tensor | None] | None = None
+
+    def enable_cpu(self, kernels) -> None:
+        from nanovllm.layers.cpu_decode import CpuDecodeLayers  # lazy: it imports this module's layers
+        self.fused_decode = CpuDecodeLayers.for_model(self, kernels)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         hidden_states, residual = self.embed_tokens(input_ids), None
+        if self.fused_decode is not None:
+            out = self.fused_decode(positions, hidden_states)
+            if out is not None:
+                return out
         for layer in self.layers:
             hidden_states, residual = layer(positions, hidden_states, residual)
         hidden_states, _ = self.norm(hidden_states, residual)

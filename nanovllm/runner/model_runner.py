@@ -30,6 +30,7 @@ from nanovllm.layers.layernorm import RMSNorm
 from nanovllm.layers.linear import LinearBase
 from nanovllm.layers.logits_processors import SamplingTensors
 from nanovllm.layers.sampler import Sampler
+from nanovllm.models.llama import LlamaModel
 from nanovllm.models.registry import MODELS
 from nanovllm.runner.decode_inputs import DecodeInputs
 from nanovllm.runner.graph import DecodeGraphs, graph_batch_sizes
@@ -59,8 +60,8 @@ CPU_WARMUP_TOKENS = 64
 
 # The modules with a Triton path (kernels/), switched to it when Config.fused_kernels is "triton".
 TRITON_LAYERS = (RMSNorm, SiluAndMul, Attention, Sampler)
-# The modules with a CPU kernel (kernels/cpu_fused.cpp, cpu_linear.cpp), switched to it when Config.fused_kernels is "cpu".
-CPU_FUSED_LAYERS = (RMSNorm, SiluAndMul, Attention, LinearBase, ParallelLMHead)
+# The modules with a CPU kernel (kernels/cpu_*.cpp), switched to it when Config.fused_kernels is "cpu".
+CPU_FUSED_LAYERS = (RMSNorm, SiluAndMul, Attention, LinearBase, ParallelLMHead, LlamaModel)
 
 
 class StartupTimes(NamedTuple):

@@ -1,0 +1,128 @@
+// A decode step of a few sequences through every decoder layer of a Llama-family model (Llama,
+// Qwen2, Qwen3) in one call: for each layer the residual add + RMSNorm, the q/k/v product, q/k
+// RMSNorm + rotary + the K/V store, paged attention over the cache, the output product, the
+// second add + RMSNorm, gate/up, SiLU-and-mul and down; then the final add + RMSNorm.
+//
+// Each part is the library's own kernel (cpu_fused.cpp, cpu_linear.cpp, cpu_paged_attention.cpp),
+// called with the same arguments and writing the same dtype between parts as the model's Python
+// layers do when they call them one by one (models/llama.py with fused_kernels="cpu"), so the
+// result is bit for bit theirs. What one call saves is the Python between the parts: ~10 calls
+// a layer through torch modules and ctypes, ~150 us a layer, where one sequence's whole layer
+// reads its weights in ~200 us (layers/cpu_decode.py measures and takes it).
+//
+// Scratch rows between the parts live in a per-thread buffer that grows to the largest step seen.
+#include <vector>
+
+#include "cpu_kernels.h"
+
+extern "C" {
+int nanovllm_rms_norm(int dtype, const void* x, int64_t x_stride, const void* residual, int64_t residual_stride,
+                      const void* weight, void* out, int64_t out_stride, void* residual_out,
+                      int64_t residual_out_stride, int rows, int hidden, float eps, int num_threads);
+int nanovllm_silu_and_mul(int dtype, const void* x, int64_t x_stride, void* out, int64_t out_stride, int rows,
+                          int width, int num_threads);
+int nanovllm_qk_norm_rope(int dtype, void* q, int64_t q_token_stride, int64_t q_head_stride, int q_heads, void* k,
+                          int64_t k_token_stride, int64_t k_head_stride, int k_heads, const int64_t* positions,
+                          const float* cos_sin, int64_t cos_sin_stride, const void* q_weight, const void* k_weight,
+                          float eps, const void* v, int64_t v_token_stride, int64_t v_head_stride, void* k_cache,
+                          void* v_cache, const int64_t* slots, int tokens, int head_dim, int num_threads);
+int nanovllm_few_rows_linear(int dtype, int rows, const void* x, int64_t x_stride, const void* w, const void* bias,
+                             void* out, int64_t out_stride, int N, int K, int num_threads);
+int nanovllm_paged_attention(int dtype, const void* q, void* out, const void* k_cache, const void* v_cache,
+                             const int32_t* block_tables, int64_t table_stride, const int32_t* q_start,
+                             const int32_t* q_len, const int32_t* k_len, int num_seqs, int num_heads,
+                             int num_kv_heads, int head_dim, int block_size, float scale, int q_tile,
+                             int64_t q_stride_token, int64_t q_stride_head, int64_t out_stride_token,
+                             int64_t out_stride_head, int num_threads);
+}
+
+namespace {
+
+using namespace nanovllm_cpu;
+
+// One decoder layer's tensors (a bias, q_norm or k_norm may be null); layers/cpu_decode.py's
+// LayerWeights mirrors this layout.
+struct LayerWeights {
+  const void *input_norm, *post_norm, *qkv, *qkv_bias, *o, *o_bias, *q_norm, *k_norm, *gate_up, *gate_up_bias,
+      *down, *down_bias;
+  void *k_cache, *v_cache;
+  float input_eps, post_eps, qk_eps;
+};
+
+// The model's sizes and shared tensors; layers/cpu_decode.py's DecodeModel mirrors this layout.
+struct DecodeModel {
+  int dtype, element_size, hidden, num_heads, num_kv_heads, head_dim, intermediate, block_size, num_layers;
+  float scale, final_eps;
+  const void* final_norm;
+  const float* cos_sin;
+  int64_t cos_sin_stride;
+  const LayerWeights* layers;
+};
+
+}  // namespace
+
+extern "C" {
+
+// out[rows, hidden] = the final norm of the last layer's output, for input embeddings x[rows,
+// hidden] of `rows` decode sequences (1 <= rows <= cpu_linear.cpp's MAX_ROWS, row i at position
+// positions[i], its K/V stored at slots[i]); block_tables, q_start, q_len, k_len are the paged
+// attention kernel's per-sequence arguments. Returns 0, or the first failing part's code.
+int nanovllm_decode_layers(const DecodeModel* m, int rows, const void* x, void* out, const int64_t* positions,
+                           const int64_t* slots, const int32_t* block_tables, int64_t table_stride,
+                           const int32_t* q_start, const int32_t* q_len, const int32_t* k_len, int num_threads) {
+  const int H = m->hidden, q_width = m->num_heads * m->head_dim, kv_width = m->num_kv_heads * m->head_dim;
+  const int qkv_width = q_width + 2 * kv_width, I = m->intermediate, dt = m->dtype;
+  // Scratch, in elements: normed rows, two residual rows (read one, write the other), the
+  // layer's output, q/k/v, attention output, gate/up, and its activation.
+  const size_t sizes[] = {size_t(H), size_t(H), size_t(H), size_t(H), size_t(qkv_width), size_t(q_width),
+                          size_t(2 * I), size_t(I)};
+  size_t total = 0;
+  for (size_t s : sizes) total += s * rows;
+  thread_local std::vector<unsigned char> scratch;
+  if (scratch.size() < total * m->element_size) scratch.resize(total * m->element_size);
+  unsigned char* parts[8];
+  unsigned char* p = scratch.data();
+  for (int i = 0; i < 8; ++i) {
+    parts[i] = p;
+    p += sizes[i] * rows * m->element_size;
+  }
+  unsigned char *h = parts[0], *res_in = parts[1], *res_out = parts[2], *y = parts[3], *qkv = parts[4],
+                *attn = parts[5], *gate_up = parts[6], *act = parts[7];
+  const size_t es = m->element_size;
+  int rc = 0;
+  for (int l = 0; l < m->num_layers && rc == 0; ++l) {
+    const LayerWeights& w = m->layers[l];
+    // 1. Residual add + RMSNorm (the first layer: RMSNorm of the embeddings, which are the residual).
+    if (l == 0) {
+      rc |= nanovllm_rms_norm(dt, x, H, nullptr, 0, w.input_norm, h, H, nullptr, 0, rows, H, w.input_eps, num_threads);
+      std::memcpy(res_out, x, size_t(rows) * H * es);
+    } else {
+      rc |= nanovllm_rms_norm(dt, y, H, res_in, H, w.input_norm, h, H, res_out, H, rows, H, w.input_eps, num_threads);
+    }
+    std::swap(res_in, res_out);
+    // 2. q, k, v; their norms and rotation in place, K/V stored; attention over the cache.
+    rc |= nanovllm_few_rows_linear(dt, rows, h, H, w.qkv, w.qkv_bias, qkv, qkv_width, qkv_width, H, num_threads);
+    unsigned char *q = qkv, *k = qkv + size_t(q_width) * es, *v = qkv + size_t(q_width + kv_width) * es;
+    rc |= nanovllm_qk_norm_rope(dt, q, qkv_width, m->head_dim, m->num_heads, k, qkv_width, m->head_dim,
+                                m->num_kv_heads, positions, m->cos_sin, m->cos_sin_stride, w.q_norm, w.k_norm,
+                                w.qk_eps, v, qkv_width, m->head_dim, w.k_cache, w.v_cache, slots, rows, m->head_dim,
+                                num_threads);
+    rc |= nanovllm_paged_attention(dt, q, attn, w.k_cache, w.v_cache, block_tables, table_stride, q_start, q_len,
+                                   k_len, rows, m->num_heads, m->num_kv_heads, m->head_dim, m->block_size, m->scale,
+                                   1, qkv_width, m->head_dim, q_width, m->head_dim, num_threads);
+    // 3. The output product, then the second residual add + RMSNorm.
+    rc |= nanovllm_few_rows_linear(dt, rows, attn, q_width, w.o, w.o_bias, y, H, H, q_width, num_threads);
+    rc |= nanovllm_rms_norm(dt, y, H, res_in, H, w.post_norm, h, H, res_out, H, rows, H, w.post_eps, num_threads);
+    std::swap(res_in, res_out);
+    // 4. The MLP: gate/up, SiLU(gate) * up, down.
+    rc |= nanovllm_few_rows_linear(dt, rows, h, H, w.gate_up, w.gate_up_bias, gate_up, 2 * I, 2 * I, H, num_threads);
+    rc |= nanovllm_silu_and_mul(dt, gate_up, 2 * I, act, I, rows, I, num_threads);
+    rc |= nanovllm_few_rows_linear(dt, rows, act, I, w.down, w.down_bias, y, H, H, I, num_threads);
+  }
+  // 5. The final residual add + RMSNorm.
+  if (rc == 0)
+    rc |= nanovllm_rms_norm(dt, y, H, res_in, H, m->final_norm, out, H, res_out, H, rows, H, m->final_eps, num_threads);
+  return rc;
+}
+
+}  // extern "C"

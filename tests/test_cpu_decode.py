@@ -1,0 +1,92 @@
+"""The CPU's fused decode (layers/cpu_decode.py, kernels/cpu_decode_layers.cpp): a decode step of
+up to the few-row product's rows through every decoder layer in one C++ call. It must give bit for
+bit what the model's Python layers give with the same kernels (token ids and logprobs), for every
+Llama-family variant (q/k norm or not, biases, tied heads, rope scalings) in float32 and bf16; HF's
+greedy tokens in float32; and leave every step it cannot run (more rows, prefill, an fp8 cache, an
+MoE model) to the Python layers."""
+import pytest
+import torch
+
+from helpers import greedy, hf_greedy, random_prompts
+
+from nanovllm import LLM
+from nanovllm.kernels import cpu_build
+
+FAMILIES = ["qwen3_tiny", "qwen3_tiny_tied", "qwen2_tiny", "llama_tiny", "llama_tiny_tied"]
+
+
+@pytest.fixture(scope="module")
+def kernels():
+    loaded = cpu_build.load_fused()
+    if isinstance(loaded, str):
+        pytest.skip(loaded)
+    return loaded
+
+
+def fused_decode_of(llm: LLM, kernels, dtype: torch.dtype):
+    fused = llm.model_runner.model.model.fused_decode
+    if kernels.few_rows_linear(dtype) is None:
+        pytest.skip(f"this CPU's build has no few-row product for {dtype}, so no fused decode")
+    assert fused is not None
+    return fused
+
+
+def record_rows(fused) -> list[int]:
+    """The row count of each call the fused decode makes into the library."""
+    rows, call = [], fused._fn
+    fused._fn = lambda model, n, *rest: (rows.append(n), call(model, n, *rest))[1]
+    return rows
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_fused_decode_is_bit_for_bit_the_python_layers(request, kernels, family, dtype):
+    # Prefix caching off: a cached prefix is attended by another kernel than a fresh prompt, so
+    # the second run's prompts would differ from the first's for that reason alone.
+    llm = LLM(request.getfixturevalue(family), dtype=dtype, enable_prefix_caching=False, kvcache_block_size=16,
+              num_kvcache_blocks=64)
+    fused = fused_decode_of(llm, kernels, getattr(torch, dtype))
+    rows = record_rows(fused)
+    prompts = random_prompts(200, [5, 40, 17, 3, 33], seed=3)
+    # One sequence, two, the most it takes, and more than it takes (every step on the Python layers).
+    batches = [prompts[:1], prompts[1:3], prompts[:fused.max_rows], prompts[:fused.max_rows + 1]]
+    results = {}
+    for mode in ("fused", "python"):
+        llm.model_runner.model.model.fused_decode = fused if mode == "fused" else None
+        results[mode] = [[(o["token_ids"], o["logprobs"]) for o in llm.generate(batch, greedy(10, logprobs=3),
+                                                                               use_tqdm=False)] for batch in batches]
+    assert results["fused"] == results["python"]
+    # Each batch decodes 9 steps after its prefill; the largest batch none of them fused.
+    assert sorted(set(rows)) == sorted({1, 2, fused.max_rows}) and len(rows) == 27
+    llm.exit()
+
+
+@pytest.mark.parametrize("family", ["qwen3_tiny", "llama_tiny_tied"])
+def test_fused_decode_gives_hf_greedy_tokens(request, kernels, family):
+    path = request.getfixturevalue(family)
+    prompts = random_prompts(200, [7, 30, 1], seed=11)
+    llm = LLM(path, kvcache_block_size=16, num_kvcache_blocks=64)
+    rows = record_rows(fused_decode_of(llm, kernels, torch.float32))
+    tokens = [llm.generate([prompt], greedy(12), use_tqdm=False)[0]["token_ids"] for prompt in prompts]
+    assert tokens == hf_greedy(path, prompts, 12)
+    # Every decode step of each prompt, alone (the one-token prompt's first step is decode-shaped too).
+    assert set(rows) == {1} and len(rows) >= 3 * 11
+    llm.exit()
+
+
+def test_an_fp8_cache_stays_on_the_python_layers(qwen3_tiny, kernels):
+    llm = LLM(qwen3_tiny, kv_cache_dtype="fp8_e4m3", kvcache_block_size=16, num_kvcache_blocks=64)
+    fused = llm.model_runner.model.model.fused_decode  # None where the fp8 cache's backend is not the CPU kernel's
+    rows = [] if fused is None else record_rows(fused)
+    out = llm.generate(random_prompts(200, [9], seed=1), greedy(6), use_tqdm=False)
+    assert len(out[0]["token_ids"]) == 6 and rows == []
+    llm.exit()
+
+
+def test_models_with_other_layers_get_no_fused_decode(qwen3_moe_mixed, qwen3_tiny, kernels):
+    llm = LLM(qwen3_moe_mixed, kvcache_block_size=16, num_kvcache_blocks=64)  # a sparse MLP in most layers
+    assert llm.model_runner.model.model.fused_decode is None
+    llm.exit()
+    llm = LLM(qwen3_tiny, fused_kernels="torch", kvcache_block_size=16, num_kvcache_blocks=64)
+    assert llm.model_runner.model.model.fused_decode is None
+    llm.exit()
