@@ -42,10 +42,13 @@ CXX_FLAGS = ("-O3", "-march=native", "-fopenmp", "-std=c++17", "-shared", "-fPIC
 ABI_VERSION = 4  # nanovllm_paged_attention_abi() of a library this module can call
 BUILD_TIMEOUT_S = 120  # a build takes ~1 s alone; a loaded machine may stretch it
 DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
-# The most rows of x the few-row product takes per dtype, where it was faster than oneDNN's packed
-# product (a whole model's products in a row, 2 threads, AMD EPYC Zen 4; docs/BENCHMARKS.md):
-# float32 ~20% at 1 row, ~10% at 2, ~5% slower at 3-4; bfloat16 35-40% at 1-3 rows, ~5% at 4.
-FEW_ROWS_MAX = {torch.float32: 2, torch.bfloat16: 4}
+# The most rows of x the few-row product takes per dtype (cpu_linear.cpp's MAX_ROWS). Against
+# oneDNN's packed product (a whole model's products in a row, 2 threads, AMD EPYC Zen 4;
+# docs/BENCHMARKS.md): float32 ~20% faster at 1 row, ~10% at 2, ~5% slower at 3-4; bfloat16
+# 35-40% faster at 1-3 rows, ~5% at 4. Float32 takes 3-4 rows too: with them every decode step of
+# up to 4 sequences can run as one call (layers/cpu_decode.py), which saves ~1 ms a step of Python
+# (real-proportion model) where the slower products cost ~0.4 ms.
+FEW_ROWS_MAX = {torch.float32: 4, torch.bfloat16: 4}
 CPUINFO = "/proc/cpuinfo"
 
 _loaded: "ctypes.CDLL | str | None" = None  # the library, or why there is none; None: not tried yet
