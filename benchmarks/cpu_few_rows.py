@@ -14,14 +14,17 @@ Usage: python benchmarks/cpu_few_rows.py [--threads 2] [--rounds 25]
 """
 import argparse
 import json
-import platform
 import statistics
+import sys
 import time
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-from nanovllm.kernels import cpu_build
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from benchmarks.vs_vllm_cpu import cpu_model, isa_flags  # noqa: E402
+from nanovllm.kernels import cpu_build  # noqa: E402
 
 PACK_BATCH_HINT = 64  # as nanovllm/utils/cpu.py
 MIN_PACKED_ROWS = 4  # oneDNN's product of 1-3 rows is padded to 4 (faster than one row alone)
@@ -59,7 +62,9 @@ def main() -> None:
     if isinstance(kernels, str):
         raise SystemExit(kernels)
     ceiling = read_rate(5)
-    print(f"{platform.processor() or platform.machine()}, {args.threads} thread(s): reads {ceiling:.1f} GB/s "
+    cpuinfo = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
+    cpu, isa = cpu_model(cpuinfo), [flag for flag, present in isa_flags(cpuinfo).items() if present]
+    print(f"{cpu} ({', '.join(isa) or 'ISA unknown'}), {args.threads} thread(s): reads {ceiling:.1f} GB/s "
           f"(a sum over {READ_BUFFER_BYTES >> 20} MiB)", flush=True)
     print(f"{'dtype':9s} {'rows':>4s} {'oneDNN packed: ms (min), GB/s':>32s} {'few-row: ms (min), GB/s':>30s} "
           f"{'few-row / oneDNN':>17s}")
@@ -104,8 +109,8 @@ def main() -> None:
             row["ratio"] = row["few_rows"]["ms"] / row["onednn"]["ms"]
             results.append(row)
             print(f"{row['dtype']:9s} {rows:4d} {cells[0]:>32s} {cells[1]:>30s} {row['ratio']:16.2f}x", flush=True)
-    print(json.dumps({"benchmark": "cpu_few_rows", "date": time.strftime("%Y-%m-%d"),
-                      "cpu": platform.processor() or platform.machine(), "threads": args.threads,
+    print(json.dumps({"benchmark": "cpu_few_rows", "date": time.strftime("%Y-%m-%d"), "cpu": cpu, "isa": isa,
+                      "threads": args.threads,
                       "torch": torch.__version__, "read_gb_per_s": ceiling, "rows": results}))
 
 
