@@ -117,6 +117,35 @@ template <typename T>
 constexpr bool sums_path() { return std::is_same_v<T, F32T> || std::is_same_v<T, BF16T>; }
 inline bool sums_head_dim(int head_dim) { return head_dim % 32 == 0; }
 
+// accumulate_pv for float32 and bfloat16 with explicit AVX-512 vectors: each row's VECS
+// accumulators and the token's V vectors stay in registers, V widened once per token for all rows.
+template <typename T, int ROWS, int VECS>
+inline void accumulate_pv_vectors(float* __restrict__ acc, const float* __restrict__ p,
+                                  const typename T::storage* __restrict__ v, int64_t token_stride, int n,
+                                  int head_dim, int p_stride) {
+  __m512 a[ROWS][VECS];
+  for (int i = 0; i < ROWS; ++i)
+    for (int j = 0; j < VECS; ++j) a[i][j] = _mm512_loadu_ps(acc + static_cast<size_t>(i) * head_dim + j * LANES);
+  for (int t = 0; t < n; ++t) {
+    const typename T::storage* vt = v + t * token_stride;
+    __m512 vv[VECS];
+    for (int j = 0; j < VECS; ++j) {
+      if constexpr (std::is_same_v<T, F32T>) {
+        vv[j] = _mm512_loadu_ps(vt + j * LANES);
+      } else {
+        const __m256i half = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(vt + j * LANES));
+        vv[j] = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(half), 16));
+      }
+    }
+    for (int i = 0; i < ROWS; ++i) {
+      const __m512 pi = _mm512_set1_ps(p[static_cast<size_t>(i) * p_stride + t]);
+      for (int j = 0; j < VECS; ++j) a[i][j] = _mm512_fmadd_ps(pi, vv[j], a[i][j]);
+    }
+  }
+  for (int i = 0; i < ROWS; ++i)
+    for (int j = 0; j < VECS; ++j) _mm512_storeu_ps(acc + static_cast<size_t>(i) * head_dim + j * LANES, a[i][j]);
+}
+
 // One query row's products with one key row, summed to 16 lanes (not yet across them). float32:
 // FMAs; bfloat16: pairwise dot products on the raw bfloat16 (qb, unscaled: products are exact in
 // float32, the scale is applied to the sums) with AVX512-BF16, else K widened to float32 for FMAs
@@ -336,6 +365,11 @@ void attend_item(const Item& item, const typename T::storage* q, typename T::sto
       const float* pr = s + static_cast<size_t>(r0) * width;
       const S* v = v_block + static_cast<int64_t>(item.head_begin + r0 / head_rows) * head_dim;
       int d0 = 0;
+#ifdef __AVX512F__
+      if constexpr (sums_path<T>())
+        for (; d0 + 4 * LANES <= head_dim; d0 += 4 * LANES)
+          accumulate_pv_vectors<T, ROWS, 4>(ar + d0, pr, v + d0, token_stride, n, head_dim, width);
+#endif
       for (; d0 + 4 * LANES <= head_dim; d0 += 4 * LANES)
         accumulate_pv<T, ROWS, 4 * LANES>(ar + d0, pr, v + d0, token_stride, n, head_dim, width);
       for (; d0 + LANES <= head_dim; d0 += LANES)
