@@ -13,6 +13,7 @@ from helpers import greedy, hf_greedy, random_prompts
 from nanovllm import LLM
 from nanovllm.kernels import cpu_build
 from nanovllm.layers.activation import silu_and_mul
+from nanovllm.layers.logits_processors import LOGIT_LIMIT, finite_logits
 from nanovllm.layers.layernorm import add_rms_norm, rms_norm
 from nanovllm.layers.rotary_embedding import RopeConfig, RotaryEmbedding, rotate_qk
 
@@ -123,6 +124,28 @@ def test_qk_norm_rope_stores_k_and_v_at_their_slots(kernels, dtype):
     assert flat_k[untouched].isnan().all() and flat_v[untouched].isnan().all()
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows,vocab", [(1, 1), (3, 15), (2, 16), (5, 17), (70, 1000), (4, 32000)])
+def test_greedy_tokens_are_the_argmax_of_the_finite_logits(kernels, dtype, rows, vocab):
+    logits = randn(rows, vocab + 3, dtype=dtype, seed=vocab, scale=5.0)[:, 2:vocab + 2]  # strided rows
+    gen = torch.Generator().manual_seed(rows)
+    for r in range(rows):  # in each row one of: ties, NaN, infinities, values past the limit, all NaN
+        case = r % 5
+        picks = torch.randint(0, vocab, (3,), generator=gen)
+        if case == 0:
+            logits[r, picks] = 50.0  # the same largest value two or three times: the first index wins
+        elif case == 1:
+            logits[r, picks[0]] = float("nan")
+        elif case == 2:
+            logits[r, picks[0]], logits[r, picks[1]] = float("inf"), float("-inf")
+        elif case == 3 and dtype != torch.float16:  # float16 cannot hold a value past the limit
+            logits[r, picks] = 3e38
+        elif case == 4:
+            logits[r] = float("nan")
+    expected = finite_logits(logits).argmax(dim=-1)
+    assert torch.equal(kernels.greedy_tokens(logits, LOGIT_LIMIT), expected)
+
+
 def test_engine_with_fused_kernels_equals_hf_and_the_torch_path(qwen3_tiny, kernels):
     prompts = random_prompts(200, [3, 17, 40, 1, 64], seed=5)
     expected = hf_greedy(qwen3_tiny, prompts, 12)
@@ -132,6 +155,7 @@ def test_engine_with_fused_kernels_equals_hf_and_the_torch_path(qwen3_tiny, kern
                   max_num_batched_tokens=48)  # chunked prefill too
         if fused == "cpu":
             assert all(layer.qk_kernel is not None for layer in llm.model_runner.attention_layers)
+            assert (llm.model_runner.sampler.greedy_kernel is not None) == kernels.greedy_vectorised
         tokens[fused] = [o["token_ids"] for o in llm.generate(prompts, greedy(12), use_tqdm=False)]
         llm.exit()
     assert tokens["cpu"] == expected == tokens["torch"]

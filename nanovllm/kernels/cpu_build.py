@@ -130,6 +130,21 @@ class FusedKernels:
             fn.restype = i32
         self._few_rows_supported = {dtype: bool(library.nanovllm_few_rows_supported(code))
                                     for dtype, code in DTYPE_CODES.items()}
+        self._greedy_tokens = library.nanovllm_greedy_tokens
+        self._greedy_tokens.argtypes = [i32, ptr, i64, i32, i32, f32, ptr, i32]
+        self._greedy_tokens.restype = i32
+        self.greedy_vectorised = bool(library.nanovllm_greedy_vectorised())
+
+    def greedy_tokens(self, logits: torch.Tensor, limit: float) -> torch.Tensor:
+        """[rows] int64: each row's argmax of finite_logits(logits) (layers/logits_processors.py:
+        NaN as -limit, values clamped to +-limit), the first index of the largest as torch.argmax's,
+        for logits [rows, vocab] with unit stride along a row, in one pass over each row."""
+        rows, vocab = logits.shape
+        out = torch.empty(rows, dtype=torch.int64)
+        rc = self._greedy_tokens(DTYPE_CODES[logits.dtype], logits.data_ptr(), logits.stride(0), rows, vocab, limit,
+                                 out.data_ptr(), torch.get_num_threads())
+        assert rc == 0, f"nanovllm_greedy_tokens returned {rc}"
+        return out
 
     def few_rows_linear(self, dtype: torch.dtype) -> FewRowsLinear | None:
         """The few-row product for weights of `dtype`, or None where this CPU's build has none

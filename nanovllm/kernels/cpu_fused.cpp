@@ -1,5 +1,5 @@
 // The CPU's fused elementwise kernels: residual add + RMSNorm, SiLU-and-mul, and q/k RMSNorm +
-// rotary (+ the KV-cache store), each one pass over its rows where torch takes five to ten ops (and as many temporary
+// rotary (+ the KV-cache store), and the greedy sampler's argmax, each one pass over its rows where torch takes five to ten ops (and as many temporary
 // tensors). Each computes what the torch functions of layers/ compute, step for step in float32
 // with the same roundings to the model's type between steps, so that float32 matches them to the
 // last bits or nearly (sums are taken in another order) and bfloat16 rounds where torch rounds.
@@ -142,6 +142,59 @@ void qk_norm_rope_rows(void* q_, int64_t q_token_stride, int64_t q_head_stride, 
   }
 }
 
+// layers/sampler.py's greedy token: argmax over a row of finite_logits(logits) (NaN as -limit,
+// everything clamped to +-limit), the first index of the largest, as torch.argmax gives it. With
+// AVX-512 each lane keeps its first largest and index, and the lanes' smallest index among the
+// largest values wins; else one value at a time.
+template <typename T>
+void greedy_rows(const void* logits_, int64_t stride, int rows, int vocab, float limit, int64_t* out,
+                 int num_threads) {
+  const auto* logits = static_cast<const typename T::storage*>(logits_);
+#pragma omp parallel for num_threads(threads_for(static_cast<int64_t>(rows) * vocab, num_threads))
+  for (int r = 0; r < rows; ++r) {
+    const typename T::storage* row = logits + r * stride;
+    int v = 0;
+    float best = -INFINITY;
+    int64_t best_index = 0;
+#ifdef __AVX512F__
+    if (vocab >= LANES) {
+      const __m512 low = _mm512_set1_ps(-limit), high = _mm512_set1_ps(limit);
+      __m512 lane_best = _mm512_set1_ps(-INFINITY);
+      __m512i lane_index = _mm512_setzero_si512(), index = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12,
+                                                                              13, 14, 15);
+      alignas(64) float chunk[LANES];
+      for (; v + LANES <= vocab; v += LANES) {
+        load_row<T>(row + v, chunk, LANES);
+        // max_ps(x, low) is low where x is NaN: NaN becomes -limit, as nan_to_num then clamp.
+        const __m512 x = _mm512_min_ps(_mm512_max_ps(_mm512_load_ps(chunk), low), high);
+        const __mmask16 larger = _mm512_cmp_ps_mask(x, lane_best, _CMP_GT_OQ);
+        lane_best = _mm512_mask_mov_ps(lane_best, larger, x);
+        lane_index = _mm512_mask_mov_epi32(lane_index, larger, index);
+        index = _mm512_add_epi32(index, _mm512_set1_epi32(LANES));
+      }
+      alignas(64) float bests[LANES];
+      alignas(64) int32_t indices[LANES];
+      _mm512_store_ps(bests, lane_best);
+      _mm512_store_si512(indices, lane_index);
+      for (int j = 0; j < LANES; ++j)
+        if (bests[j] > best || (bests[j] == best && indices[j] < best_index)) {
+          best = bests[j];
+          best_index = indices[j];
+        }
+    }
+#endif
+    for (; v < vocab; ++v) {
+      float x = load<T>(row + v);
+      x = std::isnan(x) ? -limit : std::min(std::max(x, -limit), limit);
+      if (x > best) {
+        best = x;
+        best_index = v;
+      }
+    }
+    out[r] = best_index;
+  }
+}
+
 template <template <typename> class F, typename... Args>
 int by_dtype(int dtype, Args... args) {
   switch (dtype) {
@@ -155,6 +208,7 @@ int by_dtype(int dtype, Args... args) {
 template <typename T> struct RmsNorm { template <typename... A> static void run(A... a) { rms_norm_rows<T>(a...); } };
 template <typename T> struct SiluAndMul { template <typename... A> static void run(A... a) { silu_and_mul_rows<T>(a...); } };
 template <typename T> struct QkNormRope { template <typename... A> static void run(A... a) { qk_norm_rope_rows<T>(a...); } };
+template <typename T> struct Greedy { template <typename... A> static void run(A... a) { greedy_rows<T>(a...); } };
 
 }  // namespace
 
@@ -182,6 +236,20 @@ int nanovllm_qk_norm_rope(int dtype, void* q, int64_t q_token_stride, int64_t q_
   return by_dtype<QkNormRope>(dtype, q, q_token_stride, q_head_stride, q_heads, k, k_token_stride, k_head_stride,
                               k_heads, positions, cos_sin, cos_sin_stride, q_weight, k_weight, eps, v, v_token_stride,
                               v_head_stride, k_cache, v_cache, slots, tokens, head_dim, num_threads);
+}
+
+// Whether greedy_rows is vectorised in this build (AVX-512); one value at a time it is no faster than torch.
+int nanovllm_greedy_vectorised() {
+#ifdef __AVX512F__
+  return 1;
+#else
+  return 0;
+#endif
+}
+
+int nanovllm_greedy_tokens(int dtype, const void* logits, int64_t stride, int rows, int vocab, float limit,
+                           int64_t* out, int num_threads) {
+  return by_dtype<Greedy>(dtype, logits, stride, rows, vocab, limit, out, num_threads);
 }
 
 }  // extern "C"

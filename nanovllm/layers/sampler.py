@@ -27,8 +27,11 @@ from typing import Callable, NamedTuple
 import torch
 from torch import nn
 
-from nanovllm.layers.logits_processors import SamplingTensors, divide_by_temperature, finite_logits
+from nanovllm.layers.logits_processors import LOGIT_LIMIT, SamplingTensors, divide_by_temperature, finite_logits
 from nanovllm.utils.compile import compilable
+
+# The logits' dtypes the CPU's greedy kernel reads (kernels/cpu_fused.cpp); others take torch's path.
+GREEDY_KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 class TokenLogprobs(NamedTuple):
@@ -93,10 +96,17 @@ class Sampler(nn.Module):
     def __init__(self) -> None:
         super().__init__()
         self.race_kernel: Callable[..., torch.Tensor] | None = None  # set by enable_triton
+        self.greedy_kernel: Callable[[torch.Tensor, float], torch.Tensor] | None = None  # set by enable_cpu
 
     def enable_triton(self) -> None:
         from nanovllm.kernels.sampling import sample_tokens  # lazy: triton only when chosen
         self.race_kernel = sample_tokens
+
+    def enable_cpu(self, kernels) -> None:
+        """Greedy steps with nothing but argmax to do (no processor, no logprobs) take the CPU's
+        one-pass argmax of the finite logits (kernels/cpu_fused.cpp) where it is vectorised."""
+        if kernels.greedy_vectorised:
+            self.greedy_kernel = kernels.greedy_tokens
 
     @property
     def uses_philox(self) -> bool:
@@ -113,6 +123,9 @@ class Sampler(nn.Module):
         # logits: [batch, vocab]
         if self.race_kernel is not None:
             return self._draw_triton(logits, t)
+        if (self.greedy_kernel is not None and t.all_greedy and t.needs_only_temperature and logits.stride(-1) == 1
+                and logits.device.type == "cpu" and logits.dtype in GREEDY_KERNEL_DTYPES):
+            return self.greedy_kernel(logits, LOGIT_LIMIT), [None] * logits.size(0)
         raw_logits = finite_logits(logits)
         adjusted = t.adjust(raw_logits)
         tokens = adjusted.argmax(dim=-1)

@@ -61,7 +61,7 @@ CPU_WARMUP_TOKENS = 64
 # The modules with a Triton path (kernels/), switched to it when Config.fused_kernels is "triton".
 TRITON_LAYERS = (RMSNorm, SiluAndMul, Attention, Sampler)
 # The modules with a CPU kernel (kernels/cpu_*.cpp), switched to it when Config.fused_kernels is "cpu".
-CPU_FUSED_LAYERS = (RMSNorm, SiluAndMul, Attention, LinearBase, ParallelLMHead, LlamaModel)
+CPU_FUSED_LAYERS = (RMSNorm, SiluAndMul, Attention, LinearBase, ParallelLMHead, LlamaModel, Sampler)
 
 
 class StartupTimes(NamedTuple):
@@ -175,7 +175,7 @@ class ModelRunner:
                     logger.warning("fused kernels: torch (%s)", kernels)
                 config.fused_kernels = "torch"
             else:
-                for module in self.model.modules():
+                for module in [*self.model.modules(), self.sampler]:
                     if isinstance(module, CPU_FUSED_LAYERS):
                         module.enable_cpu(kernels)
         self.max_blocks_per_seq = cdiv(config.max_model_len, self.block_size)
