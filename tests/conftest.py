@@ -111,3 +111,13 @@ def demo_cache(tmp_path_factory) -> str:
     cache = tmp_path_factory.mktemp("xdg_cache")
     build_demo_model(cache / "nanovllm" / DEMO_DIR_NAME, DemoRecipe(**DEMO_TEST_RECIPE), log=lambda message: None)
     return str(cache)
+
+
+@pytest.fixture(scope="session")
+def cpu_kernels():
+    """The CPU kernels' library (nanovllm/kernels/cpu_build.py), or a skip saying why it cannot be had here."""
+    from nanovllm.kernels import cpu_build
+    loaded = cpu_build.load_fused()
+    if isinstance(loaded, str):
+        pytest.skip(loaded)
+    return loaded

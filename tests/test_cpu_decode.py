@@ -10,22 +10,14 @@ import torch
 from helpers import greedy, hf_greedy, random_prompts
 
 from nanovllm import LLM
-from nanovllm.kernels import cpu_build
 
 FAMILIES = ["qwen3_tiny", "qwen3_tiny_tied", "qwen2_tiny", "llama_tiny", "llama_tiny_tied"]
 
 
-@pytest.fixture(scope="module")
-def kernels():
-    loaded = cpu_build.load_fused()
-    if isinstance(loaded, str):
-        pytest.skip(loaded)
-    return loaded
 
-
-def fused_decode_of(llm: LLM, kernels, dtype: torch.dtype):
+def fused_decode_of(llm: LLM, cpu_kernels, dtype: torch.dtype):
     fused = llm.model_runner.model.model.fused_decode
-    if kernels.few_rows_linear(dtype) is None:
+    if cpu_kernels.few_rows_linear(dtype) is None:
         pytest.skip(f"this CPU's build has no few-row product for {dtype}, so no fused decode")
     assert fused is not None
     return fused
@@ -40,12 +32,12 @@ def record_rows(fused) -> list[int]:
 
 @pytest.mark.parametrize("family", FAMILIES)
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_fused_decode_is_bit_for_bit_the_python_layers(request, kernels, family, dtype):
+def test_fused_decode_is_bit_for_bit_the_python_layers(request, cpu_kernels, family, dtype):
     # Prefix caching off: a cached prefix is attended by another kernel than a fresh prompt, so
     # the second run's prompts would differ from the first's for that reason alone.
     llm = LLM(request.getfixturevalue(family), dtype=dtype, enable_prefix_caching=False, kvcache_block_size=16,
               num_kvcache_blocks=64)
-    fused = fused_decode_of(llm, kernels, getattr(torch, dtype))
+    fused = fused_decode_of(llm, cpu_kernels, getattr(torch, dtype))
     rows = record_rows(fused)
     prompts = random_prompts(200, [5, 40, 17, 3, 33], seed=3)
     # One sequence, two, the most it takes, and more than it takes (every step on the Python layers).
@@ -62,11 +54,11 @@ def test_fused_decode_is_bit_for_bit_the_python_layers(request, kernels, family,
 
 
 @pytest.mark.parametrize("family", ["qwen3_tiny", "llama_tiny_tied"])
-def test_fused_decode_gives_hf_greedy_tokens(request, kernels, family):
+def test_fused_decode_gives_hf_greedy_tokens(request, cpu_kernels, family):
     path = request.getfixturevalue(family)
     prompts = random_prompts(200, [7, 30, 1], seed=11)
     llm = LLM(path, kvcache_block_size=16, num_kvcache_blocks=64)
-    rows = record_rows(fused_decode_of(llm, kernels, torch.float32))
+    rows = record_rows(fused_decode_of(llm, cpu_kernels, torch.float32))
     tokens = [llm.generate([prompt], greedy(12), use_tqdm=False)[0]["token_ids"] for prompt in prompts]
     assert tokens == hf_greedy(path, prompts, 12)
     # Every decode step of each prompt, alone (the one-token prompt's first step is decode-shaped too).
@@ -74,7 +66,7 @@ def test_fused_decode_gives_hf_greedy_tokens(request, kernels, family):
     llm.exit()
 
 
-def test_an_fp8_cache_stays_on_the_python_layers(qwen3_tiny, kernels):
+def test_an_fp8_cache_stays_on_the_python_layers(qwen3_tiny, cpu_kernels):
     llm = LLM(qwen3_tiny, kv_cache_dtype="fp8_e4m3", kvcache_block_size=16, num_kvcache_blocks=64)
     fused = llm.model_runner.model.model.fused_decode  # None where the fp8 cache's backend is not the CPU kernel's
     rows = [] if fused is None else record_rows(fused)
@@ -83,7 +75,7 @@ def test_an_fp8_cache_stays_on_the_python_layers(qwen3_tiny, kernels):
     llm.exit()
 
 
-def test_models_with_other_layers_get_no_fused_decode(qwen3_moe_mixed, qwen3_tiny, kernels):
+def test_models_with_other_layers_get_no_fused_decode(qwen3_moe_mixed, qwen3_tiny, cpu_kernels):
     llm = LLM(qwen3_moe_mixed, kvcache_block_size=16, num_kvcache_blocks=64)  # a sparse MLP in most layers
     assert llm.model_runner.model.model.fused_decode is None
     llm.exit()

@@ -20,13 +20,6 @@ from nanovllm.layers.rotary_embedding import RopeConfig, RotaryEmbedding, rotate
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 
 
-@pytest.fixture(scope="module")
-def kernels():
-    loaded = cpu_build.load_fused()
-    if isinstance(loaded, str):
-        pytest.skip(loaded)
-    return loaded
-
 
 def randn(*shape, dtype, seed, scale=1.0):
     return (torch.randn(*shape, generator=torch.Generator().manual_seed(seed)) * scale).to(dtype)
@@ -51,12 +44,12 @@ def assert_close(actual: torch.Tensor, expected: torch.Tensor) -> None:
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("rows,hidden", [(1, 1), (1, 48), (5, 7), (3, 1000), (300, 512), (64, 4096)])
 @pytest.mark.parametrize("with_residual", [False, True])
-def test_rms_norm_matches_torch(kernels, dtype, rows, hidden, with_residual):
+def test_rms_norm_matches_torch(cpu_kernels, dtype, rows, hidden, with_residual):
     # x as a strided view (row stride 2 * hidden), as the first half of a wider output would be.
     x = randn(rows, 2 * hidden, dtype=dtype, seed=rows + hidden, scale=3.0)[:, :hidden]
     weight = randn(hidden, dtype=dtype, seed=1)
     residual = randn(rows, hidden, dtype=dtype, seed=2) if with_residual else None
-    out = kernels.rms_norm(x, weight, 1e-6, residual)
+    out = cpu_kernels.rms_norm(x, weight, 1e-6, residual)
     if with_residual:
         expected, expected_residual = add_rms_norm(x, residual, weight, 1e-6)
         assert torch.equal(out.residual, expected_residual)  # one add, rounded once: exact
@@ -68,19 +61,19 @@ def test_rms_norm_matches_torch(kernels, dtype, rows, hidden, with_residual):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("rows,width", [(1, 1), (1, 96), (7, 33), (300, 1536)])
-def test_silu_and_mul_matches_torch(kernels, dtype, rows, width):
+def test_silu_and_mul_matches_torch(cpu_kernels, dtype, rows, width):
     # Large gates both ways, where exp(-g) would overflow if taken as it is written.
     x = randn(rows, 2 * width, dtype=dtype, seed=width, scale=4.0)
     x[0, 0] = 100.0
     x[0, -1 - width] = -100.0 if width > 1 else x[0, 0]
-    assert_close(kernels.silu_and_mul(x), silu_and_mul(x))
+    assert_close(cpu_kernels.silu_and_mul(x), silu_and_mul(x))
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("heads,kv_heads,head_dim", [(6, 2, 16), (8, 4, 64), (16, 8, 128), (3, 3, 32)])
 @pytest.mark.parametrize("tokens", [1, 5, 200])
 @pytest.mark.parametrize("with_norm", [False, True])
-def test_qk_norm_rope_matches_torch(kernels, dtype, heads, kv_heads, head_dim, tokens, with_norm):
+def test_qk_norm_rope_matches_torch(cpu_kernels, dtype, heads, kv_heads, head_dim, tokens, with_norm):
     # q and k as views of one fused qkv output, positions past the first few.
     qkv = randn(tokens, (heads + 2 * kv_heads) * head_dim, dtype=dtype, seed=tokens * heads, scale=2.0)
     q = qkv[:, :heads * head_dim].view(tokens, heads, head_dim)
@@ -94,14 +87,14 @@ def test_qk_norm_rope_matches_torch(kernels, dtype, heads, kv_heads, head_dim, t
         q_ref, k_ref = rms_norm(q_ref, norm["q_weight"], 1e-6), rms_norm(k_ref, norm["k_weight"], 1e-6)
     q_ref, k_ref = rotate_qk(positions, q_ref, k_ref, rotary.cos_sin_cache)
     v_before = qkv[:, (heads + kv_heads) * head_dim:].clone()
-    kernels.qk_norm_rope(q, k, positions.to(torch.int32), rotary.cos_sin_cache, **norm)
+    cpu_kernels.qk_norm_rope(q, k, positions.to(torch.int32), rotary.cos_sin_cache, **norm)
     assert_close(q, q_ref)
     assert_close(k, k_ref)
     assert torch.equal(qkv[:, (heads + kv_heads) * head_dim:], v_before)  # v untouched
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_qk_norm_rope_stores_k_and_v_at_their_slots(kernels, dtype):
+def test_qk_norm_rope_stores_k_and_v_at_their_slots(cpu_kernels, dtype):
     tokens, heads, kv_heads, head_dim, block_size = 7, 4, 2, 32, 4
     qkv = randn(tokens, (heads + 2 * kv_heads) * head_dim, dtype=dtype, seed=9)
     q = qkv[:, :heads * head_dim].view(tokens, heads, head_dim)
@@ -113,7 +106,7 @@ def test_qk_norm_rope_stores_k_and_v_at_their_slots(kernels, dtype):
     rotary = RotaryEmbedding(head_dim, 64, RopeConfig(10000.0, "default", {}))
     positions = torch.arange(tokens)
     q_ref, k_ref = rotate_qk(positions, q.clone(), k.clone(), rotary.cos_sin_cache)
-    kernels.qk_norm_rope(q, k, positions, rotary.cos_sin_cache, v=v, k_cache=k_cache, v_cache=v_cache,
+    cpu_kernels.qk_norm_rope(q, k, positions, rotary.cos_sin_cache, v=v, k_cache=k_cache, v_cache=v_cache,
                          slot_mapping=slots)
     assert_close(k, k_ref)
     flat_k, flat_v = k_cache.view(-1, kv_heads, head_dim), v_cache.view(-1, kv_heads, head_dim)
@@ -126,7 +119,7 @@ def test_qk_norm_rope_stores_k_and_v_at_their_slots(kernels, dtype):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("rows,vocab", [(1, 1), (3, 15), (2, 16), (5, 17), (70, 1000), (4, 32000)])
-def test_greedy_tokens_are_the_argmax_of_the_finite_logits(kernels, dtype, rows, vocab):
+def test_greedy_tokens_are_the_argmax_of_the_finite_logits(cpu_kernels, dtype, rows, vocab):
     logits = randn(rows, vocab + 3, dtype=dtype, seed=vocab, scale=5.0)[:, 2:vocab + 2]  # strided rows
     gen = torch.Generator().manual_seed(rows)
     for r in range(rows):  # in each row one of: ties, NaN, infinities, values past the limit, all NaN
@@ -143,10 +136,10 @@ def test_greedy_tokens_are_the_argmax_of_the_finite_logits(kernels, dtype, rows,
         elif case == 4:
             logits[r] = float("nan")
     expected = finite_logits(logits).argmax(dim=-1)
-    assert torch.equal(kernels.greedy_tokens(logits, LOGIT_LIMIT), expected)
+    assert torch.equal(cpu_kernels.greedy_tokens(logits, LOGIT_LIMIT), expected)
 
 
-def test_engine_with_fused_kernels_equals_hf_and_the_torch_path(qwen3_tiny, kernels):
+def test_engine_with_fused_kernels_equals_hf_and_the_torch_path(qwen3_tiny, cpu_kernels):
     prompts = random_prompts(200, [3, 17, 40, 1, 64], seed=5)
     expected = hf_greedy(qwen3_tiny, prompts, 12)
     tokens = {}
@@ -155,7 +148,7 @@ def test_engine_with_fused_kernels_equals_hf_and_the_torch_path(qwen3_tiny, kern
                   max_num_batched_tokens=48)  # chunked prefill too
         if fused == "cpu":
             assert all(layer.qk_kernel is not None for layer in llm.model_runner.attention_layers)
-            assert (llm.model_runner.sampler.greedy_kernel is not None) == kernels.greedy_vectorised
+            assert (llm.model_runner.sampler.greedy_kernel is not None) == cpu_kernels.greedy_vectorised
         tokens[fused] = [o["token_ids"] for o in llm.generate(prompts, greedy(12), use_tqdm=False)]
         llm.exit()
     assert tokens["cpu"] == expected == tokens["torch"]

@@ -15,7 +15,6 @@ import torch
 import torch.nn.functional as F
 
 from nanovllm import LLM
-from nanovllm.kernels import cpu_build
 from nanovllm.layers.linear import (BUCKETED_PACKED_ROWS, EXACT_PACKED_ROWS, MIN_PACKED_ROWS, LinearBase, linear,
                                     packed_rows)
 from nanovllm.utils import cpu
@@ -74,16 +73,9 @@ def test_engine_packs_every_linear_layer_and_the_lm_head(qwen3_tiny):
     llm.exit()
 
 
-@pytest.fixture(scope="module")
-def kernels():
-    loaded = cpu_build.load_fused()
-    if isinstance(loaded, str):
-        pytest.skip(loaded)
-    return loaded
 
-
-def few_rows_for(kernels, dtype):
-    product = kernels.few_rows_linear(dtype)
+def few_rows_for(cpu_kernels, dtype):
+    product = cpu_kernels.few_rows_linear(dtype)
     if product is None:
         pytest.skip(f"this CPU's build has no few-row product for {dtype} (float32 needs AVX-512F, bfloat16 AVX512-BF16)")
     return product
@@ -94,8 +86,8 @@ def few_rows_for(kernels, dtype):
 # of 16 / rows, a last group cut short, fewer than one group; the LM head's shape.
 @pytest.mark.parametrize("n,k", [(48, 64), (33, 100), (5, 7), (1, 1), (1000, 512), (300, 1536), (32000, 64)])
 @pytest.mark.parametrize("bias", [False, True])
-def test_few_rows_product_equals_the_exact_product(kernels, dtype, n, k, bias):
-    product = few_rows_for(kernels, dtype)
+def test_few_rows_product_equals_the_exact_product(cpu_kernels, dtype, n, k, bias):
+    product = few_rows_for(cpu_kernels, dtype)
     gen = torch.Generator().manual_seed(n + k)
     weight = torch.randn(n, k, generator=gen).to(dtype)
     b = torch.randn(n, generator=gen).to(dtype) if bias else None
@@ -113,8 +105,8 @@ def test_few_rows_product_equals_the_exact_product(kernels, dtype, n, k, bias):
             torch.testing.assert_close(out, F.linear(x, weight, b), atol=2e-2, rtol=2e-2)
 
 
-def test_linear_takes_the_few_row_product_only_for_its_rows(kernels):
-    product = few_rows_for(kernels, torch.float32)
+def test_linear_takes_the_few_row_product_only_for_its_rows(cpu_kernels):
+    product = few_rows_for(cpu_kernels, torch.float32)
     calls = []
 
     class Counting:
@@ -132,10 +124,10 @@ def test_linear_takes_the_few_row_product_only_for_its_rows(kernels):
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_engine_gives_linear_layers_and_the_lm_head_the_few_row_product(qwen3_tiny, kernels, dtype):
+def test_engine_gives_linear_layers_and_the_lm_head_the_few_row_product(qwen3_tiny, cpu_kernels, dtype):
     llm = LLM(qwen3_tiny, num_kvcache_blocks=16, dtype=dtype)
     model = llm.model_runner.model
-    expected = kernels.few_rows_linear(getattr(torch, dtype))
+    expected = cpu_kernels.few_rows_linear(getattr(torch, dtype))
     layers = [m for m in model.modules() if isinstance(m, LinearBase)] + [model.lm_head]
     if expected is None or not cpu.native_half_matmul(getattr(torch, dtype)):
         assert all(m.few_rows is None or m.weight.dtype != getattr(torch, dtype) for m in layers)
