@@ -1,6 +1,7 @@
-// Helpers shared by the CPU kernels (cpu_paged_attention.cpp, cpu_fused.cpp): the element types a
-// kernel is instantiated for, loads and stores that convert to and from float32 (bfloat16 rounds
-// to nearest even, as torch does), and an exp for non-positive arguments that vectorises.
+// Helpers shared by the CPU kernels (cpu_*.cpp): the element types a kernel is instantiated for,
+// loads and stores that convert to and from float32 (bfloat16 rounds to nearest even, as torch
+// does), an exp for non-positive arguments that vectorises, sum16, and the C entry points one
+// kernel calls from another.
 #pragma once
 #include <algorithm>
 #include <cmath>
@@ -119,3 +120,26 @@ inline __m512 sum16(const __m512* v) {
 #endif
 
 }  // namespace nanovllm_cpu
+
+// The library's C entry points that one kernel calls from another (cpu_decode_layers.cpp), declared
+// once here so that their definitions, which include this header, are checked against them.
+extern "C" {
+int nanovllm_rms_norm(int dtype, const void* x, int64_t x_stride, const void* residual, int64_t residual_stride,
+                      const void* weight, void* out, int64_t out_stride, void* residual_out,
+                      int64_t residual_out_stride, int rows, int hidden, float eps, int num_threads);
+int nanovllm_silu_and_mul(int dtype, const void* x, int64_t x_stride, void* out, int64_t out_stride, int rows,
+                          int width, int num_threads);
+int nanovllm_qk_norm_rope(int dtype, void* q, int64_t q_token_stride, int64_t q_head_stride, int q_heads, void* k,
+                          int64_t k_token_stride, int64_t k_head_stride, int k_heads, const int64_t* positions,
+                          const float* cos_sin, int64_t cos_sin_stride, const void* q_weight, const void* k_weight,
+                          float eps, const void* v, int64_t v_token_stride, int64_t v_head_stride, void* k_cache,
+                          void* v_cache, const int64_t* slots, int tokens, int head_dim, int num_threads);
+int nanovllm_few_rows_linear(int dtype, int rows, const void* x, int64_t x_stride, const void* w, const void* bias,
+                             void* out, int64_t out_stride, int N, int K, int num_threads);
+int nanovllm_paged_attention(int dtype, const void* q, void* out, const void* k_cache, const void* v_cache,
+                             const int32_t* block_tables, int64_t table_stride, const int32_t* q_start,
+                             const int32_t* q_len, const int32_t* k_len, int num_seqs, int num_heads,
+                             int num_kv_heads, int head_dim, int block_size, float scale, int q_tile,
+                             int64_t q_stride_token, int64_t q_stride_head, int64_t out_stride_token,
+                             int64_t out_stride_head, int num_threads);
+}

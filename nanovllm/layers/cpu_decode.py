@@ -51,9 +51,7 @@ class CpuDecodeLayers:
         self.dtype = model.embed_tokens.weight.dtype
         self._fn = kernels.decode_layers
         self._built_for: int | None = None  # the first layer's K cache address last built for
-        self._usable = False  # whether that cache is one it reads (built), else the Python layers run
-        self._layers = self._model = None
-        self._model_address = 0
+        self._layers = self._args = None  # the structures for that cache; None: the Python layers run
 
     @classmethod
     def for_model(cls, model: nn.Module, kernels: FusedKernels) -> "CpuDecodeLayers | None":
@@ -75,14 +73,14 @@ class CpuDecodeLayers:
                 return None
         return cls(model, kernels, few_rows.max_rows)
 
-    def _build(self) -> bool:
-        """(Re)make the structures for the cache the layers hold now; False where the cache is not
-        the model's dtype unquantised (or not there yet: the warm-up runs before it exists)."""
+    def _build(self) -> DecodeModel | None:
+        """The structures for the cache the layers hold now (kept on self); None where the cache is
+        not the model's dtype unquantised (or not there yet: the warm-up runs before it exists)."""
         attentions = [layer.self_attn for layer in self.model.layers]
         for a in attentions:
             if (a.attn.k_cache.numel() == 0 or a.attn.k_cache.dtype != self.dtype or a.attn.kv_scales is not None
                     or a.attn.kv_observer is not None):
-                return False
+                return None
         layers = (LayerWeights * len(attentions))()
         for slot, layer in zip(layers, self.model.layers):
             a, mlp = layer.self_attn, layer.mlp
@@ -100,15 +98,13 @@ class CpuDecodeLayers:
         first = attentions[0]
         rotary = first.rotary_emb.cos_sin_cache  # [max_position, 1, head_dim] float32, shared by the layers
         self._layers = layers  # the structure below points into this array: keep it alive
-        self._model = DecodeModel(
-            dtype=DTYPE_CODES[self.dtype], element_size=torch.finfo(self.dtype).bits // 8,
+        return DecodeModel(
+            dtype=DTYPE_CODES[self.dtype], element_size=self.dtype.itemsize,
             hidden=self.model.norm.weight.numel(), num_heads=first.num_heads, num_kv_heads=first.num_kv_heads,
             head_dim=first.head_dim, intermediate=self.model.layers[0].mlp.down_proj.weight.size(1),
             block_size=first.attn.k_cache.size(1), num_layers=len(attentions), scale=first.attn.scale,
             final_eps=self.model.norm.eps, final_norm=_address(self.model.norm.weight), cos_sin=_address(rotary),
             cos_sin_stride=rotary.stride(0), layers=layers)
-        self._model_address = ctypes.addressof(self._model)
-        return True
 
     def __call__(self, positions: torch.Tensor, hidden_states: torch.Tensor) -> torch.Tensor | None:
         """The final norm's output [rows, hidden] for embeddings hidden_states [rows, hidden], or
@@ -119,16 +115,16 @@ class CpuDecodeLayers:
             return None
         cache = self.model.layers[0].self_attn.attn.k_cache.data_ptr()
         if cache != self._built_for:
-            self._usable, self._built_for = self._build(), cache
-        if not self._usable:
+            self._args, self._built_for = self._build(), cache
+        if self._args is None:
             return None
         steps = self.model.layers[0].self_attn.attn.backend.steps(hidden_states, meta)
         if positions.dtype != torch.int64:
             positions = positions.long()
         out = torch.empty_like(hidden_states)
-        rc = self._fn(self._model_address, rows, hidden_states.data_ptr(), out.data_ptr(), positions.data_ptr(),
-                      meta.slot_mapping.data_ptr(), steps.block_tables.data_ptr(), steps.block_tables.stride(0),
-                      steps.q_start.data_ptr(), steps.q_len.data_ptr(), steps.k_len.data_ptr(),
-                      torch.get_num_threads())
+        rc = self._fn(ctypes.addressof(self._args), rows, hidden_states.data_ptr(), out.data_ptr(),
+                      positions.data_ptr(), meta.slot_mapping.data_ptr(), steps.block_tables.data_ptr(),
+                      steps.block_tables.stride(0), steps.q_start.data_ptr(), steps.q_len.data_ptr(),
+                      steps.k_len.data_ptr(), torch.get_num_threads())
         assert rc == 0, f"nanovllm_decode_layers returned {rc}"
         return out

@@ -30,9 +30,6 @@ from torch import nn
 from nanovllm.layers.logits_processors import LOGIT_LIMIT, SamplingTensors, divide_by_temperature, finite_logits
 from nanovllm.utils.compile import compilable
 
-# The logits' dtypes the CPU's greedy kernel reads (kernels/cpu_fused.cpp); others take torch's path.
-GREEDY_KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-
 
 class TokenLogprobs(NamedTuple):
     token_id: int
@@ -123,8 +120,7 @@ class Sampler(nn.Module):
         # logits: [batch, vocab]
         if self.race_kernel is not None:
             return self._draw_triton(logits, t)
-        if (self.greedy_kernel is not None and t.all_greedy and t.needs_only_temperature and logits.stride(-1) == 1
-                and logits.device.type == "cpu" and logits.dtype in GREEDY_KERNEL_DTYPES):
+        if self.greedy_kernel is not None and t.all_greedy and t.needs_only_temperature and logits.stride(-1) == 1:
             return self.greedy_kernel(logits, LOGIT_LIMIT), [None] * logits.size(0)
         raw_logits = finite_logits(logits)
         adjusted = t.adjust(raw_logits)
