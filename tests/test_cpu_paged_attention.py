@@ -126,6 +126,25 @@ def test_prefill_over_cached_prefix_and_mixed_rows_match_reference(kernel, dtype
     assert_matches(out, ReferenceTorchBackend().prefill(q, None, None, k_cache, v_cache, meta, scale), dtype)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("group", GROUPS)
+@pytest.mark.parametrize("head_dim, block_size", [(64, 16), (80, 32), (128, 64)])
+def test_prefill_tiles_of_many_rows_match_reference(kernel, dtype, group, head_dim, block_size):
+    """The kernel's prefill tiles (16 or more query rows, rows in vector lanes): fresh prompts and
+    chunks over prefixes whose rows are not a multiple of 16 (padding lanes), a single vector of
+    rows and two, queries whose causal edge falls inside a block, beside shorter tiles."""
+    gen = torch.Generator().manual_seed(group * 10 + head_dim + block_size)
+    num_kv_heads = 2
+    lens = [(0, 16), (0, 17), (0, 100), (3, 29), (block_size, 33), (block_size - 1, 2 * block_size + 5), (0, 5),
+            (70, 48)]
+    k_cache, v_cache, tables = paged_cache([p + n for p, n in lens], block_size, num_kv_heads, head_dim, dtype, gen)
+    meta = prefill_meta(lens, tables)
+    q = torch.randn(sum(meta.seqlens_q), num_kv_heads * group, head_dim, generator=gen).to(dtype)
+    scale = head_dim ** -0.5
+    out = CpuPagedBackend(kernel).prefill(q, None, None, k_cache, v_cache, meta, scale)
+    assert_matches(out, ReferenceTorchBackend().prefill(q, None, None, k_cache, v_cache, meta, scale), dtype)
+
+
 @pytest.mark.parametrize("is_prefill", [False, True])
 def test_sequences_sharing_blocks_match_reference(kernel, is_prefill):
     """Several sequences whose tables start with the same blocks (a shared cached prefix), read
@@ -171,9 +190,9 @@ def test_strided_query_and_per_step_reuse(kernel):
     assert backend._steps is not steps
 
 
-def test_prefill_without_cached_prefix_goes_to_sdpa():
-    """A prefill with no cached prefix attends its own contiguous K/V (nothing to gather) through
-    the torch backend's SDPA: the kernel is not called."""
+def test_prefill_without_block_tables_goes_to_sdpa():
+    """A prefill given no block tables (the start-up warm-up, which has no cache) attends its own
+    contiguous K/V through the torch backend's SDPA: the kernel is not called."""
     calls = []
     gen = torch.Generator().manual_seed(2)
     q, k = torch.randn(6, 4, 64, generator=gen), torch.randn(6, 2, 64, generator=gen)
@@ -212,12 +231,18 @@ def test_engine_with_kernel_equals_hf_greedy(qwen3_tiny, kernel):
     """The kernel on every path of the engine: a prefix-cache hit, chunked prefills over their
     own earlier chunks, mixed steps of chunks beside decode rows; greedy tokens are HF's."""
     llm = LLM(qwen3_tiny, attention_backend="cpu", kvcache_block_size=16, max_num_batched_tokens=48)
-    assert llm.model_runner.backend.name == "cpu"
+    backend = llm.model_runner.backend
+    assert backend.name == "cpu" and backend.prefill_from_cache
+    tables_given = []  # per prefill call: whether it read from the cache (never SDPA on a fresh prompt)
+    prefill = backend.prefill
+    backend.prefill = lambda q, k, v, kc, vc, meta, *a: tables_given.append(meta.block_tables is not None) or \
+        prefill(q, k, v, kc, vc, meta, *a)
     shared = random_prompts(200, [40], seed=60)[0]
     prompts = random_prompts(200, [1, 16, 17, 100], seed=61) + [shared + [3], shared + [4, 5]]
     params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
     llm.generate([shared], params, use_tqdm=False)  # publishes the shared prefix's blocks
     outputs = llm.generate(prompts, params, use_tqdm=False)
     assert outputs[-1]["num_cached_tokens"] == 32 and llm.stats().mixed_steps >= 1
+    assert tables_given and all(tables_given)
     llm.exit()
     assert [o["token_ids"] for o in outputs] == hf_greedy(qwen3_tiny, prompts, MAX_TOKENS)

@@ -194,6 +194,49 @@ def test_summary_ratios_agreement_and_json_line(bench, single, tmp_path):
     assert "tokens" not in json.dumps(record["settings"])  # token ids stay out of the line
 
 
+def test_llamacpp_server_command(bench):
+    command = bench.llamacpp_server_command("/l/llama-server", "/m.gguf", "bfloat16", slots=64, threads=2, port=8123)
+    flags = dict(zip(command[1::2], command[2::2]))
+    assert command[0] == "/l/llama-server" and flags["-m"] == "/m.gguf" and command[-1] == "--no-webui"
+    assert flags["--host"] == "127.0.0.1" and flags["--port"] == "8123"  # loopback only
+    assert flags["-np"] == "64" and flags["-c"] == str(64 * bench.MAX_MODEL_LEN)  # -c is shared among the slots
+    assert flags["-t"] == flags["-tb"] == "2" and flags["-ctk"] == flags["-ctv"] == "bf16"
+    assert int(flags["--threads-http"]) > 64  # every slot's request holds an HTTP thread
+    assert "-fa" not in flags and "--flash-attn" not in flags  # its default, as its users run it
+    float32 = bench.llamacpp_server_command("s", "m", "float32", 1, 2, 1)
+    assert float32[float32.index("-ctk") + 1] == "f32"
+
+
+def test_gguf_conversion_answers_the_pre_tokenizer_check_and_passes_the_arguments(bench, tmp_path):
+    """The converter command runs llama.cpp's script with its pre-tokenizer check answered; here
+    against a stand-in tree whose script records what it saw."""
+    import subprocess
+    (tmp_path / "conversion").mkdir()
+    (tmp_path / "conversion" / "__init__.py").write_text("")
+    (tmp_path / "conversion" / "base.py").write_text(
+        "class TextModel:\n    def get_vocab_base_pre(self, tokenizer):\n        raise NotImplementedError\n")
+    (tmp_path / "gguf-py").mkdir()
+    (tmp_path / "convert_hf_to_gguf.py").write_text(
+        "import json, sys\nfrom conversion.base import TextModel\n"
+        "json.dump({'pre': TextModel().get_vocab_base_pre(None), 'argv': sys.argv[1:]}, open(sys.argv[-1], 'w'))\n")
+    out = tmp_path / "out.json"
+    command = bench.gguf_convert_command(sys.executable, str(tmp_path), "/ckpt", "bf16", str(out))
+    subprocess.run(command, check=True, timeout=60)
+    assert json.loads(out.read_text()) == {"pre": "qwen2", "argv": ["/ckpt", "--outtype", "bf16", "--outfile", str(out)]}
+
+
+def test_llamacpp_needs_a_built_server(bench, tmp_path, capsys):
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--llamacpp", str(tmp_path)])
+    assert "build/bin/llama-server" in capsys.readouterr().err
+    server = tmp_path / "build" / "bin" / "llama-server"
+    server.parent.mkdir(parents=True)
+    server.write_text("#!/bin/sh\n")
+    server.chmod(0o755)
+    engines, setup = bench.make_engines(bench.parse_args(["--llamacpp", str(tmp_path)]))
+    assert [e.worker for e in engines] == ["nanovllm", "llamacpp"] and setup["llamacpp"]["server"] == str(server)
+
+
 def test_real_model_has_real_proportions(bench):
     shape = bench.MODELS["real"].checkpoint
     assert shape["hidden_size"] >= 512 and shape["head_dim"] in (64, 128) and shape["vocab_size"] >= 32_000

@@ -25,6 +25,9 @@ class AttentionBackend(ABC):
     compiles_kernels: bool = False
     # Whether it can read and write an fp8 KV cache (the `kv_scales` arguments below).
     supports_fp8_kv_cache: bool = False
+    # Whether every prefill should read its keys from the paged cache (block tables always given),
+    # even a prompt with no cached prefix: the backend's paged prefill is its fastest.
+    prefill_from_cache: bool = False
 
     @abstractmethod
     def store_kv(self, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

@@ -4,9 +4,11 @@ kernels/cpu_paged_attention.cpp (built and loaded by kernels/cpu_build.py).
 Decode rows, a mixed step's one-token rows and prefill chunks over a cached prefix all go to one
 kernel call per layer: each (sequence, KV head, tile of queries) walks its sequence's blocks where
 they lie in the cache with an online softmax, in float32, the group of query heads of a KV head
-sharing each K/V read (no gather into a contiguous copy, no repeated K/V). A prefill with no
-cached prefix attends its own contiguous K/V with the torch backend's SDPA (nothing to gather),
-and an fp8 cache goes to the torch backend whole (its dequantising reads are the reference).
+sharing each K/V read (no gather into a contiguous copy, no repeated K/V). Fresh prompts go there
+too (`prefill_from_cache`: the runner gives every CPU prefill its block tables; the kernel's
+prefill tiles beat torch's SDPA, docs/BENCHMARKS.md); a prefill without block tables (the start-up
+warm-up, which has no cache) attends its own contiguous K/V with SDPA, and an fp8 cache goes to
+the torch backend whole (its dequantising reads are the reference).
 
 The metadata the kernel takes (int32 starts and lengths per sequence) depends only on the step,
 so the first layer makes it and the others reuse it, as the torch backend does with its plan.
@@ -37,6 +39,7 @@ class KernelSteps(NamedTuple):
 
 class CpuPagedBackend(TorchBackend):
     name = "cpu"
+    prefill_from_cache = True
 
     def __init__(self, kernel: PagedAttentionKernel) -> None:
         super().__init__()

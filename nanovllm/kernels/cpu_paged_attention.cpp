@@ -231,6 +231,233 @@ void scores_transposed(float* __restrict__ s, const float* __restrict__ qf, cons
   }
 }
 
+#ifdef __AVX512F__
+// ---- Prefill tiles: query rows in the vector lanes ----
+// A tile of many query rows (queries x its group of heads) puts 16 rows in the lanes of a vector,
+// RV vectors a pass, so every step is a vertical vector operation: scores are 16 rows x one key
+// (Q transposed once per pass, each key element broadcast from the cache where it lies: no K
+// transposition, no horizontal sums), the softmax's max and sum run down a block's tokens, and
+// P x V broadcasts each V element to 16 rows' FMAs. bfloat16 scores are AVX512-BF16 dot products
+// of raw bfloat16 pairs (as decode's: products exact in float32, scaled on the sums).
+
+// Vector form of exp_nonpositive (the same operations in the same order, so the same values).
+inline __m512 exp_nonpositive_v(__m512 x) {
+  const __m512 t = _mm512_mul_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.0f)), _mm512_set1_ps(1.44269504088896341f));
+  const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m512 f = _mm512_sub_ps(t, n);
+  __m512 p = _mm512_set1_ps(1.535336188319500e-4f);
+  for (const float c : {1.339887440266574e-3f, 9.618437357674640e-3f, 5.550332471162809e-2f, 2.402264791363012e-1f,
+                        6.931472028550421e-1f, 1.0f})
+    p = _mm512_add_ps(_mm512_mul_ps(p, f), _mm512_set1_ps(c));
+  const __m512i bits = _mm512_add_epi32(_mm512_castps_si512(p), _mm512_slli_epi32(_mm512_cvtps_epi32(n), 23));
+  const __mmask16 under = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-87.0f), _CMP_LT_OQ);
+  return _mm512_mask_mov_ps(_mm512_castsi512_ps(bits), under, _mm512_setzero_ps());
+}
+
+// Whether a prefill tile takes the lanes path: float32 or bfloat16, head_dim whole vectors.
+template <typename T>
+constexpr bool lanes_path() { return std::is_same_v<T, F32T> || std::is_same_v<T, BF16T>; }
+inline bool lanes_head_dim(int head_dim) { return head_dim % LANES == 0; }
+
+// One pass: R = 16 * RV rows of one KV head, their positions `pos` (lane r sees keys 0..pos[r]),
+// over the head's keys 0..visible_end-1. qt holds Q transposed: float32 [head_dim][R] (scaled),
+// or for bfloat16 [head_dim / 2][R] pairs of raw bfloat16 as 32-bit words. Leaves O transposed,
+// unnormalised, in ot [head_dim][R] and the softmax sums in l[R].
+template <typename T, int RV>
+void prefill_lanes_pass(const void* qt, const __m512i* pos, const typename T::storage* k_head,
+                        const typename T::storage* v_head, const int32_t* table, int64_t token_stride,
+                        int64_t block_stride, int block_size, int visible_end, int head_dim, float scale,
+                        float* __restrict__ ot, float* __restrict__ l, float* __restrict__ s, float* __restrict__ vf) {
+  using S = typename T::storage;
+  constexpr int R = LANES * RV;
+  constexpr int TT = LANES / RV;  // key tokens per register tile of scores (TT x RV accumulators)
+  constexpr int DB = LANES / RV;  // head dims per register tile of P x V
+  constexpr bool pairs = std::is_same_v<T, BF16T>
+#ifdef __AVX512BF16__
+      && true;
+#else
+      && false;
+#endif
+  __m512 m[RV], sum[RV];
+  int min_pos = INT32_MAX;
+  for (int rv = 0; rv < RV; ++rv) {
+    m[rv] = _mm512_set1_ps(-INFINITY);
+    sum[rv] = _mm512_setzero_ps();
+    min_pos = std::min(min_pos, _mm512_reduce_min_epi32(pos[rv]));
+  }
+  std::fill(ot, ot + static_cast<size_t>(head_dim) * R, 0.0f);
+  const int num_blocks = (visible_end + block_size - 1) / block_size;
+  for (int b = 0; b < num_blocks; ++b) {
+    const int first = b * block_size;
+    const int n = std::min(block_size, visible_end - first);
+    const S* k = k_head + static_cast<int64_t>(table[b]) * block_stride;
+    const S* v = v_head + static_cast<int64_t>(table[b]) * block_stride;
+    // 1. Scores s[t][R] for the block's n tokens, TT at a time (tokens past n repeat the last).
+    for (int t0 = 0; t0 < n; t0 += TT) {
+      __m512 acc[TT][RV];
+      const S* kt[TT];
+      for (int j = 0; j < TT; ++j) {
+        kt[j] = k + std::min(t0 + j, n - 1) * token_stride;
+        for (int rv = 0; rv < RV; ++rv) acc[j][rv] = _mm512_setzero_ps();
+      }
+      if constexpr (pairs) {
+#ifdef __AVX512BF16__
+        const uint32_t* qp = static_cast<const uint32_t*>(qt);
+        for (int dp = 0; dp < head_dim / 2; ++dp) {
+          __m512bh qv[RV];
+          for (int rv = 0; rv < RV; ++rv) qv[rv] = (__m512bh)_mm512_loadu_si512(qp + static_cast<size_t>(dp) * R + rv * LANES);
+          for (int j = 0; j < TT; ++j) {
+            uint32_t word;
+            std::memcpy(&word, kt[j] + 2 * dp, sizeof word);
+            const __m512bh kb = (__m512bh)_mm512_set1_epi32(static_cast<int>(word));
+            for (int rv = 0; rv < RV; ++rv) acc[j][rv] = _mm512_dpbf16_ps(acc[j][rv], qv[rv], kb);
+          }
+        }
+        for (int j = 0; j < TT; ++j)
+          for (int rv = 0; rv < RV; ++rv) acc[j][rv] = _mm512_mul_ps(acc[j][rv], _mm512_set1_ps(scale));
+#endif
+      } else {
+        const float* qf = static_cast<const float*>(qt);
+        for (int d = 0; d < head_dim; ++d) {
+          __m512 qv[RV];
+          for (int rv = 0; rv < RV; ++rv) qv[rv] = _mm512_loadu_ps(qf + static_cast<size_t>(d) * R + rv * LANES);
+          for (int j = 0; j < TT; ++j) {
+            const __m512 kb = _mm512_set1_ps(load<T>(kt[j] + d));
+            for (int rv = 0; rv < RV; ++rv) acc[j][rv] = _mm512_fmadd_ps(qv[rv], kb, acc[j][rv]);
+          }
+        }
+      }
+      const bool masked = first + t0 + TT - 1 > min_pos;  // some key here lies past some row's query
+      for (int j = 0; j < TT && t0 + j < n; ++j)
+        for (int rv = 0; rv < RV; ++rv) {
+          __m512 x = acc[j][rv];
+          if (masked)
+            x = _mm512_mask_mov_ps(x, _mm512_cmpgt_epi32_mask(_mm512_set1_epi32(first + t0 + j), pos[rv]),
+                                   _mm512_set1_ps(-INFINITY));
+          _mm512_storeu_ps(s + static_cast<size_t>(t0 + j) * R + rv * LANES, x);
+        }
+    }
+    // 2. Online softmax down the block's tokens: new running max, weights, sums, O rescaled.
+    for (int rv = 0; rv < RV; ++rv) {
+      __m512 block_max = _mm512_set1_ps(-INFINITY);
+      for (int t = 0; t < n; ++t) block_max = _mm512_max_ps(block_max, _mm512_loadu_ps(s + static_cast<size_t>(t) * R + rv * LANES));
+      const __m512 new_max = _mm512_max_ps(m[rv], block_max);  // finite: every lane sees key 0
+      const __m512 correction = exp_nonpositive_v(_mm512_sub_ps(m[rv], new_max));  // 0 on the first block
+      __m512 block_sum = _mm512_setzero_ps();
+      for (int t = 0; t < n; ++t) {
+        float* st = s + static_cast<size_t>(t) * R + rv * LANES;
+        const __m512 p = exp_nonpositive_v(_mm512_sub_ps(_mm512_loadu_ps(st), new_max));
+        _mm512_storeu_ps(st, p);
+        block_sum = _mm512_add_ps(block_sum, p);
+      }
+      sum[rv] = _mm512_add_ps(_mm512_mul_ps(sum[rv], correction), block_sum);
+      m[rv] = new_max;
+      if (_mm512_cmp_ps_mask(correction, _mm512_set1_ps(1.0f), _CMP_NEQ_UQ))
+        for (int d = 0; d < head_dim; ++d) {
+          float* od = ot + static_cast<size_t>(d) * R + rv * LANES;
+          _mm512_storeu_ps(od, _mm512_mul_ps(_mm512_loadu_ps(od), correction));
+        }
+    }
+    // 3. O += P x V: V in float32 (bfloat16 widened once per block), each element broadcast.
+    const float* vrows = nullptr;
+    int64_t v_stride = token_stride;
+    if constexpr (std::is_same_v<T, F32T>) {
+      vrows = v;
+    } else {
+      for (int t = 0; t < n; ++t) load_row<T>(v + t * token_stride, vf + static_cast<size_t>(t) * head_dim, head_dim);
+      vrows = vf;
+      v_stride = head_dim;
+    }
+    for (int d0 = 0; d0 < head_dim; d0 += DB) {
+      __m512 o[DB][RV];
+      for (int j = 0; j < DB; ++j)
+        for (int rv = 0; rv < RV; ++rv) o[j][rv] = _mm512_loadu_ps(ot + static_cast<size_t>(d0 + j) * R + rv * LANES);
+      for (int t = 0; t < n; ++t) {
+        __m512 p[RV];
+        for (int rv = 0; rv < RV; ++rv) p[rv] = _mm512_loadu_ps(s + static_cast<size_t>(t) * R + rv * LANES);
+        const float* vt = vrows + t * v_stride + d0;
+        for (int j = 0; j < DB; ++j) {
+          const __m512 vb = _mm512_set1_ps(vt[j]);
+          for (int rv = 0; rv < RV; ++rv) o[j][rv] = _mm512_fmadd_ps(p[rv], vb, o[j][rv]);
+        }
+      }
+      for (int j = 0; j < DB; ++j)
+        for (int rv = 0; rv < RV; ++rv) _mm512_storeu_ps(ot + static_cast<size_t>(d0 + j) * R + rv * LANES, o[j][rv]);
+    }
+  }
+  for (int rv = 0; rv < RV; ++rv) _mm512_storeu_ps(l + rv * LANES, sum[rv]);
+}
+
+// A prefill item on the lanes path: for each KV head, its rows (queries x group) in passes of up
+// to 32 rows (16 when 16 cover them), each pass a walk of the keys its rows see.
+template <typename T>
+void attend_prefill_lanes(const Item& item, const typename T::storage* q, typename T::storage* out,
+                          const typename T::storage* k_cache, const typename T::storage* v_cache,
+                          const int32_t* table, int64_t q_stride_token, int64_t q_stride_head,
+                          int64_t out_stride_token, int64_t out_stride_head, int32_t q_start, int32_t q_len,
+                          int32_t k_len, int group, int num_kv_heads, int head_dim, int block_size, float scale,
+                          std::vector<float>& scratch) {
+  using S = typename T::storage;
+  constexpr int R = 2 * LANES;
+  const int live_rows = (item.q_end - item.q_begin) * group;
+  const int64_t token_stride = static_cast<int64_t>(num_kv_heads) * head_dim;
+  const int64_t block_stride = token_stride * block_size;
+  // Scratch: Q transposed, O transposed, scores [block][R], V of a block in float32, sums.
+  const size_t need = 2 * static_cast<size_t>(head_dim) * R + static_cast<size_t>(block_size) * R +
+                      static_cast<size_t>(block_size) * head_dim + R;
+  if (scratch.size() < need) scratch.resize(need);
+  float* qt = scratch.data();
+  float* ot = qt + static_cast<size_t>(head_dim) * R;
+  float* s = ot + static_cast<size_t>(head_dim) * R;
+  float* vf = s + static_cast<size_t>(block_size) * R;
+  float* l = vf + static_cast<size_t>(block_size) * head_dim;
+  const int first_pos = k_len - q_len + item.q_begin;  // the item's first query's position
+  for (int h = item.head_begin; h < item.head_end; ++h) {
+    for (int r0 = 0; r0 < live_rows; r0 += R) {
+      const int rows = std::min(R, live_rows - r0);
+      const int rv_count = rows > LANES ? 2 : 1;
+      const int width = rv_count * LANES;
+      // Lane r: row r0 + r = query (r0 + r) / group, head h * group + (r0 + r) % group. Padding
+      // lanes repeat the pass's last row (finite, dropped).
+      alignas(64) int32_t pos[R] = {};
+      for (int r = 0; r < width; ++r) pos[r] = first_pos + (r0 + std::min(r, rows - 1)) / group;
+      for (int r = 0; r < width; ++r) {
+        const int row = r0 + std::min(r, rows - 1);
+        const S* src = q + static_cast<int64_t>(q_start + item.q_begin + row / group) * q_stride_token +
+                       static_cast<int64_t>(h * group + row % group) * q_stride_head;
+        if constexpr (std::is_same_v<T, BF16T>) {
+#ifdef __AVX512BF16__
+          uint32_t* qp = reinterpret_cast<uint32_t*>(qt);
+          for (int dp = 0; dp < head_dim / 2; ++dp)
+            qp[static_cast<size_t>(dp) * width + r] = static_cast<uint32_t>(src[2 * dp]) |
+                                                       static_cast<uint32_t>(src[2 * dp + 1]) << 16;
+          continue;
+#endif
+        }
+        for (int d = 0; d < head_dim; ++d) qt[static_cast<size_t>(d) * width + r] = load<T>(src + d) * scale;
+      }
+      const __m512i pv[2] = {_mm512_load_si512(pos), _mm512_load_si512(pos + LANES)};
+      const int visible_end = pos[rows - 1] + 1;
+      const S* k_head = k_cache + static_cast<int64_t>(h) * head_dim;
+      const S* v_head = v_cache + static_cast<int64_t>(h) * head_dim;
+      if (rv_count == 2)
+        prefill_lanes_pass<T, 2>(qt, pv, k_head, v_head, table, token_stride, block_stride, block_size, visible_end,
+                                 head_dim, scale, ot, l, s, vf);
+      else
+        prefill_lanes_pass<T, 1>(qt, pv, k_head, v_head, table, token_stride, block_stride, block_size, visible_end,
+                                 head_dim, scale, ot, l, s, vf);
+      for (int r = 0; r < rows; ++r) {
+        const int row = r0 + r;
+        S* dst = out + static_cast<int64_t>(q_start + item.q_begin + row / group) * out_stride_token +
+                 static_cast<int64_t>(h * group + row % group) * out_stride_head;
+        const float inv = l[r] > 0.0f ? 1.0f / l[r] : 0.0f;
+        for (int d = 0; d < head_dim; ++d) store<T>(dst + d, ot[static_cast<size_t>(d) * width + r] * inv);
+      }
+    }
+  }
+}
+#endif
+
 template <typename T, int ROWS>
 void attend_item(const Item& item, const typename T::storage* q, typename T::storage* out,
                  const typename T::storage* k_cache, const typename T::storage* v_cache,
@@ -247,6 +474,16 @@ void attend_item(const Item& item, const typename T::storage* q, typename T::sto
   const int head_rows = round_up(live_rows, ROWS);
   const int rows = heads * head_rows;
   const bool transpose = head_rows >= TRANSPOSE_MIN_ROWS;
+#ifdef __AVX512F__
+  if constexpr (lanes_path<T>()) {
+    if (live_rows >= LANES && lanes_head_dim(head_dim)) {  // a prefill tile of many rows
+      attend_prefill_lanes<T>(item, q, out, k_cache, v_cache, table, q_stride_token, q_stride_head, out_stride_token,
+                              out_stride_head, q_start, q_len, k_len, group, num_kv_heads, head_dim, block_size, scale,
+                              scratch);
+      return;
+    }
+  }
+#endif
   const int width = round_up(block_size, LANES);  // a score row's stride
   const int64_t token_stride = static_cast<int64_t>(num_kv_heads) * head_dim;  // within a block
   const int64_t block_stride = token_stride * block_size;

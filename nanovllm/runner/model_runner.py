@@ -383,7 +383,8 @@ class ModelRunner:
 
     def _forward(self, step: StepMessage) -> tuple[StepInputs, torch.Tensor]:
         if step.is_prefill:
-            inputs = prefill_inputs(step, self.block_size, self.device, attend_from_cache=self.kv_quantized)
+            inputs = prefill_inputs(step, self.block_size, self.device,
+                                    attend_from_cache=self.kv_quantized or self.backend.prefill_from_cache)
         else:
             padded = self.graphs.padded_batch(step.num_seqs) if self.graphs else step.num_seqs
             inputs = self.decode_inputs.fill(step, padded, full_width=bool(self.graphs))
