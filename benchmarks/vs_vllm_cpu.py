@@ -17,8 +17,16 @@ The peers, each in its own venv outside this repo (never a dependency of nanovll
       python3.11 -m venv /work/peers/openvino && /work/peers/openvino/bin/pip install \
           torch --index-url https://download.pytorch.org/whl/cpu && \
           /work/peers/openvino/bin/pip install openvino-genai "optimum-intel[openvino]"
-- llama.cpp is not run: llama-cpp-python ships no binary wheel on PyPI (source only), and
-  building llama.cpp is out of this script's scope.
+- llama.cpp's `llama-server` (--llamacpp: a llama.cpp source tree built as its README says; PyPI
+  has no binary of it, only llama-cpp-python's source, whose vendor/llama.cpp builds the same):
+      cmake -B build -DCMAKE_BUILD_TYPE=Release -DLLAMA_CURL=OFF && cmake --build build -j --target llama-server
+  The checkpoint goes to GGUF once, by llama.cpp's own convert_hf_to_gguf.py (f32 and bf16, run
+  by --llamacpp-python, a python with its requirements-convert_hf_to_gguf.txt), and the server
+  runs as its docs show, on its defaults (flash attention "auto", continuous batching), with
+  one slot per prompt (-np), each slot the engines' context, threads on the same cores, and the
+  KV cache in the row's dtype (f32 / bf16, as OpenVINO's); float32 rows turn flash attention off,
+  the set-up in which its greedy ids are HF's (llamacpp_server_command). Prompts go as token ids to its
+  /completion endpoint, all at once (greedy, EOS ignored, no prompt cache).
 
 Two model shapes, random weights built locally (nanovllm/testing/synthetic.py), both Qwen3:
 "tiny" (issue 15's: vocab 1024, hidden 128, 4 layers, heads 4/2 of 32; 64 and 256 prompts of
@@ -43,6 +51,7 @@ only). One JSON line per run (`"benchmark": "vs_vllm_cpu"`) is printed last and 
 Usage: python benchmarks/vs_vllm_cpu.py [--models tiny real] [--mode batch|single]
            [--vllm-python /work/peers/vllm/bin/python [--no-preload]]
            [--openvino-python /work/peers/openvino/bin/python]
+           [--llamacpp LLAMA_CPP_TREE [--llamacpp-python PYTHON]]
            [--baseline-root CHECKOUT [--baseline-env KEY=VALUE ...]] [--variant NAME KEY=VALUE ...]
            [--dtypes float32 bfloat16]
            [--repeats 3] [--timed-runs 3] [--num-prompts N ...] [--note TEXT]
@@ -90,7 +99,8 @@ SEED = 0
 ISA_FLAGS = ("avx2", "avx512f", "avx512_bf16", "amx_bf16")  # what decides which kernels a CPU gets
 TCMALLOC_NAMES = ("libtcmalloc_minimal.so.4", "libtcmalloc.so.4")  # Debian's packages; vLLM's docs name either
 IOMP_NAME = "libiomp5.so"  # the intel-openmp wheel puts it in <venv>/lib
-PEERS = ("vllm", "openvino")
+PEERS = ("vllm", "openvino", "llamacpp")
+LLAMACPP_CACHE_TYPES = {"float32": "f32", "bfloat16": "bf16"}  # KV cache in the row's dtype, as OpenVINO's
 
 
 def make_prompts(num_prompts: int, seed: int, vocab_size: int, lengths: tuple[int, int]) -> list[list[int]]:
@@ -167,6 +177,66 @@ def run_openvino(job: dict) -> dict:
     info = {"version": f"openvino-genai {openvino_genai.__version__}", "openvino": ov.__version__,
             "properties": properties}
     return timed_runs(job, imports, startup, generate, info)
+
+
+def run_llamacpp(job: dict) -> dict:
+    import concurrent.futures
+    import urllib.request
+    imports = time.perf_counter() - START
+    slots = max(job["num_prompts"]) if job["mode"] == "batch" else 1
+    port = free_port()
+    command = llamacpp_server_command(job["llamacpp_server"], job["gguf"][job["dtype"]], job["dtype"], slots,
+                                      len(job["cpus"]), port)
+    url = f"http://127.0.0.1:{port}"
+    server = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        wait_healthy(server, url + "/health", timeout=120)
+        startup = time.perf_counter() - START - imports
+
+        def complete(prompt: list[int], n: int) -> list[int]:
+            body = {"prompt": prompt, "n_predict": n, "temperature": 0.0, "ignore_eos": True, "cache_prompt": False,
+                    "return_tokens": True, "stream": False}
+            request = urllib.request.Request(url + "/completion", json.dumps(body).encode(),
+                                             {"Content-Type": "application/json"})
+            with urllib.request.urlopen(request, timeout=600) as response:
+                return list(json.loads(response.read())["tokens"])
+
+        def generate(prompts: list[list[int]], n: int) -> list[list[int]]:
+            with concurrent.futures.ThreadPoolExecutor(len(prompts)) as pool:  # every request at once
+                return list(pool.map(lambda p: complete(p, n), prompts))
+
+        version = subprocess.run([job["llamacpp_server"], "--version"], capture_output=True, text=True, check=False)
+        info = {"version": "llama.cpp " + " ".join((version.stdout + version.stderr).split()[:4]),
+                "command": command}
+        return timed_runs(job, imports, startup, generate, info)
+    finally:
+        server.terminate()
+        server.wait(timeout=30)
+
+
+def free_port() -> int:
+    import socket
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def wait_healthy(server: subprocess.Popen, url: str, timeout: float) -> None:
+    """Until `url` answers 200 (the model is loaded); the server's stderr if it dies first."""
+    import urllib.error
+    import urllib.request
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if server.poll() is not None:
+            raise RuntimeError(f"llama-server exited with {server.returncode}:\n{server.stderr.read()[-4000:]}")
+        try:
+            with urllib.request.urlopen(url, timeout=5) as response:
+                if response.status == 200:
+                    return
+        except (urllib.error.URLError, ConnectionError):
+            pass
+        time.sleep(0.1)
+    raise RuntimeError(f"llama-server did not answer {url} within {timeout:.0f} s")
 
 
 def mapped_preloads() -> list[str]:
@@ -267,7 +337,7 @@ def process_tree_cpu_s() -> float:
     return total
 
 
-WORKERS = {"nanovllm": run_nanovllm, "vllm": run_vllm, "openvino": run_openvino}
+WORKERS = {"nanovllm": run_nanovllm, "vllm": run_vllm, "openvino": run_openvino, "llamacpp": run_llamacpp}
 
 
 # --- the host and the peers' set-up (pure functions; tests/test_vs_vllm_cpu.py) ------------------
@@ -306,6 +376,35 @@ def parse_cpus(text: str) -> list[int]:
             raise ValueError(f"--cpus={text!r}: expected cores like 0-3,6")
         cpus += range(int(low), int(high or low) + 1)
     return sorted(set(cpus))
+
+
+def llamacpp_server_command(server: str, gguf: str, dtype: str, slots: int, threads: int, port: int) -> list[str]:
+    """llama-server as its docs run it, on its defaults but for: one slot per prompt, each slot
+    MAX_MODEL_LEN of context (-c is shared among the slots), the same cores' worth of threads, the
+    KV cache in the row's dtype, an HTTP thread per slot (a slot's request holds its thread while
+    it generates), loopback only, and for float32 rows flash attention off: its CPU flash
+    attention is not float32-exact (greedy ids left HF's within 2-21 tokens, 2026-11-26), while
+    with it off they are HF's, and its decode speed is the same either way (llama-bench tg128:
+    163 vs 167 tok/s, docs/BENCHMARKS.md)."""
+    cache = LLAMACPP_CACHE_TYPES[dtype]
+    exact = ["-fa", "off"] if dtype == "float32" else []
+    return [server, "-m", gguf, "--host", "127.0.0.1", "--port", str(port), "-np", str(slots),
+            "-c", str(slots * MAX_MODEL_LEN), "-t", str(threads), "-tb", str(threads), "-ctk", cache, "-ctv", cache,
+            *exact, "--threads-http", str(slots + 2), "--no-webui"]
+
+
+def gguf_convert_command(llamacpp_python: str, llamacpp: str, checkpoint: str, outtype: str, outfile: str) -> list[str]:
+    """llama.cpp's convert_hf_to_gguf.py on our checkpoint. Our test tokenizer is not one llama.cpp
+    knows, so its pre-tokenizer check is answered "qwen2" (the prompts reach the server as token
+    ids; its text rules never apply)."""
+    code = ("import runpy, sys\n"
+            f"sys.path[:0] = [{llamacpp!r}, {os.path.join(llamacpp, 'gguf-py')!r}]\n"
+            "from conversion import base\n"
+            "base.TextModel.get_vocab_base_pre = lambda self, tokenizer: 'qwen2'\n"
+            f"sys.argv = [{os.path.join(llamacpp, 'convert_hf_to_gguf.py')!r}, {checkpoint!r}, '--outtype', {outtype!r}, "
+            f"'--outfile', {outfile!r}]\n"
+            "runpy.run_path(sys.argv[0], run_name='__main__')\n")
+    return [llamacpp_python, "-c", code]
 
 
 class PreloadMissing(RuntimeError):
@@ -382,6 +481,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="batch: throughput at --num-prompts; single: one prompt, batch 1, TTFT and TPOT")
     parser.add_argument("--vllm-python", help="python of a venv with vllm-cpu; without it vLLM does not run")
     parser.add_argument("--openvino-python", help="python of a venv with openvino-genai and optimum-intel")
+    parser.add_argument("--llamacpp", help="a built llama.cpp source tree (build/bin/llama-server); "
+                        "without it llama.cpp does not run")
+    parser.add_argument("--llamacpp-python", default=sys.executable,
+                        help="python with llama.cpp's converter requirements (default: this one)")
     parser.add_argument("--no-preload", action="store_true",
                         help="run vLLM without its documented tcmalloc + libiomp5 LD_PRELOAD")
     parser.add_argument("--cpus", type=parse_cpus, default=sorted(os.sched_getaffinity(0)),
@@ -416,6 +519,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if args.repeats < 1 or args.timed_runs < 1 or any(n < 1 for n in args.num_prompts or []):
         parser.error("--repeats, --timed-runs and --num-prompts must be >= 1")
     check_variants(parser, args.variant, ["nanovllm", "baseline", *PEERS])
+    if args.llamacpp and not os.access(llamacpp_server(args.llamacpp), os.X_OK):
+        parser.error(f"--llamacpp {args.llamacpp}: no {llamacpp_server(args.llamacpp)}; build it first "
+                     "(cmake -B build && cmake --build build --target llama-server)")
     if args.no_preload and not args.vllm_python:
         parser.error("--no-preload is about vLLM's set-up; it needs --vllm-python")
     for name in ("nanovllm_config",):
@@ -453,6 +559,27 @@ def convert_for_openvino(openvino_python: str, checkpoint: str) -> tuple[str, fl
         raise RuntimeError(f"optimum-cli export openvino failed (exit {result.returncode}):\n{result.stderr[-4000:]}")
     os.replace(path + ".partial", path)
     return path, time.perf_counter() - start
+
+
+def llamacpp_server(llamacpp: str) -> str:
+    return os.path.join(llamacpp, "build", "bin", "llama-server")
+
+
+def convert_for_llamacpp(args: argparse.Namespace, checkpoint: str) -> tuple[dict[str, str], float]:
+    """The checkpoint as GGUF in each dtype the run needs, built once next to it; their paths
+    by dtype and the seconds the conversions took (0 when cached)."""
+    paths, start = {}, time.perf_counter()
+    for dtype in args.dtypes:
+        outtype = LLAMACPP_CACHE_TYPES[dtype]
+        path = paths[dtype] = f"{checkpoint}-{outtype}.gguf"
+        if os.path.isfile(path):
+            continue
+        result = subprocess.run(gguf_convert_command(args.llamacpp_python, args.llamacpp, checkpoint, outtype,
+                                                     path + ".partial"), capture_output=True, text=True, check=False)
+        if result.returncode != 0:
+            raise RuntimeError(f"convert_hf_to_gguf.py failed (exit {result.returncode}):\n{result.stderr[-4000:]}")
+        os.replace(path + ".partial", path)
+    return paths, time.perf_counter() - start
 
 
 class Engine(NamedTuple):
@@ -515,6 +642,11 @@ def make_engines(args: argparse.Namespace) -> tuple[list[Engine], dict]:
         engines.append(Engine("openvino", "openvino", args.openvino_python, {}))
         setup["openvino"] = {"pipeline": "ContinuousBatchingPipeline",
                              "precision": "INFERENCE_PRECISION_HINT and KV_CACHE_PRECISION = the row's dtype"}
+    if args.llamacpp:
+        engines.append(Engine("llamacpp", "llamacpp", sys.executable, {}))
+        setup["llamacpp"] = {"server": llamacpp_server(args.llamacpp), "commit": commit_of(args.llamacpp),
+                             "set-up": "llama-server's defaults (flash attention auto, continuous batching; off "
+                                       "for float32 rows); one slot per prompt; KV cache in the row's dtype"}
     return engines, setup
 
 
@@ -546,6 +678,10 @@ def main() -> None:
         if args.openvino_python:
             job_base["openvino_model"], convert_s = convert_for_openvino(args.openvino_python, checkpoint)
             setup["openvino"]["convert_s"] = round(convert_s, 1)
+        if args.llamacpp:
+            job_base["gguf"], convert_s = convert_for_llamacpp(args, checkpoint)
+            job_base["llamacpp_server"] = llamacpp_server(args.llamacpp)
+            setup["llamacpp"]["convert_s"] = round(convert_s, 1)
         results = run_alternating(args, engines, job_base)
         settings = summarize_settings(args.dtypes, job_base["num_prompts"] if args.mode == "batch" else [1],
                                       engines, results)

@@ -205,6 +205,7 @@ def test_llamacpp_server_command(bench):
     assert "-fa" not in flags and "--flash-attn" not in flags  # its default, as its users run it
     float32 = bench.llamacpp_server_command("s", "m", "float32", 1, 2, 1)
     assert float32[float32.index("-ctk") + 1] == "f32"
+    assert float32[float32.index("-fa") + 1] == "off"  # the float32-exact set-up
 
 
 def test_gguf_conversion_answers_the_pre_tokenizer_check_and_passes_the_arguments(bench, tmp_path):
