@@ -188,9 +188,11 @@ def run_llamacpp(job: dict) -> dict:
     command = llamacpp_server_command(job["llamacpp_server"], job["gguf"][job["dtype"]], job["dtype"], slots,
                                       len(job["cpus"]), port)
     url = f"http://127.0.0.1:{port}"
-    server = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    # Its log goes to a file: a pipe nobody reads fills up and stops the server mid-batch.
+    log = tempfile.NamedTemporaryFile("w+", prefix="llama-server-", suffix=".log")
+    server = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, text=True)
     try:
-        wait_healthy(server, url + "/health", timeout=120)
+        wait_healthy(server, log, url + "/health", timeout=120)
         startup = time.perf_counter() - START - imports
 
         def complete(prompt: list[int], n: int) -> list[int]:
@@ -212,6 +214,7 @@ def run_llamacpp(job: dict) -> dict:
     finally:
         server.terminate()
         server.wait(timeout=30)
+        log.close()
 
 
 def free_port() -> int:
@@ -221,14 +224,15 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def wait_healthy(server: subprocess.Popen, url: str, timeout: float) -> None:
-    """Until `url` answers 200 (the model is loaded); the server's stderr if it dies first."""
+def wait_healthy(server: subprocess.Popen, log, url: str, timeout: float) -> None:
+    """Until `url` answers 200 (the model is loaded); the end of the server's log if it dies first."""
     import urllib.error
     import urllib.request
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if server.poll() is not None:
-            raise RuntimeError(f"llama-server exited with {server.returncode}:\n{server.stderr.read()[-4000:]}")
+            log.seek(0)
+            raise RuntimeError(f"llama-server exited with {server.returncode}:\n{log.read()[-4000:]}")
         try:
             with urllib.request.urlopen(url, timeout=5) as response:
                 if response.status == 200:

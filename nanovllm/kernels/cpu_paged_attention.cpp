@@ -11,10 +11,10 @@
 // threads as torch uses in the calling thread (passed in: OpenMP's count is per thread). An item
 // holds its group of query heads for each query of its tile as rows of float32 (GQA: K/V are
 // read once for the whole group, never repeated per query head) and walks the sequence's
-// blocks once: each block's K is converted to float32 and transposed to [head_dim][tokens] so
-// that scores are vectors over the block's tokens (no horizontal sums), computed for ROWS query
-// rows at a time in registers, then an online softmax (running max and sum per row) folds the
-// block's V into float32 accumulators, again ROWS rows per V vector loaded.
+// blocks once: scores for ROWS query rows at a time in registers, then an online softmax
+// (running max and sum per row) folds the block's V into float32 accumulators, ROWS rows per V
+// vector loaded. A prefill tile of 16 or more rows (float32 or bfloat16, AVX-512) goes instead to
+// attend_prefill_lanes, which holds 16 rows in the lanes of a vector (see there).
 // Caches and queries are float32, bfloat16 or float16, the same type for both; all arithmetic
 // is float32.
 //
@@ -524,6 +524,14 @@ void attend_item(const Item& item, const typename T::storage* q, typename T::sto
   const int visible_end = k_len - q_len + item.q_end;
   const int num_blocks = (visible_end + block_size - 1) / block_size;
   const int head_bytes = head_dim * static_cast<int>(sizeof(S));
+  if (heads == num_kv_heads && num_blocks > 1) {  // the second block on its way to L2 (the loop fetches the third on)
+    const char* kp = reinterpret_cast<const char*>(k_cache + static_cast<int64_t>(table[1]) * block_stride);
+    const char* vp = reinterpret_cast<const char*>(v_cache + static_cast<int64_t>(table[1]) * block_stride);
+    for (int64_t off = 0; off < block_stride * static_cast<int64_t>(sizeof(S)); off += CACHE_LINE) {
+      __builtin_prefetch(kp + off, 0, 1);
+      __builtin_prefetch(vp + off, 0, 1);
+    }
+  }
   for (int b = 0; b < num_blocks; ++b) {
     const int first = b * block_size;
     const int n = std::min(block_size, visible_end - first);
@@ -535,9 +543,19 @@ void attend_item(const Item& item, const typename T::storage* q, typename T::sto
         const char* kp = reinterpret_cast<const char*>(k_cache + next);
         const char* vp = reinterpret_cast<const char*>(v_cache + next);
         const int64_t bytes = block_stride * static_cast<int64_t>(sizeof(S));
+        // And the block after it, K and V, to L2: decode is memory-bound (cache-resident, a bf16
+        // layer at 64 sequences takes 0.63 ms against 1.8 from memory), and the earlier request
+        // keeps more lines in flight (bf16 ~15% faster, docs/BENCHMARKS.md).
+        const bool third = b + 2 < num_blocks;
+        const char* kp2 = third ? reinterpret_cast<const char*>(k_cache + static_cast<int64_t>(table[b + 2]) * block_stride) : nullptr;
+        const char* vp2 = third ? reinterpret_cast<const char*>(v_cache + static_cast<int64_t>(table[b + 2]) * block_stride) : nullptr;
         for (int64_t off = 0; off < bytes; off += CACHE_LINE) {
           __builtin_prefetch(kp + off, 0, 3);  // K to L1, read first (float32 ~7% faster than to L2)
           __builtin_prefetch(vp + off, 0, 1);  // V to L2: both blocks would overflow L1
+          if (third) {
+            __builtin_prefetch(kp2 + off, 0, 1);
+            __builtin_prefetch(vp2 + off, 0, 1);
+          }
         }
       } else {
         for (int t = 0; t < block_size; ++t) {
