@@ -1,16 +1,18 @@
 """CPU paged attention: the torch backend (blocks gathered into tiles, then SDPA or matmuls) against
-the in-place C++ kernel (attention/cpu_backend.py), for decode and for a prefill chunk over a
-cached prefix, on issue 29's real-proportion shapes (8 query / 4 KV heads of 64, blocks of 32).
+the in-place C++ kernel (attention/cpu_backend.py), for decode, for a prefill chunk over a
+cached prefix and for fresh prompts (torch's SDPA on the contiguous K/V against the kernel reading
+them from the cache), on issue 29's real-proportion shapes (8 query / 4 KV heads of 64, blocks of 32).
 
 One step of every layer's attention (NUM_LAYERS caches, so the data comes from memory as in the
 engine), the two backends alternating round after round so that load on a shared host falls on
 both; the table gives the median and minimum over rounds of the process's CPU time per layer
 (less disturbed by other processes than wall time; with one thread it is the work done) and the
-same for wall time. The outputs are compared first.
+same for wall time. The outputs are compared first. Last, one JSON line.
 
 Usage: python benchmarks/cpu_paged_attention.py [--batch 64] [--threads 1] [--rounds 9]
 """
 import argparse
+import json
 import random
 import statistics
 import sys
@@ -28,6 +30,7 @@ from nanovllm.utils.context import AttentionMetadata  # noqa: E402
 NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE, NUM_LAYERS = 8, 4, 64, 32, 8
 MIN_CONTEXT, MAX_CONTEXT = 100, 628  # prompts of 100..500 plus up to 128 generated
 PREFIX, CHUNK = 256, 256  # the prefill case: a 256-token chunk over a 256-token cached prefix, 2 sequences
+FRESH, FRESH_SEQS = 320, 16  # the fresh case: 16 prompts of 320 tokens, no cached prefix
 
 
 def paged(lengths: list[int], dtype: torch.dtype, gen: torch.Generator):
@@ -51,6 +54,20 @@ def case(mode: str, batch: int, dtype: torch.dtype):
         meta = lambda: AttentionMetadata(False, torch.zeros(batch, dtype=torch.long), block_tables=tables,
                                          context_lens=torch.tensor(lengths, dtype=torch.int32))
         return meta, lambda backend, m: [backend.decode(q, kc, vc, m, HEAD_DIM ** -0.5) for kc, vc in caches]
+    if mode == "fresh":  # torch attends the contiguous K/V with SDPA; the kernel reads the same from the cache
+        caches, tables = paged([FRESH] * FRESH_SEQS, dtype, gen)
+        rows = FRESH * FRESH_SEQS
+        slots = (tables.long().unsqueeze(-1) * BLOCK_SIZE + torch.arange(BLOCK_SIZE)).flatten(1)[:, :FRESH].flatten()
+        kv = [tuple(c.view(-1, NUM_KV_HEADS, HEAD_DIM)[slots] for c in layer) for layer in caches]
+        q = torch.randn(rows, NUM_HEADS, HEAD_DIM, generator=gen).to(dtype)
+        cu = torch.arange(0, rows + 1, FRESH, dtype=torch.int32)
+        meta = lambda paged_tables: AttentionMetadata(True, torch.zeros(rows, dtype=torch.long), cu_seqlens_q=cu,
+                                                      cu_seqlens_k=cu, max_seqlen_q=FRESH, max_seqlen_k=FRESH,
+                                                      block_tables=paged_tables, seqlens_q=[FRESH] * FRESH_SEQS,
+                                                      seqlens_k=[FRESH] * FRESH_SEQS)
+        return lambda: None, lambda backend, _: [
+            backend.prefill(q, k, v, kc, vc, meta(tables if backend.prefill_from_cache else None), HEAD_DIM ** -0.5)
+            for (kc, vc), (k, v) in zip(caches, kv)]
     total = PREFIX + CHUNK
     caches, tables = paged([total, total], dtype, gen)
     q = torch.randn(2 * CHUNK, NUM_HEADS, HEAD_DIM, generator=gen).to(dtype)
@@ -71,8 +88,9 @@ def main() -> None:
     kernel = cpu_build.load()
     if isinstance(kernel, str):
         sys.exit(kernel)
+    results = []
     for dtype in (torch.float32, torch.bfloat16):
-        for mode in ("decode", "prefill"):
+        for mode in ("decode", "prefill", "fresh"):
             meta, run = case(mode, args.batch, dtype)
             backends = {"torch": TorchBackend(), "kernel": CpuPagedBackend(kernel)}
             outs = {name: run(backend, meta()) for name, backend in backends.items()}
@@ -85,11 +103,17 @@ def main() -> None:
                     run(backend, m)
                     cpu[name].append((time.process_time() - c) / NUM_LAYERS * 1e3)
                     wall[name].append((time.perf_counter() - w) / NUM_LAYERS * 1e3)
-            what = f"batch {args.batch}" if mode == "decode" else f"2 x {CHUNK} over {PREFIX}"
+            what = {"decode": f"batch {args.batch}", "prefill": f"2 x {CHUNK} over {PREFIX}",
+                    "fresh": f"{FRESH_SEQS} x {FRESH}, no prefix (torch: SDPA)"}[mode]
             cells = " | ".join(f"{name}: CPU {statistics.median(cpu[name]):.2f} (min {min(cpu[name]):.2f}), wall "
                                f"{statistics.median(wall[name]):.2f} ms" for name in backends)
             print(f"{mode} {what}, {str(dtype).removeprefix('torch.')}, {args.threads} thread(s), "
                   f"max |diff| {diff:.1e}: {cells}", flush=True)
+            results.append({"mode": mode, "dtype": str(dtype).removeprefix("torch."), "max_abs_diff": diff,
+                            **{f"{name}_{what}_ms": round(statistics.median(times[name]), 3)
+                               for name in backends for what, times in (("cpu", cpu), ("wall", wall))}})
+    print(json.dumps({"benchmark": "cpu_paged_attention", "threads": args.threads, "batch": args.batch,
+                      "rounds": args.rounds, "results": results}))
 
 
 if __name__ == "__main__":
