@@ -126,7 +126,8 @@ def test_prefill_over_cached_prefix_and_mixed_rows_match_reference(kernel, dtype
     assert_matches(out, ReferenceTorchBackend().prefill(q, None, None, k_cache, v_cache, meta, scale), dtype)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+# float16 takes the kernel's general tiles (K transposed per block); the others the lanes path.
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("group", GROUPS)
 @pytest.mark.parametrize("head_dim, block_size", [(64, 16), (80, 32), (128, 64)])
 def test_prefill_tiles_of_many_rows_match_reference(kernel, dtype, group, head_dim, block_size):
