@@ -537,6 +537,7 @@ void attend_item(const Item& item, const typename T::storage* q, typename T::sto
     const int n = std::min(block_size, visible_end - first);
     const S* k_block = k_cache + static_cast<int64_t>(table[b]) * block_stride;
     const S* v_block = v_cache + static_cast<int64_t>(table[b]) * block_stride;
+    struct { const char *v, *k2, *v2; int64_t bytes; } later = {nullptr, nullptr, nullptr, 0};
     if (b + 1 < num_blocks) {  // the next block's rows of these heads, fetched while this one computes
       const int64_t next = static_cast<int64_t>(table[b + 1]) * block_stride;
       if (heads == num_kv_heads) {  // the whole block: one contiguous run of bytes
@@ -549,14 +550,20 @@ void attend_item(const Item& item, const typename T::storage* q, typename T::sto
         const bool third = b + 2 < num_blocks;
         const char* kp2 = third ? reinterpret_cast<const char*>(k_cache + static_cast<int64_t>(table[b + 2]) * block_stride) : nullptr;
         const char* vp2 = third ? reinterpret_cast<const char*>(v_cache + static_cast<int64_t>(table[b + 2]) * block_stride) : nullptr;
+        // The L2 requests (V, and the block after next): float32's all here, beside K's; with
+        // 16-bit caches spread over the block's heads instead, a slice before each head's scores
+        // (bf16 ~10% faster than all at once; float32 no faster spread).
+        const bool spread = sizeof(S) == 2;
         for (int64_t off = 0; off < bytes; off += CACHE_LINE) {
           __builtin_prefetch(kp + off, 0, 3);  // K to L1, read first (float32 ~7% faster than to L2)
+          if (spread) continue;
           __builtin_prefetch(vp + off, 0, 1);  // V to L2: both blocks would overflow L1
           if (third) {
             __builtin_prefetch(kp2 + off, 0, 1);
             __builtin_prefetch(vp2 + off, 0, 1);
           }
         }
+        if (spread) later = {vp, third ? kp2 : nullptr, third ? vp2 : nullptr, bytes};
       } else {
         for (int t = 0; t < block_size; ++t) {
           const char* kp = reinterpret_cast<const char*>(k_cache + next + t * token_stride + item.head_begin * head_dim);
@@ -569,6 +576,16 @@ void attend_item(const Item& item, const typename T::storage* q, typename T::sto
       }
     }
     for (int hl = 0; hl < heads; ++hl) {
+      if (later.v) {  // V of the next block and K, V of the one after, to L2: this head's slice
+        const int64_t lo = later.bytes * hl / heads / CACHE_LINE * CACHE_LINE, hi = later.bytes * (hl + 1) / heads;
+        for (int64_t off = lo; off < hi; off += CACHE_LINE) {
+          __builtin_prefetch(later.v + off, 0, 1);
+          if (later.k2) {
+            __builtin_prefetch(later.k2 + off, 0, 1);
+            __builtin_prefetch(later.v2 + off, 0, 1);
+          }
+        }
+      }
       const S* k = k_block + static_cast<int64_t>(item.head_begin + hl) * head_dim;
       float* sh = s + static_cast<size_t>(hl) * head_rows * width;
       const float* qh = qf + static_cast<size_t>(hl) * head_rows * head_dim;
