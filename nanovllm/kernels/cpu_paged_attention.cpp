@@ -112,10 +112,21 @@ void scores_by_dot(float* __restrict__ s, const float* __restrict__ qf, const ty
 }
 
 #ifdef __AVX512F__
-// Whether scores_by_sums takes this type and head_dim: float32 and bfloat16, whole vectors.
+// The types with explicit AVX-512 paths (decode's scores by sums and P x V, prefill's lanes):
+// float32 and bfloat16.
 template <typename T>
-constexpr bool sums_path() { return std::is_same_v<T, F32T> || std::is_same_v<T, BF16T>; }
+constexpr bool vector_type() { return std::is_same_v<T, F32T> || std::is_same_v<T, BF16T>; }
+// Whether scores_by_sums takes this head_dim: whole pairs of vectors.
 inline bool sums_head_dim(int head_dim) { return head_dim % 32 == 0; }
+// Whether bfloat16 scores are AVX512-BF16 dot products of raw bfloat16 pairs (scaled on the sums).
+template <typename T>
+constexpr bool bf16_pair_dots() {
+#ifdef __AVX512BF16__
+  return std::is_same_v<T, BF16T>;
+#else
+  return false;
+#endif
+}
 
 // accumulate_pv for float32 and bfloat16 with explicit AVX-512 vectors: each row's VECS
 // accumulators and the token's V vectors stay in registers, V widened once per token for all rows.
@@ -254,9 +265,7 @@ inline __m512 exp_nonpositive_v(__m512 x) {
   return _mm512_mask_mov_ps(_mm512_castsi512_ps(bits), under, _mm512_setzero_ps());
 }
 
-// Whether a prefill tile takes the lanes path: float32 or bfloat16, head_dim whole vectors.
-template <typename T>
-constexpr bool lanes_path() { return std::is_same_v<T, F32T> || std::is_same_v<T, BF16T>; }
+// Whether a prefill tile of a vector_type takes the lanes path: head_dim whole vectors.
 inline bool lanes_head_dim(int head_dim) { return head_dim % LANES == 0; }
 
 // One pass: R = 16 * RV rows of one KV head, their positions `pos` (lane r sees keys 0..pos[r]),
@@ -272,12 +281,7 @@ void prefill_lanes_pass(const void* qt, const __m512i* pos, const typename T::st
   constexpr int R = LANES * RV;
   constexpr int TT = LANES / RV;  // key tokens per register tile of scores (TT x RV accumulators)
   constexpr int DB = LANES / RV;  // head dims per register tile of P x V
-  constexpr bool pairs = std::is_same_v<T, BF16T>
-#ifdef __AVX512BF16__
-      && true;
-#else
-      && false;
-#endif
+  constexpr bool pairs = bf16_pair_dots<T>();
   __m512 m[RV], sum[RV];
   int min_pos = INT32_MAX;
   for (int rv = 0; rv < RV; ++rv) {
@@ -425,16 +429,14 @@ void attend_prefill_lanes(const Item& item, const typename T::storage* q, typena
         const int row = r0 + std::min(r, rows - 1);
         const S* src = q + static_cast<int64_t>(q_start + item.q_begin + row / group) * q_stride_token +
                        static_cast<int64_t>(h * group + row % group) * q_stride_head;
-        if constexpr (std::is_same_v<T, BF16T>) {
-#ifdef __AVX512BF16__
+        if constexpr (bf16_pair_dots<T>()) {
           uint32_t* qp = reinterpret_cast<uint32_t*>(qt);
           for (int dp = 0; dp < head_dim / 2; ++dp)
             qp[static_cast<size_t>(dp) * width + r] = static_cast<uint32_t>(src[2 * dp]) |
                                                        static_cast<uint32_t>(src[2 * dp + 1]) << 16;
-          continue;
-#endif
+        } else {
+          for (int d = 0; d < head_dim; ++d) qt[static_cast<size_t>(d) * width + r] = load<T>(src + d) * scale;
         }
-        for (int d = 0; d < head_dim; ++d) qt[static_cast<size_t>(d) * width + r] = load<T>(src + d) * scale;
       }
       const __m512i pv[2] = {_mm512_load_si512(pos), _mm512_load_si512(pos + LANES)};
       const int visible_end = pos[rows - 1] + 1;
@@ -475,7 +477,7 @@ void attend_item(const Item& item, const typename T::storage* q, typename T::sto
   const int rows = heads * head_rows;
   const bool transpose = head_rows >= TRANSPOSE_MIN_ROWS;
 #ifdef __AVX512F__
-  if constexpr (lanes_path<T>()) {
+  if constexpr (vector_type<T>()) {
     if (live_rows >= LANES && lanes_head_dim(head_dim)) {  // a prefill tile of many rows
       attend_prefill_lanes<T>(item, q, out, k_cache, v_cache, table, q_stride_token, q_stride_head, out_stride_token,
                               out_stride_head, q_start, q_len, k_len, group, num_kv_heads, head_dim, block_size, scale,
@@ -493,7 +495,7 @@ void attend_item(const Item& item, const typename T::storage* q, typename T::sto
   const size_t s_size = static_cast<size_t>(rows) * width;
   const size_t k_size = static_cast<size_t>(head_dim) * (transpose ? width : 1);
 #ifdef __AVX512F__
-  const bool by_sums = sums_path<T>() && !transpose && sums_head_dim(head_dim);
+  const bool by_sums = vector_type<T>() && !transpose && sums_head_dim(head_dim);
 #endif
   // bfloat16 queries as they are, for scores_by_sums's dot products (q_size halves: 16-bit each).
   const size_t qb_size = std::is_same_v<T, BF16T> ? (q_size + 1) / 2 : 0;
@@ -638,7 +640,7 @@ void attend_item(const Item& item, const typename T::storage* q, typename T::sto
       const S* v = v_block + static_cast<int64_t>(item.head_begin + r0 / head_rows) * head_dim;
       int d0 = 0;
 #ifdef __AVX512F__
-      if constexpr (sums_path<T>())
+      if constexpr (vector_type<T>())
         for (; d0 + 4 * LANES <= head_dim; d0 += 4 * LANES)
           accumulate_pv_vectors<T, ROWS, 4>(ar + d0, pr, v + d0, token_stride, n, head_dim, width);
 #endif

@@ -181,6 +181,9 @@ class ModelRunner:
         self.max_blocks_per_seq = cdiv(config.max_model_len, self.block_size)
         self.cache_dtype = config.kv_cache_torch_dtype
         self.kv_quantized = self.cache_dtype != config.dtype
+        # Every prefill reads its keys from the paged cache with a quantised cache (each query then
+        # sees the same fp8 K/V) or a backend whose paged prefill is its fastest (the CPU kernel).
+        self.prefill_from_cache = self.kv_quantized or self.backend.prefill_from_cache
         kv_scales = checkpoint_kv_scales(checkpoint_scales, named_layers, self.rank, self.world_size,
                                          self.device) if self.kv_quantized else None
         self.kv_scales_source = "checkpoint" if kv_scales is not None else "calibrated on the warm-up"
@@ -383,8 +386,7 @@ class ModelRunner:
 
     def _forward(self, step: StepMessage) -> tuple[StepInputs, torch.Tensor]:
         if step.is_prefill:
-            inputs = prefill_inputs(step, self.block_size, self.device,
-                                    attend_from_cache=self.kv_quantized or self.backend.prefill_from_cache)
+            inputs = prefill_inputs(step, self.block_size, self.device, attend_from_cache=self.prefill_from_cache)
         else:
             padded = self.graphs.padded_batch(step.num_seqs) if self.graphs else step.num_seqs
             inputs = self.decode_inputs.fill(step, padded, full_width=bool(self.graphs))
