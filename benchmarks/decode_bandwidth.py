@@ -97,6 +97,9 @@ def main() -> None:
     parser.add_argument("--iters", type=int, default=100)
     parser.add_argument("--copy-gib", type=float, default=1.0, help="size of the tensor the copy reference moves")
     args = parser.parse_args()
+    for name in ("batch", "context", "splits"):
+        if any(value < 1 for value in getattr(args, name) or []):
+            parser.error(f"--{name} {getattr(args, name)}: every value must be >= 1")
     if not torch.cuda.is_available():
         sys.exit("benchmarks/decode_bandwidth.py measures a CUDA kernel and needs a CUDA GPU; none is available")
     if os.environ.get("TRITON_INTERPRET") == "1":

@@ -487,7 +487,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--openvino-python", help="python of a venv with openvino-genai and optimum-intel")
     parser.add_argument("--llamacpp", help="a built llama.cpp source tree (build/bin/llama-server); "
                         "without it llama.cpp does not run")
-    parser.add_argument("--llamacpp-python", default=sys.executable,
+    parser.add_argument("--llamacpp-python",
                         help="python with llama.cpp's converter requirements (default: this one)")
     parser.add_argument("--no-preload", action="store_true",
                         help="run vLLM without its documented tcmalloc + libiomp5 LD_PRELOAD")
@@ -523,6 +523,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if args.repeats < 1 or args.timed_runs < 1 or any(n < 1 for n in args.num_prompts or []):
         parser.error("--repeats, --timed-runs and --num-prompts must be >= 1")
     check_variants(parser, args.variant, ["nanovllm", "baseline", *PEERS])
+    if args.llamacpp_python and not args.llamacpp:
+        parser.error("--llamacpp-python is llama.cpp's converter; it needs --llamacpp")
+    args.llamacpp_python = args.llamacpp_python or sys.executable
     if args.llamacpp and not os.access(llamacpp_server(args.llamacpp), os.X_OK):
         parser.error(f"--llamacpp {args.llamacpp}: no {llamacpp_server(args.llamacpp)}; build it first "
                      "(cmake -B build && cmake --build build --target llama-server)")

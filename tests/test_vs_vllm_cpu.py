@@ -122,6 +122,7 @@ def test_rotation_moves_the_first_engine(bench):
     (["--repeats", "0"], "must be >= 1"),
     (["--num-prompts", "0"], "must be >= 1"),
     (["--no-preload"], "needs --vllm-python"),
+    (["--llamacpp-python", "/p/bin/python"], "it needs --llamacpp"),
     (["--nanovllm-env", "NOEQUALS"], "expected KEY=VALUE"),
     (["--nanovllm-config", "kvcache_block_size=notjson"], "must be JSON"),
     (["--models", "huge"], "invalid choice"),
