@@ -23,18 +23,18 @@ def read_sequence(cache: torch.Tensor, block_table: torch.Tensor, length: int) -
     block_size = cache.size(1)
     table = block_table.tolist()
     slots = [table[t // block_size] * block_size + t % block_size for t in range(length)]
-    return cache.flatten(0, 1)[torch.tensor(slots, dtype=torch.long)]
+    return cache.flatten(0, 1)[torch.tensor(slots, dtype=torch.long, device=cache.device)]
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
     """q [Lq, Hq, D], k/v [Lk, Hkv, D] -> [Lq, Hq, D] in float64, bottom-right causal; no keys: zeros."""
     lq, num_heads, head_dim = q.shape
     lk, num_kv_heads = k.shape[:2]
-    out = torch.zeros(lq, num_heads, head_dim, dtype=torch.float64)
+    out = torch.zeros(lq, num_heads, head_dim, dtype=torch.float64, device=q.device)
     if lq == 0 or lk == 0:
         return out
-    query_pos = torch.arange(lq).unsqueeze(1) + (lk - lq)  # [Lq, 1]
-    visible = torch.arange(lk).unsqueeze(0) <= query_pos  # [Lq, Lk]
+    query_pos = torch.arange(lq, device=q.device).unsqueeze(1) + (lk - lq)  # [Lq, 1]
+    visible = torch.arange(lk, device=q.device).unsqueeze(0) <= query_pos  # [Lq, Lk]
     group = num_heads // num_kv_heads
     for h in range(num_heads):
         kh, vh = k[:, h // group].double(), v[:, h // group].double()  # [Lk, D]

@@ -12,7 +12,7 @@ import random
 import pytest
 import torch
 
-from helpers import _hf_model, random_prompts
+from helpers import _hf_model, kernel_test_device, random_prompts
 from nanovllm import LLM, SamplingParams
 from nanovllm.engine.sequence import Sequence
 from nanovllm.layers import rejection_sampler, sampler
@@ -84,15 +84,18 @@ def test_sampler_triton_race_and_verifier_apply_the_same_pipeline(seed, monkeypa
     expected = weights / weights.sum(dim=-1, keepdim=True)
     greedy_tokens = tokens[greedy]
 
-    # 2. The Triton race (fused sampler), interpreted on CPU: what the kernel is handed.
+    # 2. The Triton race (fused sampler), interpreted on CPU (or on the GPU): what the kernel is handed.
     triton_sampler = Sampler()
     triton_sampler.enable_triton()
     kernel_inputs: list = []
     kernel = triton_sampler.race_kernel
+    from nanovllm.kernels.sampling import _race_chunk_kernel
+    device = kernel_test_device(_race_chunk_kernel)
     triton_sampler.race_kernel = lambda *args, **kw: kernel_inputs.append(args) or kernel(*args, **kw)
-    t_triton = prepare_sampling(seqs, VOCAB, EOS, torch.device("cpu"), philox=True)
-    triton_tokens, _ = triton_sampler.draw(logits.clone(), t_triton)
-    race_logits, race_temperatures = kernel_inputs[0][0], kernel_inputs[0][1]
+    t_triton = prepare_sampling(seqs, VOCAB, EOS, device, philox=True)
+    triton_tokens, _ = triton_sampler.draw(logits.clone().to(device), t_triton)
+    triton_tokens = triton_tokens.cpu()
+    race_logits, race_temperatures = kernel_inputs[0][0].cpu(), kernel_inputs[0][1].cpu()
     assert torch.equal(triton_tokens[greedy], greedy_tokens)
     assert torch.equal(race_temperatures, sampled.float())  # sampled rows come already scaled and filtered
     torch.testing.assert_close(torch.softmax(race_logits[sampled], dim=-1), expected[sampled], atol=1e-6, rtol=1e-5)

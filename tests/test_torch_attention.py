@@ -319,7 +319,7 @@ def test_engine_greedy_equals_hf_and_logprobs_equal_the_oracle(qwen3_tiny, monke
 def test_engine_on_cpu_defaults_equals_hf_greedy(qwen3_tiny):
     """Nothing but the model given: block size 32, mixed steps (a long prompt's chunks beside the
     others' decode rows), the tiled decode; greedy tokens are HF's on every prompt."""
-    llm = LLM(qwen3_tiny, max_num_batched_tokens=96)
+    llm = LLM(qwen3_tiny, device="cpu", max_num_batched_tokens=96)  # "cpu": CUDA has its own defaults
     assert llm.config.kvcache_block_size == 32 and llm.config.scheduling_policy == "mixed"
     prompts = random_prompts(200, [1, 31, 32, 33, 150, 7], seed=53)
     outputs = llm.generate(prompts, greedy(), use_tqdm=False)
@@ -410,10 +410,10 @@ def test_engine_applies_cpu_threads_and_malloc_tuning(qwen3_tiny, monkeypatch):
     tuned = []
     monkeypatch.setattr(cpu, "keep_freed_memory", lambda: tuned.append(True) or True)
     try:
-        llm = LLM(qwen3_tiny, cpu_threads=1, cpu_malloc_tuning=False, num_kvcache_blocks=16)
+        llm = LLM(qwen3_tiny, device="cpu", cpu_threads=1, cpu_malloc_tuning=False, num_kvcache_blocks=16)
         assert torch.get_num_threads() == 1 and not tuned
         llm.exit()
-        LLM(qwen3_tiny, cpu_threads=2, num_kvcache_blocks=16).exit()
+        LLM(qwen3_tiny, device="cpu", cpu_threads=2, num_kvcache_blocks=16).exit()
         assert torch.get_num_threads() == 2 and tuned == [True]
     finally:
         torch.set_num_threads(before)

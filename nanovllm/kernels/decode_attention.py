@@ -31,8 +31,10 @@ from nanovllm.kernels.reductions import MAX, SUM, online_softmax_step
 # scratch cost more than the extra parallelism gains.
 MAX_SPLITS = 64
 # Below this many tokens a split's fixed costs (its partial write, its share of the reduce)
-# rival the K/V it reads.
-MIN_TOKENS_PER_SPLIT = 256
+# rival the K/V it reads. 64 from the graph-timed sweep on an H100 (docs/BENCHMARKS.md, fifth
+# session): batch 1 x 1024 tokens took 6.0 us in 16 splits against 8.8 us in the 4 that 256 gave;
+# no shape of batch 1-64 x context 1024/4096 was slower with 64.
+MIN_TOKENS_PER_SPLIT = 64
 # Programs per SM we aim for: two resident programs hide most of one program's load latency.
 PROGRAMS_PER_SM = 2
 # Without a GPU to ask (the CPU interpreter) the split rule pretends to have this many SMs.
