@@ -70,6 +70,22 @@ def test_silu_and_mul_matches_torch(cpu_kernels, dtype, rows, width):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+def test_silu_and_mul_vector_lanes_equal_the_element_loop(cpu_kernels, dtype):
+    """The first 16 columns of a 31-wide row go through the AVX-512 loop (where the build has it),
+    the same 15 gates and ups alone through the element loop: equal bit for bit, special values too."""
+    special = torch.tensor([0.0, -0.0, float("inf"), -float("inf"), float("nan"), 88.0, -88.0, 1e-30,
+                            -1e-30, 3.0e38, -3.0e38, 1.0, -1.0, 0.5, -20.0])
+    gate = torch.cat([special, randn(16, dtype=torch.float32, seed=5, scale=6.0)])[:31].to(dtype)
+    up = randn(31, dtype=dtype, seed=6, scale=2.0)
+    wide = cpu_kernels.silu_and_mul(torch.cat([gate, up]).unsqueeze(0))[0, :15]
+    alone = cpu_kernels.silu_and_mul(torch.cat([gate[:15], up[:15]]).unsqueeze(0))[0]
+    assert torch.equal(wide.isnan(), alone.isnan())
+    assert torch.equal(wide.nan_to_num(), alone.nan_to_num())
+    torch.testing.assert_close(alone.nan_to_num(), silu_and_mul(torch.cat([gate[:15], up[:15]]).unsqueeze(0))[0].nan_to_num(),
+                               rtol=1e-2, atol=1e-6)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("heads,kv_heads,head_dim", [(6, 2, 16), (8, 4, 64), (16, 8, 128), (3, 3, 32)])
 @pytest.mark.parametrize("tokens", [1, 5, 200])
 @pytest.mark.parametrize("with_norm", [False, True])

@@ -52,10 +52,22 @@ void rms_norm_rows(const void* x_, int64_t x_stride, const void* residual_, int6
 #pragma omp for schedule(static)
     for (int r = 0; r < rows; ++r) {
       const S* xr = x + r * x_stride;
+      int vectors = 0;  // elements the explicit AVX-512 loops take (the same operations, the same values)
+#ifdef __AVX512F__
+      if constexpr (vector_type<T>()) vectors = hidden / LANES * LANES;
+#endif
       if (residual) {
         const S* rr = residual + r * residual_stride;
         S* ro = residual_out + r * residual_out_stride;
-        for (int d = 0; d < hidden; ++d) {
+#ifdef __AVX512F__
+        if constexpr (vector_type<T>())
+          for (int d = 0; d < vectors; d += LANES) {
+            const __m512 sum = rounded16<T>(_mm512_add_ps(load16<T>(xr + d), load16<T>(rr + d)));
+            _mm512_storeu_ps(v + d, sum);
+            store16<T>(ro + d, sum);
+          }
+#endif
+        for (int d = vectors; d < hidden; ++d) {
           v[d] = rounded<T>(load<T>(xr + d) + load<T>(rr + d));
           store<T>(ro + d, v[d]);
         }
@@ -64,7 +76,14 @@ void rms_norm_rows(const void* x_, int64_t x_stride, const void* residual_, int6
       }
       const float inv = inverse_rms(v, hidden, eps);
       S* o = out + r * out_stride;
-      for (int d = 0; d < hidden; ++d) store<T>(o + d, load<T>(weight + d) * rounded<T>(v[d] * inv));
+#ifdef __AVX512F__
+      if constexpr (vector_type<T>()) {
+        const __m512 scale = _mm512_set1_ps(inv);
+        for (int d = 0; d < vectors; d += LANES)
+          store16<T>(o + d, _mm512_mul_ps(load16<T>(weight + d), rounded16<T>(_mm512_mul_ps(_mm512_loadu_ps(v + d), scale))));
+      }
+#endif
+      for (int d = vectors; d < hidden; ++d) store<T>(o + d, load<T>(weight + d) * rounded<T>(v[d] * inv));
     }
   }
 }
@@ -82,7 +101,22 @@ void silu_and_mul_rows(const void* x_, int64_t x_stride, void* out_, int64_t out
     const S* gate = x + r * x_stride;
     const S* up = gate + width;
     S* o = out + r * out_stride;
-    for (int d = 0; d < width; ++d) {
+    int d = 0;
+#ifdef __AVX512F__
+    if constexpr (vector_type<T>()) {  // the loop below on 16 lanes: the same operations, the same values
+      const __m512 one = _mm512_set1_ps(1.0f);
+      for (; d + LANES <= width; d += LANES) {
+        const __m512 g = load16<T>(gate + d);
+        const __m512 e = exp_nonpositive_v(_mm512_sub_ps(_mm512_setzero_ps(), _mm512_abs_ps(g)));
+        const __m512 den = _mm512_add_ps(one, e);
+        const __mmask16 nonnegative = _mm512_cmp_ps_mask(g, _mm512_setzero_ps(), _CMP_GE_OQ);
+        const __m512 numerator = _mm512_mask_mov_ps(_mm512_mul_ps(g, e), nonnegative, g);  // one division for both
+        const __m512 silu = _mm512_div_ps(numerator, den);
+        store16<T>(o + d, _mm512_mul_ps(rounded16<T>(silu), load16<T>(up + d)));
+      }
+    }
+#endif
+    for (; d < width; ++d) {
       const float g = load<T>(gate + d);
       const float e = exp_nonpositive(-std::fabs(g));  // exp(-g) for g >= 0, exp(g) for g < 0
       const float silu = g >= 0.0f ? g / (1.0f + e) : g * e / (1.0f + e);

@@ -102,6 +102,66 @@ inline float exp_nonpositive(float x) {
 constexpr int LANES = 16;  // floats per AVX-512 vector (two AVX2 vectors): the unit of the inner loops
 
 #ifdef __AVX512F__
+// The types with explicit AVX-512 paths (attention's scores by sums, P x V and prefill lanes; the
+// fused elementwise rows): float32 and bfloat16.
+template <typename T>
+constexpr bool vector_type() { return std::is_same_v<T, F32T> || std::is_same_v<T, BF16T>; }
+
+// 16 elements of a vector_type as float32, and back: store16 rounds as store() does (bfloat16 to
+// nearest even, NaN kept quiet), so a vector loop gives a scalar loop's values.
+template <typename T>
+inline __m512 load16(const typename T::storage* p) {
+  if constexpr (std::is_same_v<T, BF16T>)
+    return _mm512_castsi512_ps(_mm512_slli_epi32(
+        _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16));
+  else
+    return _mm512_loadu_ps(p);
+}
+
+// x's bfloat16 bits (nearest even, NaN kept quiet: as store<BF16T>), one in the low half of each 32-bit lane.
+inline __m512i bf16_bits(__m512 x) {
+  const __m512i bits = _mm512_castps_si512(x);
+  const __m512i high = _mm512_srli_epi32(bits, 16);
+  const __m512i lsb = _mm512_and_si512(high, _mm512_set1_epi32(1));
+  const __m512i r = _mm512_srli_epi32(_mm512_add_epi32(bits, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff))), 16);
+  const __mmask16 nan = _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q);
+  return _mm512_mask_mov_epi32(r, nan, _mm512_or_si512(high, _mm512_set1_epi32(0x40)));
+}
+
+template <typename T>
+inline void store16(typename T::storage* p, __m512 x) {
+  if constexpr (std::is_same_v<T, BF16T>)
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16(bf16_bits(x)));
+  else
+    _mm512_storeu_ps(p, x);
+}
+
+// rounded() on 16 lanes.
+template <typename T>
+inline __m512 rounded16(__m512 x) {
+  if constexpr (std::is_same_v<T, BF16T>)
+    return _mm512_castsi512_ps(_mm512_slli_epi32(bf16_bits(x), 16));
+  else
+    return x;
+}
+
+// Vector form of exp_nonpositive (the same operations in the same order, so the same values).
+inline __m512 exp_nonpositive_v(__m512 x) {
+  const __m512 t = _mm512_mul_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.0f)), _mm512_set1_ps(1.44269504088896341f));
+  const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m512 f = _mm512_sub_ps(t, n);
+  __m512 p = _mm512_set1_ps(1.535336188319500e-4f);
+  for (const float c : {1.339887440266574e-3f, 9.618437357674640e-3f, 5.550332471162809e-2f, 2.402264791363012e-1f,
+                        6.931472028550421e-1f, 1.0f})
+    p = _mm512_add_ps(_mm512_mul_ps(p, f), _mm512_set1_ps(c));
+  const __m512i bits = _mm512_add_epi32(_mm512_castps_si512(p), _mm512_slli_epi32(_mm512_cvtps_epi32(n), 23));
+  const __mmask16 under = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-87.0f), _CMP_LT_OQ);
+  return _mm512_mask_mov_ps(_mm512_castsi512_ps(bits), under, _mm512_setzero_ps());
+}
+
+#endif
+
+#ifdef __AVX512F__
 // Lane i of the result = the sum of v[i]'s 16 lanes: a transpose-and-add tree, 45 instructions for
 // 16 sums where 16 separate horizontal sums take ~130.
 inline __m512 sum16(const __m512* v) {

@@ -112,10 +112,6 @@ void scores_by_dot(float* __restrict__ s, const float* __restrict__ qf, const ty
 }
 
 #ifdef __AVX512F__
-// The types with explicit AVX-512 paths (decode's scores by sums and P x V, prefill's lanes):
-// float32 and bfloat16.
-template <typename T>
-constexpr bool vector_type() { return std::is_same_v<T, F32T> || std::is_same_v<T, BF16T>; }
 // Whether scores_by_sums takes this head_dim: whole pairs of vectors.
 inline bool sums_head_dim(int head_dim) { return head_dim % 32 == 0; }
 // Whether bfloat16 scores are AVX512-BF16 dot products of raw bfloat16 pairs (scaled on the sums).
@@ -250,20 +246,6 @@ void scores_transposed(float* __restrict__ s, const float* __restrict__ qf, cons
 // transposition, no horizontal sums), the softmax's max and sum run down a block's tokens, and
 // P x V broadcasts each V element to 16 rows' FMAs. bfloat16 scores are AVX512-BF16 dot products
 // of raw bfloat16 pairs (as decode's: products exact in float32, scaled on the sums).
-
-// Vector form of exp_nonpositive (the same operations in the same order, so the same values).
-inline __m512 exp_nonpositive_v(__m512 x) {
-  const __m512 t = _mm512_mul_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.0f)), _mm512_set1_ps(1.44269504088896341f));
-  const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  const __m512 f = _mm512_sub_ps(t, n);
-  __m512 p = _mm512_set1_ps(1.535336188319500e-4f);
-  for (const float c : {1.339887440266574e-3f, 9.618437357674640e-3f, 5.550332471162809e-2f, 2.402264791363012e-1f,
-                        6.931472028550421e-1f, 1.0f})
-    p = _mm512_add_ps(_mm512_mul_ps(p, f), _mm512_set1_ps(c));
-  const __m512i bits = _mm512_add_epi32(_mm512_castps_si512(p), _mm512_slli_epi32(_mm512_cvtps_epi32(n), 23));
-  const __mmask16 under = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-87.0f), _CMP_LT_OQ);
-  return _mm512_mask_mov_ps(_mm512_castsi512_ps(bits), under, _mm512_setzero_ps());
-}
 
 // Whether a prefill tile of a vector_type takes the lanes path: head_dim whole vectors.
 inline bool lanes_head_dim(int head_dim) { return head_dim % LANES == 0; }
