@@ -92,9 +92,10 @@ def assert_matches(out: torch.Tensor, expected: torch.Tensor, dtype: torch.dtype
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("group", GROUPS)
-# 64 and 128 as real models have them; 16, 80 and 96 for the kernel's other paths (decode scores are
-# summed 16 tokens at a time where head_dim is a multiple of 32, else one dot product per token).
-@pytest.mark.parametrize("head_dim", [16, 64, 80, 96, 128])
+# 64 and 128 as real models have them; 16, 32, 80 and 96 for the kernel's other paths (decode scores
+# are summed 16 tokens at a time where head_dim is a multiple of 32, else one dot product per token;
+# P x V takes 64 columns a pass, then 32).
+@pytest.mark.parametrize("head_dim", [16, 32, 64, 80, 96, 128])
 @pytest.mark.parametrize("block_size", [16, 32])
 def test_decode_matches_reference(kernel, dtype, group, head_dim, block_size):
     gen = torch.Generator().manual_seed(group * 1000 + head_dim + block_size)

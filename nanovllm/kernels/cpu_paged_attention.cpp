@@ -661,9 +661,12 @@ void attend_item(const Item& item, const typename T::storage* q, typename T::sto
       const S* v = v_block + static_cast<int64_t>(item.head_begin + r0 / head_rows) * head_dim;
       int d0 = 0;
 #ifdef __AVX512F__
-      if constexpr (vector_type<T>())
+      if constexpr (vector_type<T>()) {
         for (; d0 + 4 * LANES <= head_dim; d0 += 4 * LANES)
           accumulate_pv_vectors<T, ROWS, 4>(ar + d0, pr, v + d0, token_stride, n, head_dim, width, &ahead);
+        for (; d0 + 2 * LANES <= head_dim; d0 += 2 * LANES)  // head_dim 32, or the rest of 96
+          accumulate_pv_vectors<T, ROWS, 2>(ar + d0, pr, v + d0, token_stride, n, head_dim, width, &ahead);
+      }
 #endif
       for (; d0 + 4 * LANES <= head_dim; d0 += 4 * LANES)
         accumulate_pv<T, ROWS, 4 * LANES>(ar + d0, pr, v + d0, token_stride, n, head_dim, width);
