@@ -35,16 +35,26 @@ template <> inline float load<F32T>(const float* p) { return *p; }
 template <> inline float load<F16T>(const _Float16* p) { return static_cast<float>(*p); }
 template <> inline float load<BF16T>(const uint16_t* p) { return bf16_to_float(*p); }
 
+#ifdef __AVX512F__
+// 16 elements of float32 or bfloat16 (widened) as a float32 vector; store16 below is the way back.
+template <typename T>
+inline __m512 load16(const typename T::storage* p) {
+  if constexpr (std::is_same_v<T, BF16T>)
+    return _mm512_castsi512_ps(_mm512_slli_epi32(
+        _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16));
+  else
+    return _mm512_loadu_ps(p);
+}
+
+#endif
+
 // dst[0:n] = src[0:n] as float32, n a multiple of LANES. bfloat16 by explicit AVX-512 widening
 // where the compiler has it (its auto-vectorised memcpy form runs several times slower).
 template <typename T>
 inline void load_row(const typename T::storage* __restrict__ src, float* __restrict__ dst, int n) {
 #ifdef __AVX512F__
   if constexpr (std::is_same_v<T, BF16T>) {
-    for (int j = 0; j < n; j += 16) {
-      const __m256i half = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + j));
-      _mm512_storeu_ps(dst + j, _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(half), 16)));
-    }
+    for (int j = 0; j < n; j += 16) _mm512_storeu_ps(dst + j, load16<T>(src + j));
     return;
   }
 #endif
@@ -107,18 +117,8 @@ constexpr int LANES = 16;  // floats per AVX-512 vector (two AVX2 vectors): the 
 template <typename T>
 constexpr bool vector_type() { return std::is_same_v<T, F32T> || std::is_same_v<T, BF16T>; }
 
-// 16 elements of a vector_type as float32, and back: store16 rounds as store() does (bfloat16 to
-// nearest even, NaN kept quiet), so a vector loop gives a scalar loop's values.
-template <typename T>
-inline __m512 load16(const typename T::storage* p) {
-  if constexpr (std::is_same_v<T, BF16T>)
-    return _mm512_castsi512_ps(_mm512_slli_epi32(
-        _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16));
-  else
-    return _mm512_loadu_ps(p);
-}
-
-// x's bfloat16 bits (nearest even, NaN kept quiet: as store<BF16T>), one in the low half of each 32-bit lane.
+// x's bfloat16 bits (nearest even, NaN kept quiet: as store<BF16T>), one in the low half of each
+// 32-bit lane. store16 and rounded16 round through it, so a vector loop gives a scalar loop's values.
 inline __m512i bf16_bits(__m512 x) {
   const __m512i bits = _mm512_castps_si512(x);
   const __m512i high = _mm512_srli_epi32(bits, 16);

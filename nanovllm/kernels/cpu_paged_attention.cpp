@@ -38,7 +38,8 @@ constexpr int MAX_ROWS = 4;
 constexpr int CACHE_LINE = 64;  // bytes per prefetch
 // Lines Ahead::step() requests per 16-bit element's worth of cache (float32 twice as many): the
 // loops step ~256 times a 32-token block, and its K, V and the next block's K and V must all be
-// asked for by its end (decode, 64 sequences, bf16 1.5 -> 1.25 ms a layer, float32 2.7 -> 2.3).
+// asked for by its end (decode, 64 sequences: bf16 ~5-20%, float32 ~12-15% faster than bursts,
+// docs/BENCHMARKS.md "Fifth 2026-11-26 session"; 1 line left most to the end, 4 ran slower).
 constexpr int AHEAD_LINES_PER_STEP = 2;
 // A head's rows (queries x group, padded to ROWS) from which the block's K is transposed to
 // [head_dim][tokens] so scores are vectors over tokens (no horizontal sums); fewer rows (decode)
@@ -65,7 +66,7 @@ struct Ahead {
   const char* l2[3] = {nullptr, nullptr, nullptr};
   int64_t l2_off = 0, l2_bytes = 0;
 
-  int lines_per_step = 2;
+  int lines_per_step = AHEAD_LINES_PER_STEP;  // attend_item scales it by the element size
 
   inline void step() {
     for (int i = 0; i < lines_per_step; ++i) {
@@ -172,14 +173,7 @@ inline void accumulate_pv_vectors(float* __restrict__ acc, const float* __restri
     if (ahead) ahead->step();
     const typename T::storage* vt = v + t * token_stride;
     __m512 vv[VECS];
-    for (int j = 0; j < VECS; ++j) {
-      if constexpr (std::is_same_v<T, F32T>) {
-        vv[j] = _mm512_loadu_ps(vt + j * LANES);
-      } else {
-        const __m256i half = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(vt + j * LANES));
-        vv[j] = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(half), 16));
-      }
-    }
+    for (int j = 0; j < VECS; ++j) vv[j] = load16<T>(vt + j * LANES);
     for (int i = 0; i < ROWS; ++i) {
       const __m512 pi = _mm512_set1_ps(p[static_cast<size_t>(i) * p_stride + t]);
       for (int j = 0; j < VECS; ++j) a[i][j] = _mm512_fmadd_ps(pi, vv[j], a[i][j]);
@@ -204,11 +198,7 @@ inline __m512 dot_lanes(const float* __restrict__ qf, const uint16_t* __restrict
     for (int d = 0; d < head_dim; d += 2 * LANES)
       acc = _mm512_dpbf16_ps(acc, (__m512bh)_mm512_loadu_si512(qb + d), (__m512bh)_mm512_loadu_si512(kp + d));
 #else
-    for (int d = 0; d < head_dim; d += LANES) {
-      const __m256i half = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(kp + d));
-      const __m512 kd = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(half), 16));
-      acc = _mm512_fmadd_ps(_mm512_loadu_ps(qf + d), kd, acc);
-    }
+    for (int d = 0; d < head_dim; d += LANES) acc = _mm512_fmadd_ps(_mm512_loadu_ps(qf + d), load16<T>(kp + d), acc);
 #endif
   }
   return acc;
@@ -562,7 +552,7 @@ void attend_item(const Item& item, const typename T::storage* q, typename T::sto
     const int n = std::min(block_size, visible_end - first);
     const S* k_block = k_cache + static_cast<int64_t>(table[b]) * block_stride;
     const S* v_block = v_cache + static_cast<int64_t>(table[b]) * block_stride;
-    Ahead ahead;  // 16-bit caches: the blocks to come, fetched from inside the loops below
+    Ahead ahead;  // the blocks to come, fetched from inside the loops below (where steps_ahead)
     if (b + 1 < num_blocks) {  // the next block's rows of these heads, fetched while this one computes
       const int64_t next = static_cast<int64_t>(table[b + 1]) * block_stride;
       if (heads == num_kv_heads) {  // the whole block: one contiguous run of bytes
