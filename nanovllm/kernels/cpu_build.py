@@ -209,12 +209,12 @@ def compiler() -> str | None:
     return None
 
 
-def _cache_key(cxx: str) -> str:
+def _cache_key(cxx: str, extra_flags: tuple[str, ...] = ()) -> str:
     """Changes when anything that shapes the binary does: source, flags, compiler, CPU features."""
     digest = hashlib.sha256()
     for path in (*SOURCES, *HEADERS):
         digest.update(path.read_bytes())
-    digest.update(" ".join(CXX_FLAGS).encode())
+    digest.update(" ".join((*CXX_FLAGS, *extra_flags)).encode())
     version = subprocess.run([cxx, "--version"], capture_output=True, text=True, timeout=30).stdout
     digest.update(version.encode())
     try:
@@ -226,14 +226,15 @@ def _cache_key(cxx: str) -> str:
     return digest.hexdigest()[:16]
 
 
-def build(directory: Path | None = None) -> Path:
+def build(directory: Path | None = None, extra_flags: tuple[str, ...] = ()) -> Path:
     """Compile the library into `directory` (default: the cache) unless it is there already;
-    returns its path. Raises RuntimeError saying why when it cannot."""
+    returns its path. `extra_flags` come after CXX_FLAGS (e.g. "-march=x86-64-v3": the build an
+    AVX2-only CPU gets, which the tests run here too). Raises RuntimeError saying why when it cannot."""
     cxx = compiler()
     if cxx is None:
         raise RuntimeError("no C++ compiler found (set CXX, or install g++)")
     directory = directory or cache_dir() / "cpu_kernels"
-    path = directory / f"paged_attention-{_cache_key(cxx)}.so"
+    path = directory / f"paged_attention-{_cache_key(cxx, extra_flags)}.so"
     if path.exists():
         return path
     directory.mkdir(parents=True, exist_ok=True)
@@ -241,7 +242,7 @@ def build(directory: Path | None = None) -> Path:
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=directory)
     os.close(fd)
     try:
-        result = subprocess.run([cxx, *CXX_FLAGS, *map(str, SOURCES), "-o", tmp], capture_output=True, text=True,
+        result = subprocess.run([cxx, *CXX_FLAGS, *extra_flags, *map(str, SOURCES), "-o", tmp], capture_output=True, text=True,
                                 timeout=BUILD_TIMEOUT_S)
         if result.returncode != 0:
             raise RuntimeError(f"{cxx} failed ({result.returncode}): {result.stderr.strip()[-2000:]}")

@@ -23,6 +23,7 @@
 //
 // No torch headers: the library is plain C with an ABI of pointers and integers, built by
 // nanovllm/kernels/cpu_build.py with g++ in about a second and loaded with ctypes.
+#include <utility>
 #include <vector>
 
 #include "cpu_kernels.h"
@@ -162,6 +163,9 @@ constexpr bool bf16_pair_dots() {
 
 // accumulate_pv for float32 and bfloat16 with explicit AVX-512 vectors: each row's VECS
 // accumulators and the token's V vectors stay in registers, V widened once per token for all rows.
+// bfloat16 V is widened 32 elements at a time by a shift (the even ones) and a mask (the odd ones),
+// two plain operations where widening in order takes two shuffles more: the accumulators hold
+// each 32 columns as their 16 even then their 16 odd ones (pv_position maps them back).
 template <typename T, int ROWS, int VECS>
 inline void accumulate_pv_vectors(float* __restrict__ acc, const float* __restrict__ p,
                                   const typename T::storage* __restrict__ v, int64_t token_stride, int n,
@@ -173,7 +177,15 @@ inline void accumulate_pv_vectors(float* __restrict__ acc, const float* __restri
     if (ahead) ahead->step();
     const typename T::storage* vt = v + t * token_stride;
     __m512 vv[VECS];
-    for (int j = 0; j < VECS; ++j) vv[j] = load16<T>(vt + j * LANES);
+    if constexpr (std::is_same_v<T, BF16T>) {  // 32 elements a load: even ones, then odd ones (see pv_position)
+      for (int j = 0; j < VECS; j += 2) {
+        const __m512i w = _mm512_loadu_si512(vt + j * LANES);
+        vv[j] = _mm512_castsi512_ps(_mm512_slli_epi32(w, 16));
+        vv[j + 1] = _mm512_castsi512_ps(_mm512_and_si512(w, _mm512_set1_epi32(static_cast<int>(0xffff0000u))));
+      }
+    } else {
+      for (int j = 0; j < VECS; ++j) vv[j] = load16<T>(vt + j * LANES);
+    }
     for (int i = 0; i < ROWS; ++i) {
       const __m512 pi = _mm512_set1_ps(p[static_cast<size_t>(i) * p_stride + t]);
       for (int j = 0; j < VECS; ++j) a[i][j] = _mm512_fmadd_ps(pi, vv[j], a[i][j]);
@@ -186,28 +198,33 @@ inline void accumulate_pv_vectors(float* __restrict__ acc, const float* __restri
 // One query row's products with one key row, summed to 16 lanes (not yet across them). float32:
 // FMAs; bfloat16: pairwise dot products on the raw bfloat16 (qb, unscaled: products are exact in
 // float32, the scale is applied to the sums) with AVX512-BF16, else K widened to float32 for FMAs
-// with qf (scaled).
-template <typename T>
+// with qf (scaled). HD: head_dim when known at compile time (0: the runtime value), so the loop
+// unrolls; two accumulators halve the chain of dependent FMAs (decode, bf16: ~17% less compute
+// with the data in cache, docs/BENCHMARKS.md "Sixth 2026-11-26 session").
+template <typename T, int HD>
 inline __m512 dot_lanes(const float* __restrict__ qf, const uint16_t* __restrict__ qb,
-                        const typename T::storage* __restrict__ kp, int head_dim) {
-  __m512 acc = _mm512_setzero_ps();
+                        const typename T::storage* __restrict__ kp, int runtime_head_dim) {
+  const int head_dim = HD > 0 ? HD : runtime_head_dim;
+  __m512 acc[2] = {_mm512_setzero_ps(), _mm512_setzero_ps()};  // two chains: half the FMA latency
   if constexpr (std::is_same_v<T, F32T>) {
-    for (int d = 0; d < head_dim; d += LANES) acc = _mm512_fmadd_ps(_mm512_loadu_ps(qf + d), _mm512_loadu_ps(kp + d), acc);
+    for (int d = 0, c = 0; d < head_dim; d += LANES, c ^= 1)
+      acc[c] = _mm512_fmadd_ps(_mm512_loadu_ps(qf + d), _mm512_loadu_ps(kp + d), acc[c]);
   } else {
 #ifdef __AVX512BF16__
-    for (int d = 0; d < head_dim; d += 2 * LANES)
-      acc = _mm512_dpbf16_ps(acc, (__m512bh)_mm512_loadu_si512(qb + d), (__m512bh)_mm512_loadu_si512(kp + d));
+    for (int d = 0, c = 0; d < head_dim; d += 2 * LANES, c ^= 1)
+      acc[c] = _mm512_dpbf16_ps(acc[c], (__m512bh)_mm512_loadu_si512(qb + d), (__m512bh)_mm512_loadu_si512(kp + d));
 #else
-    for (int d = 0; d < head_dim; d += LANES) acc = _mm512_fmadd_ps(_mm512_loadu_ps(qf + d), load16<T>(kp + d), acc);
+    for (int d = 0, c = 0; d < head_dim; d += LANES, c ^= 1)
+      acc[c] = _mm512_fmadd_ps(_mm512_loadu_ps(qf + d), load16<T>(kp + d), acc[c]);
 #endif
   }
-  return acc;
+  return _mm512_add_ps(acc[0], acc[1]);
 }
 
 // scores_by_dot's result for the few-row (decode) case, 16 / ROWS tokens at a time: each (row,
 // token) product left as 16 lanes, the 16 of a pass summed together by sum16 and stored as
-// vectors. Tokens past n repeat the last one (their scores are never read).
-template <typename T, int ROWS>
+// vectors. Tokens past n repeat the last one (their scores are never read). HD as dot_lanes's.
+template <typename T, int ROWS, int HD>
 void scores_by_sums(float* __restrict__ s, const float* __restrict__ qf, const uint16_t* __restrict__ qb,
                     const typename T::storage* __restrict__ k, int64_t token_stride, int n, int rows, int head_dim,
                     int width, float scale, Ahead* ahead = nullptr) {
@@ -225,7 +242,7 @@ void scores_by_sums(float* __restrict__ s, const float* __restrict__ qf, const u
       for (int j = 0; j < TOKENS; ++j) {
         const typename T::storage* kp = k + std::min(t0 + j, n - 1) * token_stride;
         for (int i = 0; i < ROWS; ++i)
-          lanes[i * TOKENS + j] = dot_lanes<T>(qf + static_cast<size_t>(r0 + i) * head_dim,
+          lanes[i * TOKENS + j] = dot_lanes<T, HD>(qf + static_cast<size_t>(r0 + i) * head_dim,
                                                qb + static_cast<size_t>(r0 + i) * head_dim, kp, head_dim);
       }
       const __m512 sums = _mm512_mul_ps(sum16(lanes), factor);
@@ -470,6 +487,58 @@ void attend_prefill_lanes(const Item& item, const typename T::storage* q, typena
 }
 #endif
 
+// One row's block of the online softmax: with its running max m, scores sr[0..nv) become
+// exp(score - new max) and sr[nv..n) zeros; returns (new max, the weights' sum). sr has room for n
+// rounded up to whole vectors (the scratch's row width).
+inline std::pair<float, float> softmax_weights(float* __restrict__ sr, int nv, int n, float m) {
+#ifdef __AVX512F__
+  auto first = [](int count) {  // the lanes of the first `count` (clamped to 0..16)
+    return count >= LANES ? static_cast<__mmask16>(0xffff) : count <= 0 ? static_cast<__mmask16>(0)
+                                                                     : static_cast<__mmask16>((1u << count) - 1);
+  };
+  __m512 vmax = _mm512_set1_ps(-INFINITY);
+  for (int t = 0; t < nv; t += LANES) vmax = _mm512_mask_max_ps(vmax, first(nv - t), vmax, _mm512_loadu_ps(sr + t));
+  const float new_max = std::max(m, _mm512_reduce_max_ps(vmax));
+  const __m512 shift = _mm512_set1_ps(new_max);
+  __m512 vsum = _mm512_setzero_ps();
+  for (int t = 0; t < n; t += LANES) {
+    const __mmask16 live = first(nv - t);
+    const __m512 w = _mm512_maskz_mov_ps(live, exp_nonpositive_v(_mm512_sub_ps(_mm512_maskz_loadu_ps(live, sr + t), shift)));
+    vsum = _mm512_add_ps(vsum, w);
+    _mm512_mask_storeu_ps(sr + t, first(n - t), w);
+  }
+  return {new_max, _mm512_reduce_add_ps(vsum)};
+#else
+  float block_max = sr[0];
+#pragma omp simd reduction(max : block_max)
+  for (int t = 1; t < nv; ++t) block_max = std::max(block_max, sr[t]);
+  const float new_max = std::max(m, block_max);
+  float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
+  for (int t = 0; t < nv; ++t) {
+    sr[t] = exp_nonpositive(sr[t] - new_max);
+    sum += sr[t];
+  }
+  std::fill(sr + nv, sr + n, 0.0f);
+  return {new_max, sum};
+#endif
+}
+
+// Where column d of a row's accumulator lies: bfloat16's vector P x V (head_dim's whole 32s) keeps
+// each 32 columns as evens then odds; everything else in order.
+template <typename T>
+inline int pv_position(int d, int head_dim) {
+#ifdef __AVX512F__
+  if constexpr (std::is_same_v<T, BF16T>) {
+    if (d < head_dim / (2 * LANES) * (2 * LANES)) {
+      const int within = d % (2 * LANES);
+      return d - within + (within % 2) * LANES + within / 2;
+    }
+  }
+#endif
+  return d;
+}
+
 template <typename T, int ROWS>
 void attend_item(const Item& item, const typename T::storage* q, typename T::storage* out,
                  const typename T::storage* k_cache, const typename T::storage* v_cache,
@@ -608,8 +677,12 @@ void attend_item(const Item& item, const typename T::storage* q, typename T::sto
       }
 #ifdef __AVX512F__
       if (by_sums) {
-        scores_by_sums<T, ROWS>(sh, qh, qb + static_cast<size_t>(hl) * head_rows * head_dim, k, token_stride, n,
-                                head_rows, head_dim, width, scale, &ahead);
+        const uint16_t* qbh = qb + static_cast<size_t>(hl) * head_rows * head_dim;
+        auto sums = head_dim == 64    ? scores_by_sums<T, ROWS, 64>
+                    : head_dim == 128 ? scores_by_sums<T, ROWS, 128>
+                    : head_dim == 32  ? scores_by_sums<T, ROWS, 32>
+                                      : scores_by_sums<T, ROWS, 0>;
+        sums(sh, qh, qbh, k, token_stride, n, head_rows, head_dim, width, scale, &ahead);
         continue;
       }
 #endif
@@ -625,18 +698,8 @@ void attend_item(const Item& item, const typename T::storage* q, typename T::sto
         std::fill(sr, sr + n, 0.0f);
         continue;
       }
-      float block_max = sr[0];
-#pragma omp simd reduction(max : block_max)
-      for (int t = 1; t < nv; ++t) block_max = std::max(block_max, sr[t]);
-      const float new_max = std::max(m[r], block_max);
+      const auto [new_max, sum] = softmax_weights(sr, nv, n, m[r]);
       const float correction = exp_nonpositive(m[r] - new_max);  // 0 on the first block (-inf)
-      float sum = 0.0f;
-#pragma omp simd reduction(+ : sum)
-      for (int t = 0; t < nv; ++t) {
-        sr[t] = exp_nonpositive(sr[t] - new_max);
-        sum += sr[t];
-      }
-      std::fill(sr + nv, sr + n, 0.0f);
       if (correction != 1.0f) {
         float* ar = acc + static_cast<size_t>(r) * head_dim;
 #pragma omp simd
@@ -678,7 +741,7 @@ void attend_item(const Item& item, const typename T::storage* q, typename T::sto
                  static_cast<int64_t>((item.head_begin + hl) * group + g) * out_stride_head;
         const float inv = l[r] > 0.0f ? 1.0f / l[r] : 0.0f;  // no keys: zeros
         const float* ar = acc + static_cast<size_t>(r) * head_dim;
-        for (int d = 0; d < head_dim; ++d) store<T>(dst + d, ar[d] * inv);
+        for (int d = 0; d < head_dim; ++d) store<T>(dst + d, ar[pv_position<T>(d, head_dim)] * inv);
       }
 }
 
