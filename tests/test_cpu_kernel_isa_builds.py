@@ -6,8 +6,6 @@ the native one (tests/reference_attention.py, the torch layer functions), on a c
 cases: decode and prefill (chunks over a prefix, tiles of many rows) for every dtype, head dims
 that take each path, GQA groups 1/2/4; the fused residual add + RMSNorm and SiLU-and-mul. A build
 is skipped, saying so, where this CPU lacks what it needs."""
-import ctypes
-
 import pytest
 import torch
 
@@ -26,32 +24,21 @@ ISA_BUILDS = {
 }
 
 
-def cpu_flags() -> set[str]:
-    try:
-        with open(cpu_build.CPUINFO) as f:
-            return set(next((line for line in f if line.startswith("flags")), "").split())
-    except OSError:
-        return set()
-
-
 @pytest.fixture(scope="module", params=sorted(ISA_BUILDS))
 def library(request, tmp_path_factory):
     flags, needs = ISA_BUILDS[request.param]
-    missing = needs - cpu_flags()
+    missing = needs - set((cpu_build.cpu_flags_line() or "").split())
     if missing:
         pytest.skip(f"this CPU lacks {sorted(missing)}, which the {request.param} build's code needs")
     if cpu_build.compiler() is None:
         pytest.skip("no C++ compiler here")
-    path = cpu_build.build(tmp_path_factory.mktemp(request.param), extra_flags=flags)
-    loaded = ctypes.CDLL(str(path))
-    assert loaded.nanovllm_paged_attention_abi() == cpu_build.ABI_VERSION
-    return loaded, path
+    return cpu_build.open_library(cpu_build.build(tmp_path_factory.mktemp(request.param), extra_flags=flags))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
 @pytest.mark.parametrize("head_dim", [32, 64, 80, 128])
 def test_attention_build_matches_reference(library, dtype, head_dim):
-    backend, reference = CpuPagedBackend(cpu_build.PagedAttentionKernel(*library)), ReferenceTorchBackend()
+    backend, reference = CpuPagedBackend(cpu_build.PagedAttentionKernel(library, library.path)), ReferenceTorchBackend()
     for group in (1, 2, 4):
         gen = torch.Generator().manual_seed(group * 1000 + head_dim)
         block_size, num_kv_heads, scale = 16, 2, head_dim ** -0.5
@@ -72,7 +59,7 @@ def test_attention_build_matches_reference(library, dtype, head_dim):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
 def test_fused_build_matches_torch(library, dtype):
-    kernels = cpu_build.FusedKernels(library[0])
+    kernels = cpu_build.FusedKernels(library)
     x = randn(70, 2 * 300, dtype=dtype, seed=3, scale=3.0)[:, :300]  # rows past one thread's share, strided
     weight, residual = randn(300, dtype=dtype, seed=1), randn(70, 300, dtype=dtype, seed=2)
     out = kernels.rms_norm(x, weight, 1e-6, residual)

@@ -217,13 +217,21 @@ def _cache_key(cxx: str, extra_flags: tuple[str, ...] = ()) -> str:
     digest.update(" ".join((*CXX_FLAGS, *extra_flags)).encode())
     version = subprocess.run([cxx, "--version"], capture_output=True, text=True, timeout=30).stdout
     digest.update(version.encode())
-    try:
-        with open(CPUINFO) as f:
-            flags = next((line for line in f if line.startswith("flags")), "")
-    except OSError:  # not Linux: -march=native still differs per CPU, so key on the machine name
+    flags = cpu_flags_line()
+    if flags is None:  # not Linux: -march=native still differs per CPU, so key on the machine name
         flags = os.uname().machine
     digest.update(flags.encode())
     return digest.hexdigest()[:16]
+
+
+def cpu_flags_line() -> str | None:
+    """The `flags` line of /proc/cpuinfo (the ISA extensions -march=native builds for), "" where it
+    has none, None where there is no /proc/cpuinfo."""
+    try:
+        with open(CPUINFO) as f:
+            return next((line for line in f if line.startswith("flags")), "")
+    except OSError:
+        return None
 
 
 def build(directory: Path | None = None, extra_flags: tuple[str, ...] = ()) -> Path:
@@ -255,19 +263,24 @@ def build(directory: Path | None = None, extra_flags: tuple[str, ...] = ()) -> P
     return path
 
 
+def open_library(path: Path) -> ctypes.CDLL:
+    """The built library at `path`, its ABI checked (RuntimeError when it is not ABI_VERSION); its
+    `path` attribute says where it came from."""
+    library = ctypes.CDLL(str(path))
+    abi = library.nanovllm_paged_attention_abi()
+    if abi != ABI_VERSION:
+        raise RuntimeError(f"{path} has ABI {abi}, expected {ABI_VERSION}")
+    library.path = path
+    return library
+
+
 def load_library() -> "ctypes.CDLL | str":
     """The library, built on first use in this process (or loaded from the cache), or a string
     saying why it cannot be had here. Tried once per process."""
     global _loaded
     if _loaded is None:
         try:
-            path = build()
-            library = ctypes.CDLL(str(path))
-            abi = library.nanovllm_paged_attention_abi()
-            if abi != ABI_VERSION:
-                raise RuntimeError(f"{path} has ABI {abi}, expected {ABI_VERSION}")
-            library.path = path
-            _loaded = library
+            _loaded = open_library(build())
         except (OSError, RuntimeError, subprocess.SubprocessError) as e:
             _loaded = f"the CPU kernels could not be built or loaded: {e}"
     return _loaded

@@ -117,6 +117,12 @@ constexpr int LANES = 16;  // floats per AVX-512 vector (two AVX2 vectors): the 
 template <typename T>
 constexpr bool vector_type() { return std::is_same_v<T, F32T> || std::is_same_v<T, BF16T>; }
 
+// The mask of a vector's first `count` lanes, count clamped to 0..LANES (a loop's tail).
+inline __mmask16 first_lanes(int count) {
+  return count >= LANES ? static_cast<__mmask16>(0xffff)
+                        : count <= 0 ? static_cast<__mmask16>(0) : static_cast<__mmask16>((1u << count) - 1);
+}
+
 // x's bfloat16 bits (nearest even, NaN kept quiet: as store<BF16T>), one in the low half of each
 // 32-bit lane. store16 and rounded16 round through it, so a vector loop gives a scalar loop's values.
 inline __m512i bf16_bits(__m512 x) {

@@ -56,7 +56,7 @@ inline void row_products(const typename T::storage* __restrict__ x, int64_t x_st
       }
     }
     for (; k < K; k += LANES) {  // the tail, masked: lanes past K load zeros
-      const __mmask16 mask = K - k >= LANES ? 0xffff : static_cast<__mmask16>((1u << (K - k)) - 1);
+      const __mmask16 mask = first_lanes(K - k);
       const __m512 w0 = _mm512_maskz_loadu_ps(mask, wr + k);
       for (int m = 0; m < M; ++m) a[m] = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(mask, x + m * x_stride + k), w0, a[m]);
     }

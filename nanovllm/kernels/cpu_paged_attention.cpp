@@ -492,20 +492,16 @@ void attend_prefill_lanes(const Item& item, const typename T::storage* q, typena
 // rounded up to whole vectors (the scratch's row width).
 inline std::pair<float, float> softmax_weights(float* __restrict__ sr, int nv, int n, float m) {
 #ifdef __AVX512F__
-  auto first = [](int count) {  // the lanes of the first `count` (clamped to 0..16)
-    return count >= LANES ? static_cast<__mmask16>(0xffff) : count <= 0 ? static_cast<__mmask16>(0)
-                                                                     : static_cast<__mmask16>((1u << count) - 1);
-  };
   __m512 vmax = _mm512_set1_ps(-INFINITY);
-  for (int t = 0; t < nv; t += LANES) vmax = _mm512_mask_max_ps(vmax, first(nv - t), vmax, _mm512_loadu_ps(sr + t));
+  for (int t = 0; t < nv; t += LANES) vmax = _mm512_mask_max_ps(vmax, first_lanes(nv - t), vmax, _mm512_loadu_ps(sr + t));
   const float new_max = std::max(m, _mm512_reduce_max_ps(vmax));
   const __m512 shift = _mm512_set1_ps(new_max);
   __m512 vsum = _mm512_setzero_ps();
   for (int t = 0; t < n; t += LANES) {
-    const __mmask16 live = first(nv - t);
+    const __mmask16 live = first_lanes(nv - t);
     const __m512 w = _mm512_maskz_mov_ps(live, exp_nonpositive_v(_mm512_sub_ps(_mm512_maskz_loadu_ps(live, sr + t), shift)));
     vsum = _mm512_add_ps(vsum, w);
-    _mm512_mask_storeu_ps(sr + t, first(n - t), w);
+    _mm512_mask_storeu_ps(sr + t, first_lanes(n - t), w);
   }
   return {new_max, _mm512_reduce_add_ps(vsum)};
 #else
@@ -576,6 +572,10 @@ void attend_item(const Item& item, const typename T::storage* q, typename T::sto
 #ifdef __AVX512F__
   const bool by_sums = vector_type<T>() && !transpose && sums_head_dim(head_dim);
   const bool steps_ahead = by_sums;  // its loops and P x V's vector loops call Ahead::step()
+  auto sums = head_dim == 64    ? scores_by_sums<T, ROWS, 64>
+              : head_dim == 128 ? scores_by_sums<T, ROWS, 128>
+              : head_dim == 32  ? scores_by_sums<T, ROWS, 32>
+                                : scores_by_sums<T, ROWS, 0>;  // HD: the head_dims models have, unrolled
 #else
   const bool steps_ahead = false;
 #endif
@@ -677,12 +677,8 @@ void attend_item(const Item& item, const typename T::storage* q, typename T::sto
       }
 #ifdef __AVX512F__
       if (by_sums) {
-        const uint16_t* qbh = qb + static_cast<size_t>(hl) * head_rows * head_dim;
-        auto sums = head_dim == 64    ? scores_by_sums<T, ROWS, 64>
-                    : head_dim == 128 ? scores_by_sums<T, ROWS, 128>
-                    : head_dim == 32  ? scores_by_sums<T, ROWS, 32>
-                                      : scores_by_sums<T, ROWS, 0>;
-        sums(sh, qh, qbh, k, token_stride, n, head_rows, head_dim, width, scale, &ahead);
+        sums(sh, qh, qb + static_cast<size_t>(hl) * head_rows * head_dim, k, token_stride, n, head_rows, head_dim,
+             width, scale, &ahead);
         continue;
       }
 #endif
