@@ -7,6 +7,14 @@ import ctypes
 import os
 
 import pytest
+from hypothesis import settings
+
+# The property tests (hypothesis) draw the same examples on every run and keep no example database,
+# so a run's verdict depends on the code alone, not on luck or on what an earlier run left behind.
+# To explore fresh examples: pytest --hypothesis-profile=explore tests/test_fuzz_sampling.py
+settings.register_profile("deterministic", derandomize=True, database=None)
+settings.register_profile("explore", database=None)
+settings.load_profile("deterministic")
 
 
 def _cuda_device_count() -> int:
