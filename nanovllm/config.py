@@ -192,6 +192,9 @@ class Config:
             self.kvcache_block_size = DEFAULT_BLOCK_SIZE[self.device]
         if self.device == "cpu" and self.cpu_threads is None:
             self.cpu_threads = self._default_cpu_threads()
+        elif self.device != "cpu" and self.cpu_threads is not None:  # said, not silent
+            logger.warning("cpu_threads=%d has no effect: it sets the CPU engine's threads, and this one runs on %s",
+                           self.cpu_threads, self.device)
         self.dtype = self._resolve_dtype()
         if self.compile_mode == "auto":
             self.compile_mode = "on" if self.device == "cuda" else "off"

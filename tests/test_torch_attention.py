@@ -388,6 +388,22 @@ def test_cpu_threads_follow_affinity_and_quota_unless_set(qwen3_tiny, monkeypatc
         Config(qwen3_tiny, device="cpu")
 
 
+def test_cpu_threads_on_cuda_is_said_not_silently_dropped(qwen3_tiny, monkeypatch, caplog):
+    """cpu_threads sets the CPU engine's threads: on CUDA it changes nothing, and the engine says so
+    (Config alone, CUDA's presence faked where there is none; nothing touches the device)."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    with caplog.at_level("WARNING", logger="nanovllm"):
+        Config(qwen3_tiny, device="cuda", cpu_threads=3)
+    assert [r.getMessage() for r in caplog.records if r.levelname == "WARNING"] == [
+        "cpu_threads=3 has no effect: it sets the CPU engine's threads, and this one runs on cuda"]
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="nanovllm"):
+        Config(qwen3_tiny, device="cuda")
+        Config(qwen3_tiny, device="cpu", cpu_threads=3)
+    assert not [r for r in caplog.records if "cpu_threads" in r.getMessage()]
+
+
 def test_cpu_threads_default_to_one_per_physical_core(qwen3_tiny, monkeypatch, tmp_path):
     """Two hyper-threads of one core count once: CPUs 0 and 1 are siblings of core 0, CPU 2 is
     core 1, CPU 3's topology cannot be read (a core of its own)."""
