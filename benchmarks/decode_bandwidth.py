@@ -32,7 +32,7 @@ def time_ms(fn, warmup: int, iters: int) -> float:
     CUDA graph (as the engine runs decode steps), replayed between CUDA events. Timed eagerly, a
     small call measures the host's launch cost instead (~70 us for one Triton launch, ~110 us for
     the split kernel and its reduce: the first H200 sweep, 2026-11-26, BENCHMARKS). Not for the
-    copy reference: captured, a 1 GiB copy ran at 2.77 TB/s on an H200 that copies at 4.26 eagerly."""
+    copy reference (step_profile.copy_bandwidth times it eagerly: captured, it ran slow)."""
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):  # warm-up (compiles) off the capturing stream, as torch asks
@@ -112,22 +112,10 @@ def main() -> None:
     runs = [measure(batch, context, args.block_size, splits, args, gen)
             for batch in args.batch for context in args.context for splits in (args.splits or [None])]
 
-    # The reference: a large device-to-device copy, bytes read + written.
-    src = torch.empty(int(args.copy_gib * 2 ** 30), dtype=torch.uint8, device=device)
-    dst = torch.empty_like(src)
-    # Timed eagerly (see time_ms): a launch is nothing beside a copy this size.
-    dst.copy_(src)
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    torch.cuda.synchronize()
-    start.record()
-    for _ in range(args.iters):
-        dst.copy_(src)
-    end.record()
-    torch.cuda.synchronize()
-    copy_ms = start.elapsed_time(end) / args.iters
-    copy_bytes = 2 * src.numel()
-    del src, dst
-    copy_gbps = copy_bytes / copy_ms / 1e6
+    # The reference: a large device-to-device copy, bytes read + written (step_profile's).
+    from step_profile import copy_bandwidth  # beside this script
+    copy_bytes = 2 * int(args.copy_gib * 2 ** 30)
+    copy_gbps = copy_bandwidth(device, copy_bytes // 2) / 1e9
     for run in runs:
         run["fraction_of_copy"] = round(run["decode_gbps"] / copy_gbps, 4)
 

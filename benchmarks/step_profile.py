@@ -197,9 +197,10 @@ def print_run(tag: str, s: dict, copy_bytes_per_s: float) -> None:
               f"{b['lmhead_ms']:>10.2f}{b['sampler_ms']:>10.2f}{b['host_ms']:>10.2f}{b['kv_tb_per_s']:>10.2f}")
 
 
-def copy_bandwidth(device: torch.device) -> float:
-    """Device-to-device copy bandwidth in bytes/s, read + written (warmed up, CUDA events)."""
-    src = torch.empty(COPY_BYTES, dtype=torch.uint8, device=device)
+def copy_bandwidth(device: torch.device, nbytes: int = COPY_BYTES) -> float:
+    """Device-to-device copy bandwidth in bytes/s, read + written (warmed up, CUDA events, timed
+    eagerly: captured in a CUDA graph, a 1 GiB copy ran at 2.77 TB/s on an H200 that copies at 4.26)."""
+    src = torch.empty(nbytes, dtype=torch.uint8, device=device)
     dst = torch.empty_like(src)
     dst.copy_(src)
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -210,7 +211,7 @@ def copy_bandwidth(device: torch.device) -> float:
     end.record()
     torch.cuda.synchronize(device)
     seconds = start.elapsed_time(end) / 1e3 / COPY_REPEATS
-    return 2 * COPY_BYTES / seconds
+    return 2 * nbytes / seconds
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
