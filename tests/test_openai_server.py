@@ -9,6 +9,7 @@ import time
 import openai
 import pytest
 
+from conftest import build_checkpoint
 from helpers import random_prompts
 from nanovllm import LLM, SamplingParams
 from serving import ENGINE_KWARGS, httpx, metric, server_thread
@@ -391,17 +392,19 @@ def test_full_queue_gets_503_and_nothing_else_fails(qwen3_tiny, offline):
     assert all(n == 4 for _, (_, n) in served)
 
 
-def test_shutdown_aborts_what_outlasts_the_grace_period(qwen3_tiny):
+def test_shutdown_aborts_what_outlasts_the_grace_period(tmp_path):
     """A stream that cannot finish within the grace period ends with an "abort" chunk (and [DONE],
     which the client reads as the end), and the engine stops (SIGTERM's path in a subprocess is
     tested in test_cli.py; the non-streaming side in test_server_faults.py)."""
-    # The abort comes at half the grace period (SHUTDOWN_ABORT_MARGIN_S caps the margin at half):
-    # 0.5 s left 0.25 s for the abort chunk to be written, which a loaded 2-core CI host once
-    # missed (uvicorn closed the connection first); 1 s leaves 0.5 s, while 1,000 tokens still
-    # take the tiny model well over the 0.5 s before the abort.
-    with server_thread(qwen3_tiny, shutdown_timeout=1.0) as server:
+    # The abort comes SHUTDOWN_ABORT_MARGIN_S (1 s, at most half the grace period) before the grace
+    # period ends, and the abort chunk must be written in that margin. A 0.25 s margin, then a 0.5 s
+    # one, were each missed once on a loaded 2-core CI host (uvicorn closed the connection first):
+    # so a 2 s grace period (1 s margin) and a stream long enough to outlast it (3,000 tokens take
+    # the tiny model ~2 s here), on a checkpoint with room for them.
+    path = build_checkpoint(str(tmp_path), "qwen3", max_position_embeddings=4096)
+    with server_thread(path, shutdown_timeout=2.0) as server:
         client = openai.OpenAI(base_url=server.base_url, api_key="none", max_retries=0, timeout=120)
-        stream = client.completions.create(model=server.settings.model_name, prompt=PROMPTS[0], max_tokens=1000,
+        stream = client.completions.create(model=server.settings.model_name, prompt=PROMPTS[0], max_tokens=3000,
                                            temperature=0, stream=True, extra_body={"ignore_eos": True})
         chunks = [next(stream)]  # it is generating
         server.uvicorn.should_exit = True
