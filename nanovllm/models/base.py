@@ -1,5 +1,10 @@
-"""What every model class offers the engine, beside `forward(input_ids, positions)` and
-`compute_logits(hidden_states)`.
+"""What every model class offers the engine, beside `forward(input_ids, positions, keep_rows=None)`
+and `compute_logits(hidden_states)`.
+
+`keep_rows` (an int64 index tensor, or None for every row) names the rows whose output the caller
+reads: a prefill's sampling rows. Every row's K/V is still stored, but past the last layer's
+attention only those rows are computed (the last layer's output projection, MLP and final norm:
+an eighth of an 8-layer prefill's products), and the output has those rows, in that order.
 
 Owns the defaults of the per-family hooks the engine calls before and while building a model:
 checking and completing the checkpoint's config (`config_spec`, `check_raw_config` and

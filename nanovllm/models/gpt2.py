@@ -48,10 +48,12 @@ class GPT2Attention(nn.Module):
             scale /= float(layer_idx + 1)
         self.attn = Attention(self.num_heads, self.head_dim, scale, self.num_heads)
 
-    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+    def forward(self, hidden_states: torch.Tensor, keep_rows: torch.Tensor | None = None) -> torch.Tensor:
         qkv = self.c_attn(hidden_states)  # [num_tokens, 3 * heads * head_dim]
         q, k, v = qkv.view(-1, 3 * self.num_heads, self.head_dim).chunk(3, dim=1)  # [num_tokens, heads, head_dim] each
         o = self.attn(q, k, v)  # [num_tokens, heads, head_dim]
+        if keep_rows is not None:  # every token's K/V is stored above; only these rows go on
+            o = o[keep_rows]
         return self.c_proj(o.flatten(1, -1))
 
 
@@ -77,8 +79,9 @@ class GPT2Block(nn.Module):
         self.ln_2 = LayerNorm(config.hidden_size, eps=config.layer_norm_epsilon)
         self.mlp = GPT2MLP(config)
 
-    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        hidden_states = hidden_states + self.attn(self.ln_1(hidden_states))
+    def forward(self, hidden_states: torch.Tensor, keep_rows: torch.Tensor | None = None) -> torch.Tensor:
+        attended = self.attn(self.ln_1(hidden_states), keep_rows)
+        hidden_states = (hidden_states if keep_rows is None else hidden_states[keep_rows]) + attended
         return hidden_states + self.mlp(self.ln_2(hidden_states))
 
 
@@ -91,10 +94,12 @@ class GPT2Model(nn.Module):
         self.h = nn.ModuleList(GPT2Block(config, i) for i in range(config.num_hidden_layers))
         self.ln_f = LayerNorm(config.hidden_size, eps=config.layer_norm_epsilon)
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                keep_rows: torch.Tensor | None = None) -> torch.Tensor:
         hidden_states = self.wte(input_ids) + self.wpe(positions)  # [num_tokens, hidden]
-        for block in self.h:
-            hidden_states = block(hidden_states)
+        last = len(self.h) - 1
+        for i, block in enumerate(self.h):
+            hidden_states = block(hidden_states, keep_rows if i == last else None)
         return self.ln_f(hidden_states)
 
 
@@ -123,8 +128,9 @@ class GPT2LMHeadModel(CausalLM):
         if getattr(hf_config, "add_cross_attention", False):
             raise ValueError("add_cross_attention=True is not supported; only decoder-only GPT-2 is")
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        return self.transformer(input_ids, positions)  # [num_tokens, hidden]
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                keep_rows: torch.Tensor | None = None) -> torch.Tensor:
+        return self.transformer(input_ids, positions, keep_rows)  # [num_tokens or len(keep_rows), hidden]
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor | None:
         return self.lm_head(hidden_states)  # [num_rows, vocab] on rank 0

@@ -52,7 +52,8 @@ class LlamaAttention(nn.Module):
             self.k_norm = RMSNorm(head_dim, eps=config.rms_norm_eps)
         self.qk_norm = qk_norm
 
-    def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor) -> torch.Tensor:
+    def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor,
+                keep_rows: torch.Tensor | None = None) -> torch.Tensor:
         qkv = self.qkv_proj(hidden_states)  # [num_tokens, (heads + 2 * kv_heads) * head_dim]
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(-1, self.num_heads, self.head_dim)
@@ -61,6 +62,8 @@ class LlamaAttention(nn.Module):
         # The attention layer applies q_norm/k_norm and rotary (one fused kernel where it can).
         q_norm, k_norm = (self.q_norm, self.k_norm) if self.qk_norm else (None, None)
         o = self.attn(q, k, v, positions, self.rotary_emb, q_norm, k_norm)  # [num_tokens, heads, head_dim]
+        if keep_rows is not None:  # every token's K/V is stored above; only these rows go on
+            o = o[keep_rows]
         return self.o_proj(o.flatten(1, -1))
 
 
@@ -88,13 +91,17 @@ class LlamaDecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
 
-    def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor,
-                residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor, residual: torch.Tensor | None,
+                keep_rows: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """The layer's output and residual stream, of the rows `keep_rows` only when given
+        (LlamaModel.forward's last layer)."""
         if residual is None:
             hidden_states, residual = self.input_layernorm(hidden_states), hidden_states
         else:
             hidden_states, residual = self.input_layernorm(hidden_states, residual)
-        hidden_states = self.self_attn(positions, hidden_states)
+        hidden_states = self.self_attn(positions, hidden_states, keep_rows)
+        if keep_rows is not None:
+            residual = residual[keep_rows]
         hidden_states, residual = self.post_attention_layernorm(hidden_states, residual)
         return self.mlp(hidden_states), residual
 
@@ -114,14 +121,16 @@ class LlamaModel(nn.Module):
         from nanovllm.layers.cpu_decode import CpuDecodeLayers  # lazy: it imports this module's layers
         self.fused_decode = CpuDecodeLayers.for_model(self, kernels)
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                keep_rows: torch.Tensor | None = None) -> torch.Tensor:
         hidden_states, residual = self.embed_tokens(input_ids), None
-        if self.fused_decode is not None:
+        if self.fused_decode is not None and keep_rows is None:
             out = self.fused_decode(positions, hidden_states)
             if out is not None:
                 return out
-        for layer in self.layers:
-            hidden_states, residual = layer(positions, hidden_states, residual)
+        last = len(self.layers) - 1
+        for i, layer in enumerate(self.layers):
+            hidden_states, residual = layer(positions, hidden_states, residual, keep_rows if i == last else None)
         hidden_states, _ = self.norm(hidden_states, residual)
         return hidden_states
 
@@ -175,8 +184,9 @@ class LlamaForCausalLM(CausalLM):
         return LlamaMLP(config.hidden_size, config.intermediate_size, config.hidden_act,
                         bias=bool(getattr(config, "mlp_bias", False)))
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        return self.model(input_ids, positions)  # [num_tokens, hidden]
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                keep_rows: torch.Tensor | None = None) -> torch.Tensor:
+        return self.model(input_ids, positions, keep_rows)  # [num_tokens or len(keep_rows), hidden]
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor | None:
         return self.lm_head(hidden_states)  # [num_rows, vocab] on rank 0

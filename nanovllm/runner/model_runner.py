@@ -381,7 +381,9 @@ class ModelRunner:
                                                  step.prompt_targets)
             if not inputs.sample_indices:
                 return StepLogits(None, [], prompt)
-            logits = self.model.compute_logits(hidden_states[inputs.sample_rows])  # None on ranks > 0
+            if inputs.keep_rows is None:
+                hidden_states = hidden_states[inputs.sample_rows]
+            logits = self.model.compute_logits(hidden_states)  # None on ranks > 0
         return StepLogits(logits, inputs.sample_indices, prompt)
 
     def _forward(self, step: StepMessage) -> tuple[StepInputs, torch.Tensor]:
@@ -393,8 +395,10 @@ class ModelRunner:
         fill_placeholders(inputs.input_ids, step.token_ids, self.last_sampled)
         if not step.is_prefill and self.graphs:
             return inputs, self.graphs.replay(inputs)
+        if step.prompt_targets:  # prompt logprobs read every row's final hidden state
+            inputs = inputs._replace(keep_rows=None)
         with forward_context(inputs.meta):
-            return inputs, self.model(inputs.input_ids, inputs.positions)
+            return inputs, self.model(inputs.input_ids, inputs.positions, inputs.keep_rows)
 
     def sample(self, seqs: list[Sequence], step: StepLogits) -> RunnerOutput:
         """Rank 0: the next token (and logprobs) of each sequence that samples; a prefill chunk

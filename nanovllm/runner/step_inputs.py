@@ -79,6 +79,10 @@ class StepInputs(NamedTuple):
     # Their rows among the forward pass's outputs (the last new token of each): an index tensor,
     # or a slice when they are the first rows in order (a decode step).
     sample_rows: torch.Tensor | slice
+    # A prefill's rows whose final hidden state is computed at all (models/base.py): the sampling
+    # rows, or the last row when none samples (a chunk inside a prompt: nothing is read, and no
+    # zero-row tensors reach the kernels); None (a decode step): every row.
+    keep_rows: torch.Tensor | None = None
 
 
 def to_device(data: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -139,8 +143,9 @@ def prefill_inputs(step: StepMessage, block_size: int, device: torch.device, att
     else:
         rows = [cu_q[i + 1] - 1 for i in sample_indices]
     sample_rows = to_device(rows, torch.int64, device)
+    keep_rows = sample_rows if rows else to_device([cu_q[-1] - 1], torch.int64, device)
     return StepInputs(to_device(step.token_ids, torch.int64, device), to_device(positions, torch.int64, device),
-                      meta, sample_indices, sample_rows)
+                      meta, sample_indices, sample_rows, keep_rows)
 
 
 def block_tables_tensor(tables: list[list[int]], device: torch.device) -> torch.Tensor:
