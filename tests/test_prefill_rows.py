@@ -11,7 +11,7 @@ LENGTHS = [64, 40, 17, 16, 3, 1]  # longest first: with a budget of 24 the first
 MAX_TOKENS = 12
 
 
-def last_mlp(llm: LLM):
+def first_and_last_mlp(llm: LLM):
     model = llm.model_runner.model
     layers = model.model.layers if hasattr(model, "model") else model.transformer.h
     return layers[0].mlp, layers[-1].mlp
@@ -47,7 +47,7 @@ def test_prefill_computes_the_last_layer_for_its_sampling_rows_only(ckpt, budget
     extra = {} if budget is None else {"max_num_batched_tokens": budget}
     llm = LLM(path, device="cpu", kvcache_block_size=16, num_kvcache_blocks=128, max_num_seqs=8, **extra)
     assert not llm.core.async_scheduling  # record_sampling wraps run(), what the CPU engine loop calls
-    first, last = last_mlp(llm)
+    first, last = first_and_last_mlp(llm)
     first_rows, last_rows = record_rows(first), record_rows(last)
     steps = record_sampling(llm)
     outputs = llm.generate(prompts, greedy(MAX_TOKENS), use_tqdm=False)
@@ -70,7 +70,7 @@ def test_prompt_logprobs_steps_keep_every_row(qwen3_tiny):
     its sampled token is the same as without them."""
     prompt = random_prompts(100, [20], seed=3)[0]
     llm = LLM(qwen3_tiny, device="cpu", kvcache_block_size=16, num_kvcache_blocks=64, enable_prefix_caching=False)
-    _, last = last_mlp(llm)
+    _, last = first_and_last_mlp(llm)
     rows = record_rows(last)
     with_lp = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=2, ignore_eos=True, prompt_logprobs=1),
                            use_tqdm=False)[0]

@@ -395,8 +395,6 @@ class ModelRunner:
         fill_placeholders(inputs.input_ids, step.token_ids, self.last_sampled)
         if not step.is_prefill and self.graphs:
             return inputs, self.graphs.replay(inputs)
-        if step.prompt_targets:  # prompt logprobs read every row's final hidden state
-            inputs = inputs._replace(keep_rows=None)
         with forward_context(inputs.meta):
             return inputs, self.model(inputs.input_ids, inputs.positions, inputs.keep_rows)
 

@@ -81,7 +81,8 @@ class StepInputs(NamedTuple):
     sample_rows: torch.Tensor | slice
     # A prefill's rows whose final hidden state is computed at all (models/base.py): the sampling
     # rows, or the last row when none samples (a chunk inside a prompt: nothing is read, and no
-    # zero-row tensors reach the kernels); None (a decode step): every row.
+    # zero-row tensors reach the kernels); None: every row (a decode step, or a prefill with
+    # prompt logprobs, which read every row).
     keep_rows: torch.Tensor | None = None
 
 
@@ -143,7 +144,10 @@ def prefill_inputs(step: StepMessage, block_size: int, device: torch.device, att
     else:
         rows = [cu_q[i + 1] - 1 for i in sample_indices]
     sample_rows = to_device(rows, torch.int64, device)
-    keep_rows = sample_rows if rows else to_device([cu_q[-1] - 1], torch.int64, device)
+    if step.prompt_targets:
+        keep_rows = None
+    else:
+        keep_rows = sample_rows if rows else to_device([cu_q[-1] - 1], torch.int64, device)
     return StepInputs(to_device(step.token_ids, torch.int64, device), to_device(positions, torch.int64, device),
                       meta, sample_indices, sample_rows, keep_rows)
 
