@@ -315,12 +315,29 @@ def test_chat_template_flags(qwen3_tiny, offline, tmp_path):
     assert bad.returncode != 0 and "does not compile" in bad.stderr and "Traceback" not in bad.stderr
 
 
-def test_serve_sigterm_finishes_in_flight_requests_and_exits_0(qwen3_tiny, offline):
-    """SIGTERM while a stream is running: the server stops accepting, the stream still gets every
-    token, then the engine is freed and the process exits 0 (the cut-off at the end of the grace
-    period is tested in test_openai_server.py)."""
+def session_members(session: int) -> list[int]:
+    """The live (not zombie) processes of a session, from /proc."""
+    members = []
+    for entry in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                state, _, _, sid = f.read().rsplit(")", 1)[1].split()[:4]
+        except OSError:  # it has just gone
+            continue
+        if int(sid) == session and state != "Z":
+            members.append(int(entry))
+    return members
+
+
+@pytest.mark.parametrize("ctrl_c", [False, True], ids=["sigterm_to_the_server", "sigint_to_the_process_group"])
+def test_serve_sigterm_finishes_in_flight_requests_and_exits_0(qwen3_tiny, offline, ctrl_c):
+    """SIGTERM to the server, or Ctrl-C (SIGINT to every process of the group, the engine process
+    too), while a stream is running: the server stops accepting, the stream still gets every token,
+    then the engine is freed, its process ends and the server exits 0 (the cut-off at the end of
+    the grace period is tested in test_openai_server.py)."""
     max_tokens = 48
-    proc = start_cli("serve", qwen3_tiny, "--port", "0", "--shutdown-timeout", str(RUN_TIMEOUT), *ENGINE_FLAGS)
+    proc = start_cli("serve", qwen3_tiny, "--port", "0", "--shutdown-timeout", str(RUN_TIMEOUT), *ENGINE_FLAGS,
+                     start_new_session=True)
     try:
         url, _ = wait_for_listening(proc)
 
@@ -330,7 +347,10 @@ def test_serve_sigterm_finishes_in_flight_requests_and_exits_0(qwen3_tiny, offli
                 stream = await client.completions.create(model=qwen3_tiny, prompt=PROMPTS[0], max_tokens=max_tokens,
                                                          temperature=0, stream=True, extra_body={"ignore_eos": True})
                 first = await anext(aiter(stream))  # it is generating
-                proc.send_signal(signal.SIGTERM)
+                if ctrl_c:
+                    os.killpg(proc.pid, signal.SIGINT)
+                else:
+                    proc.send_signal(signal.SIGTERM)
                 return first.choices[0].text + "".join([c.choices[0].text async for c in stream])
 
         text = asyncio.run(run())
@@ -339,6 +359,10 @@ def test_serve_sigterm_finishes_in_flight_requests_and_exits_0(qwen3_tiny, offli
         assert proc.wait(RUN_TIMEOUT) == 0
         err = proc.stderr.read()
         assert "engine stopped" in err and "Traceback" not in err, err
+        deadline = time.monotonic() + 10
+        while session_members(proc.pid) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert session_members(proc.pid) == []  # the engine process has ended with the server
     finally:
         if proc.poll() is None:
             proc.kill()

@@ -3,6 +3,8 @@ outputs arrive in order, a refused call queues nothing, the queue limit, a step 
 fails the live requests with an error output and the loop serves on (only an engine that cannot
 step at all stops it, never leaving a caller waiting), a failed build."""
 import asyncio
+import os
+import pickle
 import time
 from types import SimpleNamespace
 
@@ -11,9 +13,10 @@ import pytest
 from nanovllm.engine.outputs import CompletionOutput, RequestDelta, RequestOutput, SampleDelta
 from nanovllm.engine.stats import EngineStats
 from nanovllm.entrypoints.openai.engine_loop import (MAX_CONSECUTIVE_STEP_FAILURES, EngineClient, EngineDeadError,
-                                              QueueFullError)
+                                              QueueFullError, _portable)
 from nanovllm.entrypoints.openai.metrics import ServerMetrics
 from nanovllm.sampling_params import SamplingParams
+from nanovllm.utils.validation import ParamError
 from serving import metric
 
 BOOM = "boom"  # a prompt that makes the stand-in's next step raise
@@ -36,7 +39,7 @@ class StandInEngine:
 
     def add_requests(self, prompts, params, request_ids, priority=None):
         if "bad" in prompts:  # all or none, as the engine
-            raise ValueError("prompt='bad' is not allowed")
+            raise ParamError("prompt", "prompt='bad' is not allowed")
         for prompt, sampling_params, request_id in zip(prompts, params, request_ids):
             self.live[request_id] = [prompt, sampling_params, [], None]
         return request_ids
@@ -245,3 +248,61 @@ def test_the_loop_feeds_the_metrics():
         assert metric(text, "nanovllm_steps_total", 'kind="decode"') >= 3
         assert metric(text, "nanovllm_generation_tokens_total") == 3
     run_client(test)
+
+
+def refuse_to_build():
+    raise ValueError("model='x' is not a directory")
+
+
+def test_a_loop_in_its_own_process_serves_refuses_and_stops():
+    """engine_process=True: the loop runs in another process; outputs, a refusal naming its field
+    and the queue's accounting cross the pipe as in a thread, and shutdown ends the process."""
+    async def main():
+        client = EngineClient(StandInEngine, 4, engine_process=True)
+        await client.start()
+        try:
+            assert client.engine_pid not in (None, os.getpid()) and client.is_serving
+            submission = await client.add(["a", "b"], SamplingParams(max_tokens=3), "r")
+            seen = {rid: [] for rid in submission.request_ids}
+            async for output in submission:
+                seen[output.request_id] += output.samples[0].token_ids
+            assert seen == {"r-0": [0, 1, 2], "r-1": [0, 1, 2]}
+            with pytest.raises(ParamError, match="prompt='bad'") as refused:
+                await client.add(["a", "bad"], SamplingParams(max_tokens=1), "x")
+            assert refused.value.param == "prompt" and client.num_queued == 0
+            silent = await client.add([SILENT], SamplingParams(max_tokens=2), "s")
+            client.abort(silent.request_ids)
+            outputs = [output async for output in silent]
+            assert outputs[-1].finished and outputs[-1].samples[0].finish_reason == "abort"
+            worker = client._worker
+        finally:
+            await client.shutdown()
+        assert not client.is_running and worker.exitcode == 0
+        with pytest.raises(EngineDeadError):
+            await client.add(["a"], SamplingParams(max_tokens=1), "late")
+    asyncio.run(main())
+
+
+def test_a_failed_build_in_the_engine_process_is_raised_by_start():
+    async def main():
+        client = EngineClient(refuse_to_build, 4, engine_process=True)
+        with pytest.raises(ValueError, match="not a directory"):
+            await client.start()
+        assert not client.is_running
+        await client.shutdown()
+    asyncio.run(main())
+
+
+def test_errors_cross_the_pipe_whole_or_as_their_kind():
+    """A refusal keeps the field it names across the pipe; an exception that cannot be pickled
+    arrives as one of its kind (ValueError: still the caller's 400) with its message."""
+    error = pickle.loads(pickle.dumps(ParamError("top_k", "top_k=0 is not allowed")))
+    assert isinstance(error, ParamError) and error.param == "top_k" and str(error) == "top_k=0 is not allowed"
+
+    class Unpicklable(ValueError):
+        def __init__(self, message, extra):
+            super().__init__(message)
+
+    crossed = _portable(Unpicklable("n=0 is not allowed", object()))
+    assert type(crossed) is ValueError and str(crossed) == "n=0 is not allowed"
+    assert type(_portable(KeyError("k"))) is KeyError

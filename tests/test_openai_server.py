@@ -1,9 +1,12 @@
 """The OpenAI-compatible server through the official `openai` client (raw HTTP only for bodies a
-client would never send), on a tiny checkpoint: outputs equal offline LLM.generate / LLM.chat
-for the same prompts and settings; a bounded load of concurrent clients, disconnects, a full
-queue, bad requests and API keys, each alongside good requests."""
+client would never send), on a tiny checkpoint, with the engine in a process of its own (the
+server's default): outputs equal offline LLM.generate / LLM.chat for the same prompts and settings;
+a bounded load of concurrent clients, disconnects, a full queue, bad requests and API keys, each
+alongside good requests; an engine process that dies fails its requests, not the server."""
 import asyncio
 import json
+import os
+import signal
 import time
 
 import openai
@@ -412,3 +415,27 @@ def test_shutdown_aborts_what_outlasts_the_grace_period(tmp_path):
         assert all(c.choices[0].finish_reason is None for c in chunks[:-1])
         assert chunks[-1].choices[0].finish_reason == "abort"
     assert not server.app.state.engine_client.is_running
+
+
+def test_a_dead_engine_process_fails_its_requests_and_the_server_says_so(qwen3_tiny):
+    """The engine runs in a process of its own. Killed mid-stream (as an out-of-memory killer
+    would), the stream ends with an error event and [DONE], /health turns 503, a new request gets
+    a 503 naming the state, and the server still stops cleanly."""
+    with server_thread(qwen3_tiny) as server:
+        engine = server.app.state.engine_client
+        assert engine.engine_pid not in (None, os.getpid())
+        body = {"model": qwen3_tiny, "prompt": PROMPTS[0], "max_tokens": 900, "temperature": 0, "stream": True,
+                "ignore_eos": True}
+        with httpx.Client(base_url=server.base_url, timeout=DRAIN_TIMEOUT) as http:
+            assert http.get(server.url + "/health").status_code == 200
+            with http.stream("POST", "/completions", json=body) as response:
+                lines = (line for line in response.iter_lines() if line)
+                assert json.loads(next(lines)[len("data: "):])["choices"][0]["finish_reason"] is None
+                os.kill(engine.engine_pid, signal.SIGKILL)
+                rest = list(lines)
+            assert rest[-1] == "data: [DONE]"
+            assert "engine process exited" in json.loads(rest[-2][len("data: "):])["error"]["message"]
+            assert http.get(server.url + "/health").status_code == 503
+            refused = http.post("/completions", json={**body, "stream": False})
+            assert refused.status_code == 503 and refused.json()["error"]["code"] == "engine_not_running"
+    assert not engine.is_running

@@ -16,6 +16,9 @@ class ParamError(ValueError):
         super().__init__(message)
         self.param = param
 
+    def __reduce__(self):  # crosses to and from the engine process whole
+        return ParamError, (self.param, str(self))
+
 
 def require(ok: bool, name: str, value: object, allowed: str) -> None:
     """Refuse `value` for `name` unless `ok`; `allowed` says what would be accepted."""

@@ -22,6 +22,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
 from dataclasses import replace
+from functools import partial
 
 import uvicorn
 from fastapi import APIRouter, Depends, FastAPI, Request
@@ -34,6 +35,7 @@ from transformers import AutoTokenizer, PreTrainedTokenizerBase
 from uvicorn.protocols.http.auto import AutoHTTPProtocol
 
 from nanovllm import LLM, __version__
+from nanovllm.config import Config
 from nanovllm.engine.chat import load_chat_template
 from nanovllm.engine.outputs import RequestDelta, RequestOutput
 from nanovllm.engine.request_builder import encode_text
@@ -56,6 +58,7 @@ from nanovllm.entrypoints.openai.serving_tools import ToolDeltas, ToolOutput, To
 from nanovllm.entrypoints.openai.server_settings import (DEFAULT_HOST, DEFAULT_PORT, DEFAULT_SHUTDOWN_TIMEOUT,
                                                   RETRY_AFTER_SECONDS, ServerSettings)
 from nanovllm.sampling_params import SamplingParams
+from nanovllm.structured_outputs import GrammarCompiler
 
 logger = logging.getLogger("nanovllm")
 
@@ -72,20 +75,22 @@ def build_app(settings: ServerSettings) -> FastAPI:
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        client = EngineClient(lambda: LLM(settings.model, **settings.engine_kwargs), settings.max_queue_len,
-                              app.state.metrics)
+        client = EngineClient(partial(LLM, settings.model, **settings.engine_kwargs), settings.max_queue_len,
+                              app.state.metrics, engine_process=settings.engine_process)
         await client.start()
         app.state.engine_client = client
         # Prompts are tokenized (and chat templates rendered) in a thread of their own, so a long
-        # one never stalls the event loop (other streams) or the engine thread (every step).
+        # one never stalls the event loop (other streams) or, in-process, the engine's thread.
         app.state.prompt_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="nanovllm-tokenize")
         try:
             # Tokenizers of the server's own, one per thread that uses it (a fast tokenizer is not
-            # to be shared across threads; the engine's stays with the engine thread): this one for
+            # to be shared across threads; the engine's stays with the engine): this one for
             # logprob strings on the event loop, `prompt_tokenizer` in the prompt thread.
             app.state.tokenizer, app.state.prompt_tokenizer = (
                 AutoTokenizer.from_pretrained(settings.model, use_fast=True, trust_remote_code=False)
                 for _ in range(2))
+            app.state.grammars = (client.grammars if client.grammars is not None
+                                  else await _server_grammars(app.state, client.config))
             logger.info("engine ready: serving %r as model %r", settings.model, settings.model_name)
             yield
         finally:
@@ -108,6 +113,18 @@ def build_app(settings: ServerSettings) -> FastAPI:
     # vLLM serves these outside /v1; here they take the same API key as /v1 (they do work for anyone).
     app.include_router(tokens_router, dependencies=[Depends(_check_api_key)])
     return app
+
+
+async def _server_grammars(state, config: Config) -> GrammarCompiler:
+    """A structured-outputs compiler of the server's own, beside an engine in its own process: the
+    prompt thread compiles each request's constraint with it, so one that does not compile is a
+    400 before the engine sees it (the engine compiles it again, for itself)."""
+    grammars = GrammarCompiler(state.prompt_tokenizer, config.hf_config.vocab_size, config.eos)
+    try:
+        await asyncio.get_running_loop().run_in_executor(state.prompt_pool, grammars.load)
+    except Exception:  # as the engine: each constrained request is refused with why
+        logger.warning("structured outputs are unavailable for this tokenizer", exc_info=True)
+    return grammars
 
 
 async def _check_api_key(request: Request) -> None:
@@ -214,7 +231,7 @@ async def _compile_constraint(request: Request, params: SamplingParams, source: 
         return
     state = request.app.state
     try:
-        await asyncio.get_running_loop().run_in_executor(state.prompt_pool, state.engine_client.grammars.compile,
+        await asyncio.get_running_loop().run_in_executor(state.prompt_pool, state.grammars.compile,
                                                          params.structured_outputs)
     except ValueError as exc:
         raise APIError(400, constraint_error(str(exc), source), param=source) from None
