@@ -331,13 +331,14 @@ def session_members(session: int) -> list[int]:
 
 @pytest.mark.parametrize("ctrl_c", [False, True], ids=["sigterm_to_the_server", "sigint_to_the_process_group"])
 def test_serve_sigterm_finishes_in_flight_requests_and_exits_0(qwen3_tiny, offline, ctrl_c):
-    """SIGTERM to the server, or Ctrl-C (SIGINT to every process of the group, the engine process
-    too), while a stream is running: the server stops accepting, the stream still gets every token,
-    then the engine is freed, its process ends and the server exits 0 (the cut-off at the end of
-    the grace period is tested in test_openai_server.py)."""
+    """SIGTERM to the server, or Ctrl-C (SIGINT to every process of the group) to a server with
+    --engine-process (the engine process ignores it), while a stream is running: the server stops
+    accepting, the stream still gets every token, then the engine is freed, every process of the
+    server ends and the server exits 0 (the cut-off at the end of the grace period is tested in
+    test_openai_server.py)."""
     max_tokens = 48
     proc = start_cli("serve", qwen3_tiny, "--port", "0", "--shutdown-timeout", str(RUN_TIMEOUT), *ENGINE_FLAGS,
-                     start_new_session=True)
+                     *(["--engine-process"] if ctrl_c else []), start_new_session=True)
     try:
         url, _ = wait_for_listening(proc)
 

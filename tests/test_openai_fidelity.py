@@ -63,10 +63,8 @@ def tokenizer(qwen3_tiny):
 
 @pytest.fixture(scope="module")
 def server(qwen3_tiny, template_file):
-    # The engine in a thread of this process (engine_process=False), where a test can watch it
-    # (test_priority_reaches_the_scheduler); test_openai_server.py serves from an engine process.
     with server_thread(qwen3_tiny, api_key=API_KEY, served_model_name=MODEL, chat_template=template_file,
-                       reasoning_parser="qwen3", max_request_bytes=MAX_REQUEST_BYTES, engine_process=False) as running:
+                       reasoning_parser="qwen3", max_request_bytes=MAX_REQUEST_BYTES) as running:
         yield running
 
 

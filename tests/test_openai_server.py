@@ -1,6 +1,6 @@
 """The OpenAI-compatible server through the official `openai` client (raw HTTP only for bodies a
-client would never send), on a tiny checkpoint, with the engine in a process of its own (the
-server's default): outputs equal offline LLM.generate / LLM.chat for the same prompts and settings;
+client would never send), on a tiny checkpoint, with the engine in a process of its own
+(--engine-process; the other serving tests keep it in a thread of the server's process): outputs equal offline LLM.generate / LLM.chat for the same prompts and settings;
 a bounded load of concurrent clients, disconnects, a full queue, bad requests and API keys, each
 alongside good requests; an engine process that dies fails its requests, not the server."""
 import asyncio
@@ -36,7 +36,7 @@ def offline(qwen3_tiny):
 
 @pytest.fixture(scope="module")
 def server(qwen3_tiny):
-    with server_thread(qwen3_tiny, api_key=API_KEY, served_model_name=MODEL) as running:
+    with server_thread(qwen3_tiny, api_key=API_KEY, served_model_name=MODEL, engine_process=True) as running:
         yield running
 
 
@@ -421,7 +421,7 @@ def test_a_dead_engine_process_fails_its_requests_and_the_server_says_so(qwen3_t
     """The engine runs in a process of its own. Killed mid-stream (as an out-of-memory killer
     would), the stream ends with an error event and [DONE], /health turns 503, a new request gets
     a 503 naming the state, and the server still stops cleanly."""
-    with server_thread(qwen3_tiny) as server:
+    with server_thread(qwen3_tiny, engine_process=True) as server:
         engine = server.app.state.engine_client
         assert engine.engine_pid not in (None, os.getpid())
         body = {"model": qwen3_tiny, "prompt": PROMPTS[0], "max_tokens": 900, "temperature": 0, "stream": True,

@@ -2,9 +2,7 @@
 engine fails is a 500 in OpenAI's error JSON carrying its request id (a stream: its "abort" chunk,
 an error event, then [DONE]), the requests beside it are answered as always and /health stays
 200; a shutdown whose grace period runs out ends open streams with an "abort" chunk and [DONE]
-and answers waiting non-streaming requests with a 503, with no traceback in the log. Each fault is
-patched into the engine, so these servers keep it in their own process (engine_process=False);
-an engine process that dies is tested in test_openai_server.py."""
+and answers waiting non-streaming requests with a 503, with no traceback in the log."""
 import asyncio
 import json
 import logging
@@ -46,7 +44,7 @@ def faulty_stop_check(monkeypatch):
 
 
 def test_a_failed_request_is_a_500_and_the_others_are_served(qwen3_tiny, faulty_stop_check):
-    with server_thread(qwen3_tiny, engine_process=False) as server:
+    with server_thread(qwen3_tiny) as server:
         url = server.base_url + "/completions"
         name = server.settings.model_name
 
@@ -98,7 +96,7 @@ def test_a_request_failed_as_it_is_built_is_answered_at_once(qwen3_tiny, monkeyp
             raise RuntimeError("/secret/path injected fault")
         init(self, tokenizer, params, *args)
     monkeypatch.setattr(Detokenizer, "__init__", faulty)
-    with server_thread(qwen3_tiny, engine_process=False) as server:
+    with server_thread(qwen3_tiny) as server:
         url = server.base_url + "/completions"
         body = {"model": server.settings.model_name, "prompt": PROMPT, "max_tokens": VICTIM_MAX_TOKENS,
                 "temperature": 0}
@@ -129,7 +127,7 @@ def test_shutdown_past_the_grace_period_ends_every_response(qwen3_tiny, monkeypa
     monkeypatch.setattr(LLMEngine, "step", lambda self: time.sleep(STEP_S) or step(self))
     records = Records()
     loggers = [logging.getLogger(name) for name in ("uvicorn", "uvicorn.error", "nanovllm")]
-    with server_thread(qwen3_tiny, shutdown_timeout=2.0, engine_process=False) as server:
+    with server_thread(qwen3_tiny, shutdown_timeout=2.0) as server:
         for logger in loggers:
             logger.addHandler(records)
         body = {"model": server.settings.model_name, "prompt": PROMPT, "max_tokens": LONG, "temperature": 0,

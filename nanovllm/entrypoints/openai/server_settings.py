@@ -59,9 +59,10 @@ class ServerSettings:
     reasoning_parser: str | None = None
     # how tool calls are found in a chat answer under tool_choice "auto" (e.g. hermes, as Qwen writes them)
     tool_call_parser: str | None = None
-    # run the engine in a process of its own (as vLLM does), so its steps never wait for the HTTP
-    # server's GIL; --no-engine-process keeps it in a thread of the server's process
-    engine_process: bool = True
+    # run the engine in a process of its own, as vLLM does: a crash or kill of the engine leaves the
+    # server answering 503s; on 2 CPU cores it served no faster than the engine thread of the
+    # server's process, and starts ~2 s later (docs/BENCHMARKS.md, ninth session), so off by default
+    engine_process: bool = False
 
     def __post_init__(self):
         self.engine_kwargs = dict(self.engine_kwargs)  # the caller's dict stays as it was
