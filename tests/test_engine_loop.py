@@ -284,12 +284,16 @@ def test_a_loop_in_its_own_process_serves_refuses_and_stops():
 
 
 def test_a_failed_build_in_the_engine_process_is_raised_by_start():
+    """A build that raises in the engine process, and one that cannot be sent there (a lambda
+    does not pickle), fail start(); the client is then not running and shuts down as a no-op."""
     async def main():
-        client = EngineClient(refuse_to_build, 4, engine_process=True)
-        with pytest.raises(ValueError, match="not a directory"):
-            await client.start()
-        assert not client.is_running
-        await client.shutdown()
+        for build, error, started in ((refuse_to_build, "not a directory", True),
+                                      (lambda: StandInEngine(), "pickle", False)):
+            client = EngineClient(build, 4, engine_process=True)
+            with pytest.raises(Exception, match=error):
+                await client.start()
+            assert not client.is_running and (client.engine_pid is not None) == started
+            await client.shutdown()
     asyncio.run(main())
 
 

@@ -198,10 +198,16 @@ class EngineClient:
         if self.engine_process:
             context = multiprocessing.get_context("spawn")  # a fresh interpreter: no inherited threads or OpenMP pool
             self._conn, child_end = context.Pipe()
-            self._worker = context.Process(target=_engine_process_main, args=(self._build_engine, child_end),
-                                           name="nanovllm-engine")
-            self._worker.start()
-            child_end.close()  # the child's copy alone keeps it open: its exit is EOF here
+            worker = context.Process(target=_engine_process_main, args=(self._build_engine, child_end),
+                                     name="nanovllm-engine")
+            try:
+                worker.start()  # pickles build_engine: one that cannot cross fails here
+            except BaseException:
+                self._conn.close()
+                raise
+            finally:
+                child_end.close()  # the child's copy alone keeps it open: its exit is EOF here
+            self._worker = worker
             self._loop.add_reader(self._conn.fileno(), self._on_readable)
             self._outbox = queue.SimpleQueue()
             self._sender = threading.Thread(target=self._send_loop, name="nanovllm-engine-sender", daemon=True)
