@@ -439,3 +439,17 @@ def test_a_dead_engine_process_fails_its_requests_and_the_server_says_so(qwen3_t
             refused = http.post("/completions", json={**body, "stream": False})
             assert refused.status_code == 503 and refused.json()["error"]["code"] == "engine_not_running"
     assert not engine.is_running
+
+
+def test_constraints_with_the_engine_in_its_own_process(client):
+    """Beside an engine process the server compiles each constraint with a compiler of its own (one
+    that does not compile is a 400 naming its field before the engine sees it), and the engine
+    applies the constraint it compiles for itself."""
+    for seed in range(3):
+        text = client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=8, temperature=1.0, seed=seed,
+                                         extra_body={"guided_choice": ["red", "green"]}).choices[0].text
+        assert text in ("red", "green")
+    bogus = {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "bogus"}}}
+    with pytest.raises(openai.BadRequestError) as refused:
+        client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=4, response_format=bogus)
+    assert "response_format" in str(refused.value)
