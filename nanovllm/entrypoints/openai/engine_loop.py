@@ -34,7 +34,6 @@ import queue
 import signal
 import threading
 import time
-from dataclasses import dataclass
 from multiprocessing.reduction import ForkingPickler
 from typing import AsyncIterator, Callable, NamedTuple, Protocol
 
@@ -119,13 +118,6 @@ class _Stopped(NamedTuple):
     error: BaseException | None  # None after a _Stop; else what stopped the loop
 
 
-@dataclass
-class _Timing:
-    """What the client remembers of a live request, for the latency histograms."""
-    arrival: float  # time.monotonic() when the call came in
-    last_token: float | None = None  # None until its first token
-
-
 class Submission:
     """The prompts of one add() call as its HTTP handler sees them: their outputs, in the order
     they come, until every one has finished. Prompt i is request `request_ids[i]`."""
@@ -133,6 +125,8 @@ class Submission:
     def __init__(self, request_ids: list[str], n: int):
         self.request_ids = request_ids
         self.n = n  # samples per prompt: each holds n queue places until its first output
+        self.arrival = time.monotonic()  # when the call came in, for the latency histograms
+        self.last_token: dict[str, float] = {}  # by request id: when its latest tokens arrived
         self.outputs: asyncio.Queue = asyncio.Queue()  # RequestDelta, or the error that ended the loop
         self.unstarted = set(request_ids)  # no output yet (the client's bookkeeping)
         self.unfinished = set(request_ids)  # no final output yet (the consumer's bookkeeping)
@@ -169,7 +163,6 @@ class EngineClient:
         self.metrics = metrics or ServerMetrics()
         self.engine_process = engine_process
         self._submissions: dict[str, Submission] = {}  # by live request id
-        self._timings: dict[str, _Timing] = {}  # by live request id
         self._pending: dict[int, asyncio.Future] = {}  # by add id: adds the loop has not answered yet
         self._next_add_id = 0
         self._num_queued = 0  # sequences accepted whose request has had no output yet
@@ -283,7 +276,6 @@ class EngineClient:
                                  "wait for their first token); retry later")
         submission = Submission([f"{request_id}-{i}" for i in range(len(prompts))], params.n)
         add_id, self._next_add_id = self._next_add_id, self._next_add_id + 1
-        arrival = time.monotonic()
         if not self._send(_Add(list(zip(submission.request_ids, prompts, [params] * len(prompts))), add_id,
                                priority)):
             raise EngineDeadError("the engine is not running") from self._dead
@@ -291,7 +283,6 @@ class EngineClient:
         # Registered before this coroutine yields, so before any output can be delivered.
         for rid in submission.request_ids:
             self._submissions[rid] = submission
-            self._timings[rid] = _Timing(arrival)
         self._num_queued += weight
         try:
             await accepted
@@ -301,7 +292,6 @@ class EngineClient:
             for rid in submission.request_ids:
                 self._release(rid)
                 self._submissions.pop(rid, None)
-                self._timings.pop(rid, None)
             raise
         return submission
 
@@ -374,30 +364,30 @@ class EngineClient:
             submission.outputs.put_nowait(item)
             if isinstance(item, BaseException) or item.finished:
                 del self._submissions[request_id]
-                self._timings.pop(request_id, None)
 
     def _observe(self, items: list[tuple[str, RequestDelta]], stats: EngineStats) -> None:
         """Update the metrics with one loop iteration's outputs and the engine's state."""
         m = self.metrics
         now = time.monotonic()
         for request_id, output in items:
-            timing = self._timings.get(request_id)
-            if timing is None:  # its handler gave up on it
+            submission = self._submissions.get(request_id)
+            if submission is None:  # its handler gave up on it
                 continue
             num_new = sum(len(sample.token_ids) for sample in output.samples)
             if num_new:
                 m.generation_tokens.inc(num_new)
-                if timing.last_token is None:
+                last_token = submission.last_token.get(request_id)
+                if last_token is None:
                     m.prompt_tokens.inc(len(output.prompt_token_ids))
-                    m.time_to_first_token.observe(now - timing.arrival)
+                    m.time_to_first_token.observe(now - submission.arrival)
                 else:
-                    m.time_per_output_token.observe(now - timing.last_token)
-                timing.last_token = now
+                    m.time_per_output_token.observe(now - last_token)
+                submission.last_token[request_id] = now
             for sample in output.samples:
                 if sample.finished:
                     m.requests_finished.labels(sample.finish_reason).inc()
             if output.finished:
-                m.e2e_request_latency.observe(now - timing.arrival)
+                m.e2e_request_latency.observe(now - submission.arrival)
         m.observe_engine(stats)
 
     def _post(self, message) -> None:
