@@ -60,7 +60,10 @@ struct Item {
 // token or group of tokens) rather than in one burst per block: a burst of hundreds of prefetches
 // fills the core's miss queues and stalls the compute it was meant to overlap. `l1` (the next
 // block's K, read first) goes to L1; then `l2`'s runs (the next block's V, the block after's K
-// and V) to L2, offset by offset.
+// and V) to L2, offset by offset. A step asks for whole groups of lines with one test per group,
+// not one per line: decode, 64 sequences, data from memory, bf16 ~15% and float32 ~6% faster
+// (docs/BENCHMARKS.md "Tenth 2026-11-26 session"); a group may reach a few lines past a run's end,
+// which a prefetch never faults on.
 struct Ahead {
   const char* l1 = nullptr;
   int64_t l1_left = 0;
@@ -69,17 +72,20 @@ struct Ahead {
 
   int lines_per_step = AHEAD_LINES_PER_STEP;  // attend_item scales it by the element size
 
-  inline void step() {
-    for (int i = 0; i < lines_per_step; ++i) {
-      if (l1_left > 0) {
-        __builtin_prefetch(l1, 0, 3);
-        l1 += CACHE_LINE;
-        l1_left -= CACHE_LINE;
-      } else if (l2_off < l2_bytes) {
-        for (const char* run : l2)
-          if (run) __builtin_prefetch(run + l2_off, 0, 1);
-        l2_off += CACHE_LINE;
+  inline void step(int times = 1) {
+    const int lines = lines_per_step * times;
+    if (l1_left > 0) {
+      for (int i = 0; i < lines; ++i) __builtin_prefetch(l1 + i * CACHE_LINE, 0, 3);
+      l1 += lines * CACHE_LINE;
+      l1_left -= lines * CACHE_LINE;
+    } else if (l2_off < l2_bytes) {
+      for (int i = 0; i < lines; ++i) {
+        const int64_t off = l2_off + i * CACHE_LINE;
+        __builtin_prefetch(l2[0] + off, 0, 1);
+        __builtin_prefetch(l2[1] + off, 0, 1);
+        __builtin_prefetch(l2[2] + off, 0, 1);
       }
+      l2_off += lines * CACHE_LINE;
     }
   }
   inline void finish() {
@@ -236,8 +242,7 @@ void scores_by_sums(float* __restrict__ s, const float* __restrict__ qf, const u
 #endif
   for (int r0 = 0; r0 < rows; r0 += ROWS) {
     for (int t0 = 0; t0 < n; t0 += TOKENS) {
-      if (ahead)
-        for (int j = 0; j < TOKENS; ++j) ahead->step();
+      if (ahead) ahead->step(TOKENS);
       __m512 lanes[LANES];
       for (int j = 0; j < TOKENS; ++j) {
         const typename T::storage* kp = k + std::min(t0 + j, n - 1) * token_stride;
@@ -641,8 +646,8 @@ void attend_item(const Item& item, const typename T::storage* q, typename T::sto
           ahead.l1 = kp;
           ahead.l1_left = bytes;
           ahead.l2[0] = vp;
-          ahead.l2[1] = kp2;
-          ahead.l2[2] = vp2;
+          ahead.l2[1] = third ? kp2 : vp;  // no block after: the next V again (requests that hit)
+          ahead.l2[2] = third ? vp2 : vp;
           ahead.l2_off = 0;
           ahead.l2_bytes = bytes;
           ahead.lines_per_step = AHEAD_LINES_PER_STEP * static_cast<int>(sizeof(S)) / 2;
