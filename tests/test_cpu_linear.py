@@ -9,6 +9,12 @@ The CPU's few-row product (kernels/cpu_linear.cpp), which linear() takes for dec
 sequences, equals the float64 product to float32 rounding (bf16: within its tolerance and next to
 oneDNN's), for every row count it takes, weights whose rows and width leave tails, strided rows
 and a bias; the engine switches every linear layer and the LM head to it.
+
+The AMX product (kernels/cpu_amx_linear.cpp), which linear() takes for decode steps of up to 256
+sequences on a CPU with AMX, equals the float64 product within bf16's rounding for row counts that
+fill whole tiles and ones it pads, strided rows, a bias, and weight widths of one or several tiles;
+it takes only bfloat16 weights of whole tiles; the engine gives it to every bf16 linear layer whose
+weight it takes (not the LM head).
 """
 import pytest
 import torch
@@ -133,4 +139,74 @@ def test_engine_gives_linear_layers_and_the_lm_head_the_few_row_product(qwen3_ti
         assert all(m.few_rows is None or m.weight.dtype != getattr(torch, dtype) for m in layers)
     else:
         assert all(m.few_rows is not None and m.few_rows.max_rows == expected.max_rows for m in layers)
+    llm.exit()
+
+
+def amx_for(cpu_kernels, weight):
+    product = cpu_kernels.amx_linear(weight)
+    if product is None and cpu_kernels.amx_linear(torch.zeros(32, 32, dtype=torch.bfloat16)) is None:
+        pytest.skip("this CPU's build has no AMX product (it needs AMX-TILE, AMX-BF16 and AVX512-BF16)")
+    return product
+
+
+# Widths: one tile of K and one pair of column blocks; the real model's qkv and down shapes.
+@pytest.mark.parametrize("n,k", [(32, 32), (1024, 512), (512, 1536), (96, 64)])
+@pytest.mark.parametrize("bias", [False, True])
+def test_amx_product_equals_the_exact_product(cpu_kernels, n, k, bias):
+    gen = torch.Generator().manual_seed(n + k)
+    weight = torch.randn(n, k, generator=gen).bfloat16()
+    product = amx_for(cpu_kernels, weight)
+    b = torch.randn(n, generator=gen).bfloat16() if bias else None
+    # Whole tiles (16, 32, 64, 256), a lone tile of rows after pairs (48), rows padded (1, 5, 17, 100).
+    for rows in (1, 5, 16, 17, 32, 48, 64, 100, 256):
+        x = torch.randn(rows, 2 * k, generator=gen).bfloat16()[:, k // 2:k // 2 + k]  # strided rows
+        out = linear(x, weight, b, amx=product)
+        assert out.shape == (rows, n) and out.dtype == torch.bfloat16
+        exact = F.linear(x.double(), weight.double(), None if b is None else b.double())
+        # float32 sums of exact products, rounded once to bf16: within one unit of rounding
+        assert ((out.double() - exact).abs() <= 2 ** -8 * exact.abs() + 1e-3 * exact.abs().max()).all(), rows
+        torch.testing.assert_close(out, F.linear(x, weight, b), atol=2e-2, rtol=2e-2)
+
+
+def test_amx_product_takes_only_bfloat16_weights_of_whole_tiles(cpu_kernels):
+    assert amx_for(cpu_kernels, torch.zeros(64, 64, dtype=torch.bfloat16)) is not None
+    for weight in (torch.zeros(64, 64), torch.zeros(64, 64, dtype=torch.float16),
+                   torch.zeros(48, 64, dtype=torch.bfloat16), torch.zeros(64, 48, dtype=torch.bfloat16)):
+        assert cpu_kernels.amx_linear(weight) is None, (weight.dtype, weight.shape)
+
+
+def test_linear_takes_the_amx_product_above_the_few_rows(cpu_kernels):
+    weight = torch.randn(64, 64).bfloat16()
+    product = amx_for(cpu_kernels, weight)
+    few = few_rows_for(cpu_kernels, torch.bfloat16)
+    calls = []
+
+    def counting(real, name):
+        class Counting:
+            max_rows = real.max_rows
+
+            def __call__(self, x, *args):
+                calls.append((name, x.size(0)))
+                return real(x, *args)
+        return Counting()
+
+    for rows in (1, few.max_rows, few.max_rows + 1, product.max_rows, product.max_rows + 1):
+        linear(torch.randn(rows, 64).bfloat16(), weight, None, None, counting(few, "few"), counting(product, "amx"))
+    linear(torch.randn(8, 64), weight, None, None, None, counting(product, "amx"))  # activations in another dtype
+    assert calls == [("few", 1), ("few", few.max_rows), ("amx", few.max_rows + 1), ("amx", product.max_rows)]
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_engine_gives_bf16_linear_layers_the_amx_product(qwen3_tiny, cpu_kernels, dtype):
+    amx_for(cpu_kernels, torch.zeros(32, 32, dtype=torch.bfloat16))
+    llm = LLM(qwen3_tiny, num_kvcache_blocks=16, dtype=dtype)
+    model = llm.model_runner.model
+    layers = [m for m in model.modules() if isinstance(m, LinearBase)]
+    if dtype == "float32" or not cpu.native_half_matmul(torch.bfloat16):
+        assert all(m.amx is None for m in layers)
+    else:
+        assert layers and all((m.amx is not None) == (m.weight.size(0) % 32 == 0 and m.weight.size(1) % 32 == 0)
+                              for m in layers)
+        assert any(m.amx is not None for m in layers)
+    assert getattr(model.lm_head, "amx", None) is None
     llm.exit()

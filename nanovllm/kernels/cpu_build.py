@@ -34,7 +34,8 @@ from nanovllm.utils.paths import cache_dir
 logger = logging.getLogger("nanovllm")
 
 SOURCES = tuple(Path(__file__).with_name(name) for name in ("cpu_paged_attention.cpp", "cpu_fused.cpp",
-                                                                 "cpu_linear.cpp", "cpu_decode_layers.cpp"))
+                                                                 "cpu_linear.cpp", "cpu_amx_linear.cpp",
+                                                                 "cpu_decode_layers.cpp"))
 HEADERS = (Path(__file__).with_name("cpu_kernels.h"),)
 # -march=native: AVX-512/AVX2 as this CPU has them (the library is cached per CPU flags).
 # -fopenmp: the (sequence, KV head, query tile) loop runs on torch's OpenMP pool.
@@ -49,6 +50,13 @@ DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 # up to 4 sequences can run as one call (layers/cpu_decode.py), which saves ~1 ms a step of Python
 # (real-proportion model) where the slower products cost ~0.4 ms.
 FEW_ROWS_MAX = {torch.float32: 4, torch.bfloat16: 4}
+# The most rows the AMX product takes (cpu_amx_linear.cpp; bfloat16, rows padded to multiples of
+# 16): decode steps of up to 256 sequences. After a 24 MB read (an attention layer's), the real
+# model's layer shapes took 0.45-0.75x oneDNN's packed time at 16-64 rows, 0.6-0.9x at 128-256,
+# and were level at 512 (docs/BENCHMARKS.md, "Tenth 2026-11-26 session"). The LM head (32,000
+# columns) stays on oneDNN: level at 64 rows, slower above.
+AMX_MAX_ROWS = 256
+AMX_TILE_ROWS, AMX_TILE_K, AMX_PAIR_COLUMNS = 16, 32, 32
 CPUINFO = "/proc/cpuinfo"
 
 _loaded: "ctypes.CDLL | str | None" = None  # the library, or why there is none; None: not tried yet
@@ -104,6 +112,38 @@ class FewRowsLinear:
         return out
 
 
+class AmxProduct:
+    """One bfloat16 weight packed for the AMX product (cpu_amx_linear.cpp), called as x @ weight.T
+    (+ bias) for 1..max_rows rows of x: the product layers/linear.py linear() takes at decode steps
+    of up to AMX_MAX_ROWS sequences. The packed copy is the kernel's layout,
+    [N/16][K/32][16 pairs of K][16 columns][2]; the plain weight stays (prefill products use it)."""
+    max_rows = AMX_MAX_ROWS
+
+    def __init__(self, fn, weight: torch.Tensor):
+        n, k = weight.shape
+        self._fn = fn
+        self.n = n
+        self.packed = weight.detach().view(n // 16, 16, k // AMX_TILE_K, AMX_TILE_K // 2, 2).permute(
+            0, 2, 3, 1, 4).contiguous()
+
+    @staticmethod
+    def takes(weight: torch.Tensor) -> bool:
+        n, k = weight.shape
+        return weight.dtype == torch.bfloat16 and n % AMX_PAIR_COLUMNS == 0 and k % AMX_TILE_K == 0
+
+    def __call__(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """x [rows, K] bfloat16 with rows <= max_rows; returns [rows, N]."""
+        rows, k = x.shape
+        padded = -(-rows // AMX_TILE_ROWS) * AMX_TILE_ROWS  # whole tiles of rows: zero rows added
+        if padded != rows or x.stride(1) != 1:
+            x = torch.nn.functional.pad(x, (0, 0, 0, padded - rows))
+        out = torch.empty(padded, self.n, dtype=x.dtype)
+        rc = self._fn(x.data_ptr(), x.stride(0), padded, k, self.packed.data_ptr(), self.n,
+                      None if bias is None else bias.data_ptr(), out.data_ptr(), self.n, torch.get_num_threads())
+        assert rc == 0, f"nanovllm_amx_linear returned {rc}"
+        return out if padded == rows else out[:rows]
+
+
 class FusedKernels:
     """The library's fused elementwise kernels (cpu_fused.cpp), and its few-row linear products
     (cpu_linear.cpp), called with tensors; the elementwise kernels with the
@@ -130,6 +170,10 @@ class FusedKernels:
             fn.restype = i32
         self._few_rows_supported = {dtype: bool(library.nanovllm_few_rows_supported(code))
                                     for dtype, code in DTYPE_CODES.items()}
+        amx_linear = library.nanovllm_amx_linear
+        amx_linear.argtypes = [ptr, i64, i32, i32, ptr, i32, ptr, ptr, i64, i32]
+        amx_linear.restype = i32
+        self._amx_linear = amx_linear if library.nanovllm_amx_linear_supported() else None
         self._greedy_tokens = library.nanovllm_greedy_tokens
         self._greedy_tokens.argtypes = [i32, ptr, i64, i32, i32, f32, ptr, i32]
         self._greedy_tokens.restype = i32
@@ -152,6 +196,11 @@ class FusedKernels:
         if not self._few_rows_supported.get(dtype) or dtype not in FEW_ROWS_MAX:
             return None
         return FewRowsLinear(self._few_rows_linear, FEW_ROWS_MAX[dtype])
+
+    def amx_linear(self, weight: torch.Tensor) -> AmxProduct | None:
+        """`weight` packed for the AMX product, or None where this CPU's build has none or the
+        product does not take the weight (bfloat16, N and K multiples of 32)."""
+        return AmxProduct(self._amx_linear, weight) if self._amx_linear is not None and AmxProduct.takes(weight) else None
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float,
                  residual: torch.Tensor | None = None) -> RMSNormOutput:

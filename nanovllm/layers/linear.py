@@ -52,7 +52,8 @@ def packed_rows(rows: int) -> int | None:
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-           packed: torch.Tensor | None = None, few_rows: Callable | None = None) -> torch.Tensor:
+           packed: torch.Tensor | None = None, few_rows: Callable | None = None,
+           amx: Callable | None = None) -> torch.Tensor:
     """F.linear computed in the weight's dtype and returned in x's. The two differ only where
     half-precision layers keep float32 weights (utils/cpu.py: a CPU that emulates bf16/fp16
     matmul, ~10x slower there than float32); everywhere else this is F.linear. With `packed`
@@ -60,9 +61,15 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
     is oneDNN's on it instead of a matmul that reorders the plain weight on every call, at
     packed_rows(rows) rows (zero rows padding the difference). With `few_rows` (the CPU's
     few-row product, kernels/cpu_linear.cpp, set by enable_cpu) up to its max_rows rows of x in the
-    weight's dtype go to it instead: a decode step of a few sequences, which reads the weight."""
-    if few_rows is not None and x.dim() == 2 and 0 < x.size(0) <= few_rows.max_rows and x.dtype == weight.dtype:
-        return few_rows(x, weight, bias)
+    weight's dtype go to it instead: a decode step of a few sequences, which reads the weight. With
+    `amx` (the weight packed for the CPU's AMX product, kernels/cpu_amx_linear.cpp, set by
+    enable_cpu on a CPU with AMX) the rows above those, up to its max_rows, go to it: a decode step
+    of up to 256 sequences."""
+    if x.dim() == 2 and x.dtype == weight.dtype and x.size(0) > 0:
+        if few_rows is not None and x.size(0) <= few_rows.max_rows:
+            return few_rows(x, weight, bias)
+        if amx is not None and x.size(0) <= amx.max_rows:
+            return amx(x, bias)
     padded = None if packed is None else packed_rows(x.numel() // x.size(-1))
     if padded is not None:
         flat = x if x.dim() == 2 else x.reshape(-1, x.size(-1))
@@ -100,6 +107,7 @@ class LinearBase(nn.Module):
     computes_in_weight_dtype = True  # its weights may be held in float32 (see linear())
     packed_weight: torch.Tensor | None = None  # set on CPU after loading (utils/cpu.py pack_linear_weights)
     few_rows: Callable | None = None  # the CPU's few-row product (see linear()), set by enable_cpu
+    amx: Callable | None = None  # the weight packed for the CPU's AMX product (see linear()), set by enable_cpu
 
     def __init__(self, input_size: int, output_size: int, bias: bool, tp_dim: int | None):
         super().__init__()
@@ -120,9 +128,10 @@ class LinearBase(nn.Module):
 
     def enable_cpu(self, kernels) -> None:
         self.few_rows = kernels.few_rows_linear(self.weight.dtype)
+        self.amx = kernels.amx_linear(self.weight)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight, self.bias, self.packed_weight, self.few_rows)
+        return linear(x, self.weight, self.bias, self.packed_weight, self.few_rows, self.amx)
 
 
 class ReplicatedLinear(LinearBase):
@@ -183,7 +192,8 @@ class RowParallelLinear(LinearBase):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # Only rank 0 adds the bias, so the all-reduce counts it once.
-        y = linear(x, self.weight, self.bias if self.tp_rank == 0 else None, self.packed_weight, self.few_rows)
+        y = linear(x, self.weight, self.bias if self.tp_rank == 0 else None, self.packed_weight, self.few_rows,
+                   self.amx)
         if self.tp_size > 1:
             dist.all_reduce(y)
         return y
