@@ -1,7 +1,7 @@
 """Builds and loads the CPU kernels once per machine: paged attention (cpu_paged_attention.cpp),
-the fused elementwise kernels (cpu_fused.cpp), few-row linear products (cpu_linear.cpp) and a
-decode step through all decoder layers built of those (cpu_decode_layers.cpp), one library
-sharing cpu_kernels.h.
+the fused elementwise kernels (cpu_fused.cpp), few-row linear products (cpu_linear.cpp), bf16
+products on AMX tiles (cpu_amx_linear.cpp, where the CPU has AMX) and a decode step through all
+decoder layers built of those (cpu_decode_layers.cpp), one library sharing cpu_kernels.h.
 
 The source is plain C++ with a C ABI (pointers and integers, no torch headers), so g++ builds it
 in about a second, where a torch C++ extension (torch.utils.cpp_extension) spends ~30-60 s of a
@@ -13,9 +13,10 @@ processes only load it (milliseconds). A machine without a C++ compiler, or a fa
 gets a reason string instead, which the attention backend choice logs before falling back to the
 torch backend.
 
-Owns the build, the cache and the ctypes bindings (`PagedAttentionKernel`, `FusedKernels`); the
-attention tensors' checks and metadata live with the backend (attention/cpu_backend.py), and the
-fused kernels are called by the layers (layers/) with the tensors those make, unchecked.
+Owns the build, the cache and the ctypes bindings (`PagedAttentionKernel`, `FusedKernels`,
+`FewRowsLinear`, `AmxProduct`); the attention tensors' checks and metadata live with the backend
+(attention/cpu_backend.py), and the fused kernels are called by the layers (layers/) with the
+tensors those make, unchecked.
 """
 import ctypes
 import hashlib
@@ -128,8 +129,10 @@ class AmxProduct:
 
     @staticmethod
     def takes(weight: torch.Tensor) -> bool:
+        if weight.dim() != 2 or weight.dtype != torch.bfloat16 or not weight.is_contiguous():
+            return False
         n, k = weight.shape
-        return weight.dtype == torch.bfloat16 and n % AMX_PAIR_COLUMNS == 0 and k % AMX_TILE_K == 0
+        return n % AMX_PAIR_COLUMNS == 0 and k % AMX_TILE_K == 0
 
     def __call__(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """x [rows, K] bfloat16 with rows <= max_rows; returns [rows, N]."""
