@@ -1,5 +1,6 @@
 """The CPU's fused decode (layers/cpu_decode.py, kernels/cpu_decode_layers.cpp): a decode step of
-up to the few-row product's rows through every decoder layer in one C++ call. It must give bit for
+up to the few-row product's rows (or the AMX product's, bf16 on a CPU with AMX) through every
+decoder layer in one C++ call. It must give bit for
 bit what the model's Python layers give with the same kernels (token ids and logprobs), for every
 Llama-family variant (q/k norm or not, biases, tied heads, rope scalings) in float32 and bf16; HF's
 greedy tokens in float32; and leave every step it cannot run (more rows, prefill, an fp8 cache, an
@@ -35,21 +36,26 @@ def record_rows(fused) -> list[int]:
 def test_fused_decode_is_bit_for_bit_the_python_layers(request, cpu_kernels, family, dtype):
     # Prefix caching off: a cached prefix is attended by another kernel than a fresh prompt, so
     # the second run's prompts would differ from the first's for that reason alone.
-    llm = LLM(request.getfixturevalue(family), dtype=dtype, enable_prefix_caching=False, kvcache_block_size=16,
-              num_kvcache_blocks=64)
+    path = request.getfixturevalue(family)
+    probe = LLM(path, dtype=dtype, num_kvcache_blocks=16)
+    most = fused_decode_of(probe, cpu_kernels, getattr(torch, dtype)).max_rows  # 4, or 256 with the AMX product
+    probe.exit()
+    llm = LLM(path, dtype=dtype, enable_prefix_caching=False, kvcache_block_size=16, num_kvcache_blocks=4 * most + 64)
     fused = fused_decode_of(llm, cpu_kernels, getattr(torch, dtype))
     rows = record_rows(fused)
-    prompts = random_prompts(200, [5, 40, 17, 3, 33], seed=3)
-    # One sequence, two, the most it takes, and more than it takes (every step on the Python layers).
-    batches = [prompts[:1], prompts[1:3], prompts[:fused.max_rows], prompts[:fused.max_rows + 1]]
+    prompts = random_prompts(200, [[5, 40, 17, 3, 33][i % 5] for i in range(most + 1)], seed=3)
+    # One sequence, two, the most it takes, and more than it takes (every step on the Python layers);
+    # with the AMX product also the first row count past the few-row product's (a part-filled tile).
+    sizes = [1, 2, most, most + 1] + ([fused.few_rows_max + 1] if most > fused.few_rows_max else [])
     results = {}
     for mode in ("fused", "python"):
         llm.model_runner.model.model.fused_decode = fused if mode == "fused" else None
-        results[mode] = [[(o["token_ids"], o["logprobs"]) for o in llm.generate(batch, greedy(10, logprobs=3),
-                                                                               use_tqdm=False)] for batch in batches]
+        results[mode] = [[(o["token_ids"], o["logprobs"]) for o in llm.generate(prompts[:n], greedy(10, logprobs=3),
+                                                                               use_tqdm=False)] for n in sizes]
     assert results["fused"] == results["python"]
     # Each batch decodes 9 steps after its prefill; the largest batch none of them fused.
-    assert sorted(set(rows)) == sorted({1, 2, fused.max_rows}) and len(rows) == 27
+    fused_sizes = [n for n in sizes if n <= most]
+    assert sorted(rows) == sorted(n for n in fused_sizes for _ in range(9))
     llm.exit()
 
 

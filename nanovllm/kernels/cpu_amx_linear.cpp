@@ -29,7 +29,8 @@
 
 namespace {
 
-constexpr int TILE_ROWS = 16;
+using nanovllm_cpu::AMX_TILE_ROWS;
+constexpr int TILE_ROWS = AMX_TILE_ROWS;
 constexpr int TILE_K = 32;  // bf16 elements of K per tile row: 64 bytes
 constexpr int TILE_ELEMS = TILE_ROWS * TILE_K;  // one packed weight tile: 1 KiB
 constexpr int ARCH_REQ_XCOMP_PERM = 0x1023, XFEATURE_XTILEDATA = 18;

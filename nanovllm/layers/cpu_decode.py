@@ -1,12 +1,13 @@
-"""Decode steps of a few sequences through a Llama-family model's decoder layers in one C++ call
-on the CPU (kernels/cpu_decode_layers.cpp).
+"""Decode steps through a Llama-family model's decoder layers in one C++ call on the CPU
+(kernels/cpu_decode_layers.cpp).
 
 With one to a few sequences a decode step reads the weights once (~200 us a layer for a 512-wide
 model); the Python between the layer's ten kernel calls (modules, views, ctypes) cost ~150 us
 more. `CpuDecodeLayers` hands the whole stack of layers, and the final norm, to one call that runs
 the same kernels with the same arguments, so its output is bit for bit the layers' own with
 fused_kernels="cpu" (tests/test_cpu_decode.py). It takes a step only when every part would have
-gone to those kernels: a decode step (no prefill rows) of at most the few-row product's rows, on
+gone to those kernels: a decode step (no prefill rows) of at most the few-row product's rows, or
+of the AMX product's where every layer's products have it (bf16 on a CPU with AMX), on
 an unquantised cache in the model's dtype, one tensor-parallel rank, a dense SwiGLU MLP in every
 layer; any other step returns None and the Python layers run it. Like an attention layer it reads
 the step's attention metadata from the forward context.
@@ -27,13 +28,14 @@ class LayerWeights(ctypes.Structure):
     """kernels/cpu_decode_layers.cpp's LayerWeights, field for field."""
     _fields_ = [(name, _ptr) for name in ("input_norm", "post_norm", "qkv", "qkv_bias", "o", "o_bias", "q_norm",
                                            "k_norm", "gate_up", "gate_up_bias", "down", "down_bias", "k_cache",
-                                           "v_cache")] + [("input_eps", _f32), ("post_eps", _f32), ("qk_eps", _f32)]
+                                           "v_cache", "qkv_amx", "o_amx", "gate_up_amx", "down_amx")] + [
+        ("input_eps", _f32), ("post_eps", _f32), ("qk_eps", _f32)]
 
 
 class DecodeModel(ctypes.Structure):
     """kernels/cpu_decode_layers.cpp's DecodeModel, field for field."""
     _fields_ = [(name, _i32) for name in ("dtype", "element_size", "hidden", "num_heads", "num_kv_heads", "head_dim",
-                                           "intermediate", "block_size", "num_layers")] + [
+                                           "intermediate", "block_size", "num_layers", "few_rows_max")] + [
         ("scale", _f32), ("final_eps", _f32), ("final_norm", _ptr), ("cos_sin", _ptr), ("cos_sin_stride", _i64),
         ("layers", ctypes.POINTER(LayerWeights))]
 
@@ -42,11 +44,17 @@ def _address(t: torch.Tensor | None) -> int | None:
     return None if t is None else t.data_ptr()
 
 
+def _amx_address(linear: nn.Module) -> int | None:
+    """Where a linear layer's weight packed for the AMX product lies, or None."""
+    return None if linear.amx is None else linear.amx.packed.data_ptr()
+
+
 class CpuDecodeLayers:
     """The decoder layers' decode step in one call, for a model whose every layer it can run."""
 
-    def __init__(self, model: nn.Module, kernels: FusedKernels, max_rows: int):
+    def __init__(self, model: nn.Module, kernels: FusedKernels, few_rows_max: int, max_rows: int):
         self.model = model  # models/llama.py's LlamaModel: embed_tokens, layers, norm
+        self.few_rows_max = few_rows_max  # rows up to this go to the few-row product, above to the AMX one
         self.max_rows = max_rows
         self.dtype = model.embed_tokens.weight.dtype
         self._fn = kernels.decode_layers
@@ -61,6 +69,7 @@ class CpuDecodeLayers:
         few_rows = kernels.few_rows_linear(dtype)
         if few_rows is None or getattr(model.embed_tokens, "tp_size", 1) != 1:
             return None
+        amx_rows = []  # each product's AMX rows; none where a product has no AMX weight
         for layer in model.layers:
             if not (type(layer) is LlamaDecoderLayer and type(layer.self_attn) is LlamaAttention
                     and type(layer.mlp) is LlamaMLP and isinstance(layer.self_attn.attn.backend, CpuPagedBackend)):
@@ -71,7 +80,8 @@ class CpuDecodeLayers:
                 return None
             if attn.rotary_emb is None:
                 return None
-        return cls(model, kernels, few_rows.max_rows)
+            amx_rows += [0 if lin.amx is None else lin.amx.max_rows for lin in linears]
+        return cls(model, kernels, few_rows.max_rows, max(few_rows.max_rows, min(amx_rows, default=0)))
 
     def _build(self) -> DecodeModel | None:
         """The structures for the cache the layers hold now (kept on self); None where the cache is
@@ -93,6 +103,8 @@ class CpuDecodeLayers:
             slot.gate_up, slot.gate_up_bias = _address(mlp.gate_up_proj.weight), _address(mlp.gate_up_proj.bias)
             slot.down, slot.down_bias = _address(mlp.down_proj.weight), _address(mlp.down_proj.bias)
             slot.k_cache, slot.v_cache = _address(a.attn.k_cache), _address(a.attn.v_cache)
+            slot.qkv_amx, slot.o_amx = _amx_address(a.qkv_proj), _amx_address(a.o_proj)
+            slot.gate_up_amx, slot.down_amx = _amx_address(mlp.gate_up_proj), _amx_address(mlp.down_proj)
             slot.input_eps, slot.post_eps = layer.input_layernorm.eps, layer.post_attention_layernorm.eps
             slot.qk_eps = a.q_norm.eps if a.qk_norm else 0.0
         first = attentions[0]
@@ -102,7 +114,8 @@ class CpuDecodeLayers:
             dtype=DTYPE_CODES[self.dtype], element_size=self.dtype.itemsize,
             hidden=self.model.norm.weight.numel(), num_heads=first.num_heads, num_kv_heads=first.num_kv_heads,
             head_dim=first.head_dim, intermediate=self.model.layers[0].mlp.down_proj.weight.size(1),
-            block_size=first.attn.k_cache.size(1), num_layers=len(attentions), scale=first.attn.scale,
+            block_size=first.attn.k_cache.size(1), num_layers=len(attentions), few_rows_max=self.few_rows_max,
+            scale=first.attn.scale,
             final_eps=self.model.norm.eps, final_norm=_address(self.model.norm.weight), cos_sin=_address(rotary),
             cos_sin_stride=rotary.stride(0), layers=layers)
 

@@ -174,8 +174,8 @@ class ModelRunner:
                 if self.rank == 0:
                     logger.warning("fused kernels: torch (%s)", kernels)
                 config.fused_kernels = "torch"
-            else:
-                for module in [*self.model.modules(), self.sampler]:
+            else:  # children before parents: the fused decode step (models/llama.py) reads its layers' products
+                for module in [*reversed(list(self.model.modules())), self.sampler]:
                     if isinstance(module, CPU_FUSED_LAYERS):
                         module.enable_cpu(kernels)
         self.max_blocks_per_seq = cdiv(config.max_model_len, self.block_size)
