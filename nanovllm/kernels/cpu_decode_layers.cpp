@@ -42,14 +42,18 @@ struct DecodeModel {
   const LayerWeights* layers;
 };
 
+// The rows a step's products compute: its own up to the few-row product's, whole AMX tiles above.
+int product_rows(const DecodeModel* m, int rows) {
+  return rows <= m->few_rows_max ? rows : (rows + AMX_TILE_ROWS - 1) / AMX_TILE_ROWS * AMX_TILE_ROWS;
+}
+
 // out[rows, N] = x[rows, K] @ w^T (+ bias), x and out with row strides K and N: the few-row
-// product up to its rows, the AMX product on w_amx above them (rows rounded up to whole tiles).
+// product up to its rows, the AMX product on w_amx above them (on product_rows rows).
 int product(const DecodeModel* m, int rows, const void* x, const void* w, const void* w_amx, const void* bias,
             void* out, int N, int K, int num_threads) {
   if (rows <= m->few_rows_max) return nanovllm_few_rows_linear(m->dtype, rows, x, K, w, bias, out, N, N, K, num_threads);
   if (w_amx == nullptr) return -1;
-  const int padded = (rows + AMX_TILE_ROWS - 1) / AMX_TILE_ROWS * AMX_TILE_ROWS;
-  return nanovllm_amx_linear(x, K, padded, K, w_amx, N, bias, out, N, num_threads);
+  return nanovllm_amx_linear(x, K, product_rows(m, rows), K, w_amx, N, bias, out, N, num_threads);
 }
 
 }  // namespace
@@ -70,7 +74,7 @@ int nanovllm_decode_layers(const DecodeModel* m, int rows, const void* x, void* 
   // layer's output, q/k/v, attention output, gate/up, and its activation.
   const size_t sizes[] = {size_t(H), size_t(H), size_t(H), size_t(H), size_t(qkv_width), size_t(q_width),
                           size_t(2 * I), size_t(I)};
-  const int scratch_rows = rows <= m->few_rows_max ? rows : (rows + AMX_TILE_ROWS - 1) / AMX_TILE_ROWS * AMX_TILE_ROWS;
+  const int scratch_rows = product_rows(m, rows);
   size_t total = 0;
   for (size_t s : sizes) total += s * scratch_rows;
   thread_local std::vector<unsigned char> scratch;
