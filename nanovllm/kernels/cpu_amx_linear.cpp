@@ -4,7 +4,8 @@
 // oneDNN's packed product (layers/linear.py) is fast when called back to back, but in a decode
 // step each call follows the attention's read of tens of MB of K/V, and then its first call costs
 // ~60-110 us more whatever its data (docs/BENCHMARKS.md, "Tenth 2026-11-26 session"): a bf16
-// step of the real-proportion model spent 8.1 ms in products that take 3.1 ms back to back. This
+// step of the real-proportion model spent 8.1 ms in products that take 3.1 ms back to back (a
+// 2-vCPU Intel Xeon with AMX). This
 // kernel is a few hundred bytes of code and no state between calls: per thread one tile
 // configuration, then for each pair of 16-column blocks of w (threads share the pairs) the rows
 // of x two tiles of 16 at a time, K in steps of 32 (one TDPBF16PS per tile pair), sums in float32

@@ -52,9 +52,9 @@ DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 # (real-proportion model) where the slower products cost ~0.4 ms.
 FEW_ROWS_MAX = {torch.float32: 4, torch.bfloat16: 4}
 # The most rows the AMX product takes (cpu_amx_linear.cpp; bfloat16, rows padded to multiples of
-# 16): decode steps of up to 256 sequences. After a 24 MB read (an attention layer's), the real
-# model's layer shapes took 0.45-0.75x oneDNN's packed time at 16-64 rows, 0.6-0.9x at 128-256,
-# and were level at 512 (docs/BENCHMARKS.md, "Tenth 2026-11-26 session"). The LM head (32,000
+# 16): decode steps of up to 256 sequences. On a 2-vCPU Intel Xeon with AMX, after a 24 MB read
+# (an attention layer's), the real model's layer shapes took 0.45-0.75x oneDNN's packed time at
+# 16-64 rows, 0.6-0.9x at 128-256, and were level at 512 (docs/BENCHMARKS.md, "Tenth 2026-11-26 session"). The LM head (32,000
 # columns) stays on oneDNN: level at 64 rows, slower above.
 AMX_MAX_ROWS = 256
 AMX_TILE_ROWS, AMX_TILE_K, AMX_PAIR_COLUMNS = 16, 32, 32

@@ -61,9 +61,9 @@ struct Item {
 // fills the core's miss queues and stalls the compute it was meant to overlap. `l1` (the next
 // block's K, read first) goes to L1; then `l2`'s runs (the next block's V, the block after's K
 // and V) to L2, offset by offset. A step asks for whole groups of lines with one test per group,
-// not one per line: decode, 64 sequences, data from memory, bf16 ~15% and float32 ~6% faster
-// (docs/BENCHMARKS.md "Tenth 2026-11-26 session"); a group may reach a few lines past a run's end,
-// which a prefetch never faults on.
+// not one per line: decode, 64 sequences, data from memory, bf16 ~15% and float32 ~6% faster on a
+// 2-vCPU Intel Xeon with AMX (docs/BENCHMARKS.md "Tenth 2026-11-26 session"); a group may reach a
+// few lines past a run's end, which a prefetch never faults on.
 struct Ahead {
   const char* l1 = nullptr;
   int64_t l1_left = 0;
