@@ -11,16 +11,19 @@ oneDNN's), for every row count it takes, weights whose rows and width leave tail
 and a bias; the engine switches every linear layer and the LM head to it.
 
 The AMX product (kernels/cpu_amx_linear.cpp), which linear() takes for decode steps of up to 256
-sequences on a CPU with AMX, equals the float64 product within bf16's rounding for row counts that
-fill whole tiles and ones it pads, strided rows, a bias, and weight widths of one or several tiles;
-it takes only bfloat16 weights of whole tiles; the engine gives it to every bf16 linear layer whose
-weight it takes (not the LM head).
+sequences on a CPU with AMX, equals the float64 product within bf16's rounding (bf16), and within
+float32's own rounding of the product (float32, as bf16x3), for row counts that fill whole tiles
+and ones it pads, strided rows, a bias, and weight widths of one or several tiles; it takes only
+bfloat16 and float32 weights of whole tiles; linear() takes it between its min_rows and max_rows;
+the engine gives it to every linear layer whose weight it takes, and to the LM head in float32 only
+(from AMX_HEAD_MIN_ROWS rows).
 """
 import pytest
 import torch
 import torch.nn.functional as F
 
 from nanovllm import LLM
+from nanovllm.kernels.cpu_build import AMX_HEAD_MIN_ROWS
 from nanovllm.layers.linear import (BUCKETED_PACKED_ROWS, EXACT_PACKED_ROWS, MIN_PACKED_ROWS, LinearBase, linear,
                                     packed_rows)
 from nanovllm.utils import cpu
@@ -168,10 +171,35 @@ def test_amx_product_equals_the_exact_product(cpu_kernels, n, k, bias):
         torch.testing.assert_close(out, F.linear(x, weight, b), atol=2e-2, rtol=2e-2)
 
 
-def test_amx_product_takes_only_bfloat16_weights_of_whole_tiles(cpu_kernels):
+# Float32 as bf16x3 (three bf16 parts of x and w, six products): about as close to the float64
+# product as float32's own F.linear, so it is a float32 product, not a bf16 one. Weights with a wide range of
+# magnitudes, so that the parts past the first matter; the rows of a prefill chunk past 256 too
+# (the kernel's row chunks).
+@pytest.mark.parametrize("n,k", [(32, 32), (1024, 512), (512, 1536), (96, 64)])
+@pytest.mark.parametrize("bias", [False, True])
+def test_amx_float32_product_is_as_close_as_float32s_own(cpu_kernels, n, k, bias):
+    gen = torch.Generator().manual_seed(n * k)
+    weight = torch.randn(n, k, generator=gen) * torch.exp2(torch.randint(-8, 8, (n, k), generator=gen).float())
+    product = amx_for(cpu_kernels, weight)
+    b = torch.randn(n, generator=gen) if bias else None
+    for rows in (1, 5, 16, 17, 48, 64, 100, 256, 700):
+        x = torch.randn(rows, 2 * k, generator=gen)[:, k // 2:k // 2 + k]  # strided rows
+        out = product(x, b)
+        assert out.shape == (rows, n) and out.dtype == torch.float32
+        exact = F.linear(x.double(), weight.double(), None if b is None else b.double())
+        own = (F.linear(x, weight, b).double() - exact).abs()
+        err = (out.double() - exact).abs()
+        # measured: mean error 0.55-1.6x F.linear's (fewer rows: more), the largest 0.4-3.3x
+        assert err.mean() <= 2 * own.mean() and err.max() <= 4 * own.max(), (rows, err.max(), own.max())
+        bf16 = (F.linear(x.bfloat16(), weight.bfloat16(), None if b is None else b.bfloat16()).double() - exact)
+        assert err.max() * 100 < bf16.abs().max(), rows  # far from a single bf16 product's error
+
+
+def test_amx_product_takes_only_bfloat16_and_float32_weights_of_whole_tiles(cpu_kernels):
     assert amx_for(cpu_kernels, torch.zeros(64, 64, dtype=torch.bfloat16)) is not None
-    for weight in (torch.zeros(64, 64), torch.zeros(64, 64, dtype=torch.float16),
-                   torch.zeros(48, 64, dtype=torch.bfloat16), torch.zeros(64, 48, dtype=torch.bfloat16)):
+    assert cpu_kernels.amx_linear(torch.zeros(64, 64)) is not None
+    for weight in (torch.zeros(64, 64, dtype=torch.float16), torch.zeros(64, 64, dtype=torch.float64),
+                   torch.zeros(48, 64, dtype=torch.bfloat16), torch.zeros(64, 48), torch.zeros(64, 64).t()[:32]):
         assert cpu_kernels.amx_linear(weight) is None, (weight.dtype, weight.shape)
 
 
@@ -184,6 +212,7 @@ def test_linear_takes_the_amx_product_above_the_few_rows(cpu_kernels):
     def counting(real, name):
         class Counting:
             max_rows = real.max_rows
+            min_rows = getattr(real, "min_rows", 1)  # the AMX product's (the few-row one has none)
 
             def __call__(self, x, *args):
                 calls.append((name, x.size(0)))
@@ -194,19 +223,27 @@ def test_linear_takes_the_amx_product_above_the_few_rows(cpu_kernels):
         linear(torch.randn(rows, 64).bfloat16(), weight, None, None, counting(few, "few"), counting(product, "amx"))
     linear(torch.randn(8, 64), weight, None, None, None, counting(product, "amx"))  # activations in another dtype
     assert calls == [("few", 1), ("few", few.max_rows), ("amx", few.max_rows + 1), ("amx", product.max_rows)]
+    calls.clear()
+    head = cpu_kernels.amx_linear(torch.randn(64, 64), min_rows=32)  # the float32 LM head's kind
+    for rows in (16, 31, 32, head.max_rows, head.max_rows + 1):
+        linear(torch.randn(rows, 64), torch.randn(64, 64), None, None, None, counting(head, "amx"))
+    assert calls == [("amx", 32), ("amx", head.max_rows)]
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_engine_gives_bf16_linear_layers_the_amx_product(qwen3_tiny, cpu_kernels, dtype):
+def test_engine_gives_linear_layers_the_amx_product(qwen3_tiny, cpu_kernels, dtype):
     amx_for(cpu_kernels, torch.zeros(32, 32, dtype=torch.bfloat16))
     llm = LLM(qwen3_tiny, num_kvcache_blocks=16, dtype=dtype)
     model = llm.model_runner.model
     layers = [m for m in model.modules() if isinstance(m, LinearBase)]
-    if dtype == "float32" or not cpu.native_half_matmul(torch.bfloat16):
-        assert all(m.amx is None for m in layers)
+    if dtype == "bfloat16" and not cpu.native_half_matmul(torch.bfloat16):  # bf16 layers hold float32 weights
+        assert all(m.weight.dtype == torch.float32 for m in layers)
+    assert layers and all((m.amx is not None) == (m.weight.size(0) % 32 == 0 and m.weight.size(1) % 32 == 0)
+                          for m in layers)
+    assert any(m.amx is not None for m in layers)
+    head = model.lm_head
+    if head.weight.dtype == torch.float32 and head.weight.size(0) % 32 == 0 and head.weight.size(1) % 32 == 0:
+        assert head.amx is not None and head.amx.min_rows == AMX_HEAD_MIN_ROWS
     else:
-        assert layers and all((m.amx is not None) == (m.weight.size(0) % 32 == 0 and m.weight.size(1) % 32 == 0)
-                              for m in layers)
-        assert any(m.amx is not None for m in layers)
-    assert getattr(model.lm_head, "amx", None) is None
+        assert head.amx is None
     llm.exit()

@@ -1,24 +1,27 @@
-// bfloat16 products of a decode step's rows with a linear layer's weight on AMX tiles,
-// out = x @ w^T (+ bias), for 16..AMX_MAX_ROWS rows (Python pads x to a multiple of 16).
+// bfloat16 and float32 products of a decode step's rows with a linear layer's weight on AMX
+// tiles, out = x @ w^T (+ bias), for 16..AMX_MAX_ROWS rows (Python pads x to a multiple of 16).
 //
 // oneDNN's packed product (layers/linear.py) is fast when called back to back, but in a decode
 // step each call follows the attention's read of tens of MB of K/V, and then its first call costs
 // ~60-110 us more whatever its data (docs/BENCHMARKS.md, "Tenth 2026-11-26 session"): a bf16
 // step of the real-proportion model spent 8.1 ms in products that take 3.1 ms back to back (a
-// 2-vCPU Intel Xeon with AMX). This
-// kernel is a few hundred bytes of code and no state between calls: per thread one tile
-// configuration, then for each pair of 16-column blocks of w (threads share the pairs) the rows
-// of x two tiles of 16 at a time, K in steps of 32 (one TDPBF16PS per tile pair), sums in float32
-// tiles, bias added in float32 and rounded to bfloat16 (round to nearest even) on the way out.
+// 2-vCPU Intel Xeon with AMX). This kernel is a few hundred bytes of code and no state between
+// calls: per thread one tile configuration, then for each pair of 16-column blocks of w (threads
+// share the pairs) the rows of x two tiles of 16 at a time, K in steps of 32 (TDPBF16PS per tile
+// pair), sums in float32 tiles, bias added in float32, out in x's dtype (bf16 rounded to nearest
+// even). Float32 runs as bf16x3 (product() below): on that machine 0.5-0.9x oneDNN's float32 time
+// at 16-256 rows ("Eleventh 2026-11-27 session"), where float32 FMAs are compute-bound.
 //
-// w is packed once (AmxLinear.pack in cpu_build.py) into AMX's pair-interleaved layout, tile
-// after tile: [N/16][K/32][16 pairs of K][16 columns][2], 1 KiB a tile, so each B tile is one
-// contiguous load and a thread reads its columns' weights front to back.
+// w is packed once (AmxProduct in cpu_build.py) into AMX's pair-interleaved layout, tile after
+// tile, 1 KiB a tile, so each w tile is one contiguous load and a thread reads its columns'
+// weights front to back.
 //
 // Built only where the compiler has AMX-TILE, AMX-BF16 and AVX512-BF16 (-march=native on such a
 // CPU); nanovllm_amx_linear_supported() also asks Linux for the tile data state (arch_prctl), which
 // a process needs before its first tile instruction, and says 0 where either is missing.
+#include <algorithm>
 #include <cstdint>
+#include <vector>
 
 #include "cpu_kernels.h"
 
@@ -44,57 +47,146 @@ struct TileConfig {  // the 64-byte operand of LDTILECFG, palette 1
   uint8_t rows[16] = {};
 };
 
-// Tiles: 0-3 sums (rows m0..m0+15 and m0+16..m0+31, x the two column blocks), 4-5 x, 6-7 w.
-void product(const uint16_t* x, int64_t x_stride, int M, int K, const uint16_t* wp, int N, const uint16_t* bias,
-             uint16_t* out, int64_t out_stride, int num_threads) {
-  const int k_tiles = K / TILE_K;
-  const int64_t block_elems = static_cast<int64_t>(k_tiles) * TILE_ELEMS;  // one 16-column block of w
+void load_tile_config() {
+  TileConfig config;
+  for (int t = 0; t < 8; ++t) {
+    config.rows[t] = TILE_ROWS;
+    config.colsb[t] = 64;
+  }
+  _tile_loadconfig(&config);
+}
+
+__m512 widen(__m256bh h) { return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32((__m256i)h), 16)); }
+
+// Sums 0-3 += the x tiles in 4 and 5 (5 only when `two`) times the w tiles in 6 and 7.
+inline void times_w(bool two) {
+  _tile_dpbf16ps(0, 4, 6);
+  _tile_dpbf16ps(1, 4, 7);
+  if (two) {
+    _tile_dpbf16ps(2, 5, 6);
+    _tile_dpbf16ps(3, 5, 7);
+  }
+}
+
+// Tiles 4 and 5 = a tile of rows of x at `a` and (when `two`) the next, `second` elements on.
+inline void load_x(const uint16_t* a, int64_t stride_bytes, bool two, int64_t second) {
+  _tile_loadd(4, a, stride_bytes);
+  if (two) _tile_loadd(5, a + second, stride_bytes);
+}
+
+// Tiles 6 and 7 = a K step of w's two column blocks (one part), packed one after the other.
+inline void load_w(const uint16_t* w) {
+  _tile_loadd(6, w, 64);
+  _tile_loadd(7, w + TILE_ELEMS, 64);
+}
+
+// Rows row0.. of out, columns col0..col0+15, from the sums tile plus bias: float32, or bfloat16
+// rounded to nearest even.
+template <typename T>
+void write_tile(const float* sums, const T* bias, int col0, T* out, int64_t out_stride, int row0) {
+  __m512 b = _mm512_setzero_ps();
+  if (bias != nullptr) {
+    if constexpr (sizeof(T) == 4)
+      b = _mm512_loadu_ps(bias + col0);
+    else
+      b = widen((__m256bh)_mm256_loadu_si256(reinterpret_cast<const __m256i*>(bias + col0)));
+  }
+  for (int r = 0; r < TILE_ROWS; ++r) {
+    const __m512 y = _mm512_add_ps(_mm512_load_ps(sums + r * 16), b);
+    T* dst = out + (row0 + r) * out_stride + col0;
+    if constexpr (sizeof(T) == 4)
+      _mm512_storeu_ps(dst, y);
+    else
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst), (__m256i)_mm512_cvtneps_pbh(y));
+  }
+}
+
+// x's rows m0..m0+31 split in three bfloat16 parts, x = p0 + p1 + p2 exactly (each part rounds
+// what the parts before it left; a float32's 24 significant bits fit three bfloat16's 8), stored
+// as the tiles product() reads, one K step after another: [K/32][3 parts][2 tiles of rows][16][32].
+void split_rows(const float* x, int64_t x_stride, int rows, int K, uint16_t* tiles) {
+  for (int r = 0; r < rows; ++r)
+    for (int k = 0; k < K; k += 16) {
+      __m512 rest = _mm512_loadu_ps(x + r * x_stride + k);
+      uint16_t* at = tiles + (k / TILE_K) * 6 * TILE_ELEMS + (r / TILE_ROWS) * TILE_ELEMS + (r % TILE_ROWS) * TILE_K + k % TILE_K;
+      for (int part = 0; part < 3; ++part, at += 2 * TILE_ELEMS) {
+        const __m256bh h = _mm512_cvtneps_pbh(rest);
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(at), (__m256i)h);
+        rest = _mm512_sub_ps(rest, widen(h));
+      }
+    }
+}
+
+// Rows of x a chunk: the rows whose split parts (or bfloat16 rows) fit ~1 MiB, in L2, since each
+// pair of column blocks reads all of them; whole pairs of row tiles, at least one pair.
+int chunk_rows(int K, int parts) {
+  return std::max(2 * TILE_ROWS, (1 << 20) / (2 * parts * K) / (2 * TILE_ROWS) * (2 * TILE_ROWS));
+}
+
+// Tiles: 0-3 sums (rows m0..m0+15 and m0+16..m0+31, x the two column blocks of a pair), 4-5 x,
+// 6-7 w. w is packed per pair of column blocks, one K step after another, [N/32][K/32][parts][2
+// blocks][16 pairs of K][16 columns][2], so a thread reads its pairs front to back. Rows go in
+// chunks (chunk_rows); in a chunk threads share the pairs.
+// bfloat16: one w part; x tiles are read from x itself. float32 (bf16x3): the chunk's x is split
+// into three parts x0 + x1 + x2 (split_rows, into xs: 32 rows' tiles after 32 rows') and w was
+// packed as three, w0 + w1 + w2; the sums take the six products whose parts' orders add to at
+// most 2 (x0w0, x1w0, x2w0, x1w1, x0w1, x0w2: in that order, 16 tile loads a K step). What the
+// other three would add is below 2^-26 of |x||w| a term, under float32's own rounding of a product
+// (2^-25): the result is a float32 product's to rounding (oneMKL calls this BF16X3), at AMX's rate.
+template <typename T>
+void product(const T* x, int64_t x_stride, int M, int K, const uint16_t* wp, int N, const T* bias, T* out,
+             int64_t out_stride, uint16_t* xs, int num_threads) {
+  constexpr bool x3 = sizeof(T) == 4;
+  constexpr int parts = x3 ? 3 : 1;
+  const int k_tiles = K / TILE_K, chunk = chunk_rows(K, parts);
+  const int64_t step_elems = parts * 2 * TILE_ELEMS;  // one K step of a pair of w, or of 32 rows of xs
 #pragma omp parallel num_threads(num_threads)
   {
-    TileConfig config;
-    for (int t = 0; t < 8; ++t) {
-      config.rows[t] = TILE_ROWS;
-      config.colsb[t] = 64;
-    }
-    _tile_loadconfig(&config);
+    load_tile_config();
     alignas(64) float sums[4][TILE_ROWS * 16];
+    for (int c0 = 0; c0 < M; c0 += chunk) {
+      const int c1 = std::min(M, c0 + chunk);
+      if constexpr (x3) {
 #pragma omp for schedule(static)
-    for (int pair = 0; pair < N / 32; ++pair) {
-      const uint16_t* w0 = wp + 2 * pair * block_elems;
-      const uint16_t* w1 = w0 + block_elems;
-      for (int m0 = 0; m0 < M; m0 += 2 * TILE_ROWS) {
-        const bool two = m0 + TILE_ROWS < M;  // a second tile of rows
-        _tile_zero(0);
-        _tile_zero(1);
-        _tile_zero(2);
-        _tile_zero(3);
-        for (int kt = 0; kt < k_tiles; ++kt) {
-          _tile_loadd(4, x + m0 * x_stride + kt * TILE_K, x_stride * 2);
-          _tile_loadd(6, w0 + kt * TILE_ELEMS, 64);
-          _tile_loadd(7, w1 + kt * TILE_ELEMS, 64);
-          _tile_dpbf16ps(0, 4, 6);
-          _tile_dpbf16ps(1, 4, 7);
+        for (int m0 = c0; m0 < c1; m0 += 2 * TILE_ROWS)
+          split_rows(reinterpret_cast<const float*>(x) + m0 * x_stride, x_stride, std::min(c1 - m0, 2 * TILE_ROWS),
+                     K, xs + static_cast<int64_t>((m0 - c0) / (2 * TILE_ROWS)) * k_tiles * step_elems);
+      }
+#pragma omp for schedule(static)
+      for (int pair = 0; pair < N / 32; ++pair) {
+        const uint16_t* w = wp + static_cast<int64_t>(pair) * k_tiles * step_elems;
+        for (int m0 = c0; m0 < c1; m0 += 2 * TILE_ROWS) {
+          const bool two = m0 + TILE_ROWS < c1;  // a second tile of rows
+          _tile_zero(0);
+          _tile_zero(1);
+          _tile_zero(2);
+          _tile_zero(3);
+          for (int kt = 0; kt < k_tiles; ++kt) {
+            const uint16_t* wk = w + kt * step_elems;
+            if constexpr (x3) {
+              const uint16_t* xk = xs + (static_cast<int64_t>((m0 - c0) / (2 * TILE_ROWS)) * k_tiles + kt) * step_elems;
+              const auto x_part = [&](int part) { load_x(xk + part * 2 * TILE_ELEMS, 64, two, TILE_ELEMS); };
+              load_w(wk);  // w0 by x0, x1, x2
+              x_part(0), times_w(two), x_part(1), times_w(two), x_part(2), times_w(two);
+              load_w(wk + 2 * TILE_ELEMS);  // w1 by x1, x0
+              x_part(1), times_w(two), x_part(0), times_w(two);
+              load_w(wk + 4 * TILE_ELEMS);  // w2 by x0, still in tiles 4-5
+              times_w(two);
+            } else {
+              load_w(wk);
+              load_x(reinterpret_cast<const uint16_t*>(x) + m0 * x_stride + kt * TILE_K, x_stride * 2, two,
+                     TILE_ROWS * x_stride);
+              times_w(two);
+            }
+          }
+          _tile_stored(0, sums[0], 64);
+          _tile_stored(1, sums[1], 64);
           if (two) {
-            _tile_loadd(5, x + (m0 + TILE_ROWS) * x_stride + kt * TILE_K, x_stride * 2);
-            _tile_dpbf16ps(2, 5, 6);
-            _tile_dpbf16ps(3, 5, 7);
+            _tile_stored(2, sums[2], 64);
+            _tile_stored(3, sums[3], 64);
           }
-        }
-        _tile_stored(0, sums[0], 64);
-        _tile_stored(1, sums[1], 64);
-        if (two) {
-          _tile_stored(2, sums[2], 64);
-          _tile_stored(3, sums[3], 64);
-        }
-        for (int t = 0; t < (two ? 4 : 2); ++t) {
-          const int row0 = m0 + (t / 2) * TILE_ROWS, col0 = pair * 32 + (t % 2) * 16;
-          const __m512 b = bias == nullptr ? _mm512_setzero_ps()
-                                           : _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(
-                                                 _mm256_loadu_si256(reinterpret_cast<const __m256i*>(bias + col0))), 16));
-          for (int r = 0; r < TILE_ROWS; ++r) {
-            const __m256bh y = _mm512_cvtneps_pbh(_mm512_add_ps(_mm512_load_ps(sums[t] + r * 16), b));
-            _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + (row0 + r) * out_stride + col0), (__m256i)y);
-          }
+          for (int t = 0; t < (two ? 4 : 2); ++t)
+            write_tile(sums[t], bias, pair * 32 + (t % 2) * 16, out, out_stride, m0 + (t / 2) * TILE_ROWS);
         }
       }
     }
@@ -117,18 +209,27 @@ int nanovllm_amx_linear_supported() {
 }
 
 // out[M, N] (row stride out_stride) = x[M, K] (row stride x_stride) @ w^T (+ bias[N] when not
-// null), bfloat16, w packed as the header says. M a multiple of 16, K of 32, N of 32. Returns 0,
-// or -1 for shapes it does not take or a build without AMX.
-int nanovllm_amx_linear(const void* x, int64_t x_stride, int M, int K, const void* w_packed, int N, const void* bias,
-                        void* out, int64_t out_stride, int num_threads) {
+// null), all of `dtype` (DTYPE_CODES: 0 float32, 1 bfloat16), w packed as the header says. M a
+// multiple of 16, K of 32, N of 32. Returns 0, or -1 for what it does not take or a build without AMX.
+int nanovllm_amx_linear(int dtype, const void* x, int64_t x_stride, int M, int K, const void* w_packed, int N,
+                        const void* bias, void* out, int64_t out_stride, int num_threads) {
 #ifdef NANOVLLM_AMX
-  if (M <= 0 || M % TILE_ROWS || K % TILE_K || N % 32) return -1;
-  product(static_cast<const uint16_t*>(x), x_stride, M, K, static_cast<const uint16_t*>(w_packed), N,
-          static_cast<const uint16_t*>(bias), static_cast<uint16_t*>(out), out_stride, num_threads);
+  if (M <= 0 || M % TILE_ROWS || K % TILE_K || N % 32 || (dtype != 0 && dtype != 1)) return -1;
+  const auto* wp = static_cast<const uint16_t*>(w_packed);
+  if (dtype == 1) {
+    product(static_cast<const uint16_t*>(x), x_stride, M, K, wp, N, static_cast<const uint16_t*>(bias),
+            static_cast<uint16_t*>(out), out_stride, nullptr, num_threads);
+    return 0;
+  }
+  thread_local std::vector<uint16_t> parts;  // x split in three (product()); grows to the largest call
+  const size_t split = 3 * static_cast<size_t>(std::min(M + 31, chunk_rows(K, 3)) / 32 * 32) * K;
+  if (parts.size() < split) parts.resize(split);
+  product(static_cast<const float*>(x), x_stride, M, K, wp, N, static_cast<const float*>(bias),
+          static_cast<float*>(out), out_stride, parts.data(), num_threads);
   return 0;
 #else
-  (void)x, (void)x_stride, (void)M, (void)K, (void)w_packed, (void)N, (void)bias, (void)out, (void)out_stride,
-      (void)num_threads;
+  (void)dtype, (void)x, (void)x_stride, (void)M, (void)K, (void)w_packed, (void)N, (void)bias, (void)out,
+      (void)out_stride, (void)num_threads;
   return -1;
 #endif
 }

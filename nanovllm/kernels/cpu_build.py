@@ -41,7 +41,7 @@ HEADERS = (Path(__file__).with_name("cpu_kernels.h"),)
 # -march=native: AVX-512/AVX2 as this CPU has them (the library is cached per CPU flags).
 # -fopenmp: the (sequence, KV head, query tile) loop runs on torch's OpenMP pool.
 CXX_FLAGS = ("-O3", "-march=native", "-fopenmp", "-std=c++17", "-shared", "-fPIC")
-ABI_VERSION = 4  # nanovllm_paged_attention_abi() of a library this module can call
+ABI_VERSION = 5  # nanovllm_paged_attention_abi() of a library this module can call
 BUILD_TIMEOUT_S = 120  # a build takes ~1 s alone; a loaded machine may stretch it
 DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 # The most rows of x the few-row product takes per dtype (cpu_linear.cpp's MAX_ROWS). Against
@@ -51,12 +51,18 @@ DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 # up to 4 sequences can run as one call (layers/cpu_decode.py), which saves ~1 ms a step of Python
 # (real-proportion model) where the slower products cost ~0.4 ms.
 FEW_ROWS_MAX = {torch.float32: 4, torch.bfloat16: 4}
-# The most rows the AMX product takes (cpu_amx_linear.cpp; bfloat16, rows padded to multiples of
-# 16): decode steps of up to 256 sequences. On a 2-vCPU Intel Xeon with AMX, after a 24 MB read
-# (an attention layer's), the real model's layer shapes took 0.45-0.75x oneDNN's packed time at
-# 16-64 rows, 0.6-0.9x at 128-256, and were level at 512 (docs/BENCHMARKS.md, "Tenth 2026-11-26 session"). The LM head (32,000
-# columns) stays on oneDNN: level at 64 rows, slower above.
+# The most rows the AMX product takes (cpu_amx_linear.cpp; rows padded to multiples of 16): decode
+# steps of up to 256 sequences. On a 2-vCPU Intel Xeon with AMX, after a 24 MB read (an attention
+# layer's), the real model's layer shapes took 0.45-0.75x oneDNN's packed time at 16-64 rows in
+# bfloat16, 0.6-0.9x at 128-256, and were level at 512 (docs/BENCHMARKS.md, "Tenth 2026-11-26
+# session"); in float32 (bf16x3) 0.5-0.9x at 16-256 rows, but prefill chunks of 1,024+ rows were
+# slower end to end ("Eleventh 2026-11-27 session"). The bf16 LM head (32,000 columns) stays on
+# oneDNN: level at 64 rows, slower above. The float32 one takes it from AMX_HEAD_MIN_ROWS rows: its
+# three bf16 parts are 1.5x the float32 weight's bytes, and below 64 rows, where reading the 65 MB
+# weight bounds the product, that was slower than oneDNN (0.87-0.89x at 16-32 rows, 1.07x at 64,
+# 1.3-1.7x at 128-256).
 AMX_MAX_ROWS = 256
+AMX_HEAD_MIN_ROWS = 64
 AMX_TILE_ROWS, AMX_TILE_K, AMX_PAIR_COLUMNS = 16, 32, 32
 CPUINFO = "/proc/cpuinfo"
 
@@ -113,35 +119,51 @@ class FewRowsLinear:
         return out
 
 
+def split_bf16x3(t: torch.Tensor) -> torch.Tensor:
+    """[3, *t.shape] bfloat16 parts of float32 `t` with t = p0 + p1 + p2 exactly, each the nearest
+    bfloat16 to what the parts before it left (cpu_amx_linear.cpp's split_row, for weights)."""
+    parts, rest = [], t.float()
+    for _ in range(3):
+        parts.append(rest.bfloat16())
+        rest = rest - parts[-1].float()
+    return torch.stack(parts)
+
+
 class AmxProduct:
-    """One bfloat16 weight packed for the AMX product (cpu_amx_linear.cpp), called as x @ weight.T
-    (+ bias) for 1..max_rows rows of x: the product layers/linear.py linear() takes at decode steps
-    of up to AMX_MAX_ROWS sequences. The packed copy is the kernel's layout,
-    [N/16][K/32][16 pairs of K][16 columns][2]; the plain weight stays (prefill products use it)."""
+    """One weight packed for the AMX product (cpu_amx_linear.cpp), called as x @ weight.T (+ bias)
+    for 1..max_rows rows of x: the product layers/linear.py linear() takes at decode steps of up
+    to AMX_MAX_ROWS sequences. The weight is packed as the kernel's tiles, [N/32][K/32][parts][2
+    blocks of 16 columns][16 pairs of K][16 columns][2]: one part for bfloat16, for float32 its
+    three bfloat16 parts (split_bf16x3) for the kernel's bf16x3 product. The plain weight stays
+    (prefill products use it)."""
     max_rows = AMX_MAX_ROWS
 
-    def __init__(self, fn, weight: torch.Tensor):
+    def __init__(self, fn, weight: torch.Tensor, min_rows: int = 1):
         n, k = weight.shape
         self._fn = fn
+        self.min_rows = min_rows  # fewer rows go to the product linear() would take without it
         self.n = n
-        self.packed = weight.detach().view(n // 16, 16, k // AMX_TILE_K, AMX_TILE_K // 2, 2).permute(
-            0, 2, 3, 1, 4).contiguous()
+        self.dtype = weight.dtype
+        w = weight.detach()
+        parts = split_bf16x3(w) if self.dtype == torch.float32 else w[None]  # [parts, n, k]
+        self.packed = parts.reshape(len(parts), n // 32, 2, 16, k // AMX_TILE_K, AMX_TILE_K // 2, 2).permute(
+            1, 4, 0, 2, 5, 3, 6).contiguous()
 
     @staticmethod
     def takes(weight: torch.Tensor) -> bool:
-        if weight.dim() != 2 or weight.dtype != torch.bfloat16 or not weight.is_contiguous():
+        if weight.dim() != 2 or weight.dtype not in (torch.bfloat16, torch.float32) or not weight.is_contiguous():
             return False
         n, k = weight.shape
         return n % AMX_PAIR_COLUMNS == 0 and k % AMX_TILE_K == 0
 
     def __call__(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        """x [rows, K] bfloat16 with rows <= max_rows; returns [rows, N]."""
+        """x [rows, K] in the weight's dtype with rows <= max_rows; returns [rows, N]."""
         rows, k = x.shape
         padded = -(-rows // AMX_TILE_ROWS) * AMX_TILE_ROWS  # whole tiles of rows: zero rows added
         if padded != rows or x.stride(1) != 1:
             x = torch.nn.functional.pad(x, (0, 0, 0, padded - rows))
         out = torch.empty(padded, self.n, dtype=x.dtype)
-        rc = self._fn(x.data_ptr(), x.stride(0), padded, k, self.packed.data_ptr(), self.n,
+        rc = self._fn(DTYPE_CODES[x.dtype], x.data_ptr(), x.stride(0), padded, k, self.packed.data_ptr(), self.n,
                       None if bias is None else bias.data_ptr(), out.data_ptr(), self.n, torch.get_num_threads())
         assert rc == 0, f"nanovllm_amx_linear returned {rc}"
         return out if padded == rows else out[:rows]
@@ -174,7 +196,7 @@ class FusedKernels:
         self._few_rows_supported = {dtype: bool(library.nanovllm_few_rows_supported(code))
                                     for dtype, code in DTYPE_CODES.items()}
         amx_linear = library.nanovllm_amx_linear
-        amx_linear.argtypes = [ptr, i64, i32, i32, ptr, i32, ptr, ptr, i64, i32]
+        amx_linear.argtypes = [i32, ptr, i64, i32, i32, ptr, i32, ptr, ptr, i64, i32]
         amx_linear.restype = i32
         self._amx_linear = amx_linear if library.nanovllm_amx_linear_supported() else None
         self._greedy_tokens = library.nanovllm_greedy_tokens
@@ -200,10 +222,13 @@ class FusedKernels:
             return None
         return FewRowsLinear(self._few_rows_linear, FEW_ROWS_MAX[dtype])
 
-    def amx_linear(self, weight: torch.Tensor) -> AmxProduct | None:
-        """`weight` packed for the AMX product, or None where this CPU's build has none or the
-        product does not take the weight (bfloat16, N and K multiples of 32)."""
-        return AmxProduct(self._amx_linear, weight) if self._amx_linear is not None and AmxProduct.takes(weight) else None
+    def amx_linear(self, weight: torch.Tensor, min_rows: int = 1) -> AmxProduct | None:
+        """`weight` packed for the AMX product (taking min_rows..AMX_MAX_ROWS rows), or None where
+        this CPU's build has none or the product does not take the weight (bfloat16 or float32, N
+        and K multiples of 32)."""
+        if self._amx_linear is None or not AmxProduct.takes(weight):
+            return None
+        return AmxProduct(self._amx_linear, weight, min_rows)
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float,
                  residual: torch.Tensor | None = None) -> RMSNormOutput:

@@ -53,7 +53,7 @@ int product(const DecodeModel* m, int rows, const void* x, const void* w, const 
             void* out, int N, int K, int num_threads) {
   if (rows <= m->few_rows_max) return nanovllm_few_rows_linear(m->dtype, rows, x, K, w, bias, out, N, N, K, num_threads);
   if (w_amx == nullptr) return -1;
-  return nanovllm_amx_linear(x, K, product_rows(m, rows), K, w_amx, N, bias, out, N, num_threads);
+  return nanovllm_amx_linear(m->dtype, x, K, product_rows(m, rows), K, w_amx, N, bias, out, N, num_threads);
 }
 
 }  // namespace

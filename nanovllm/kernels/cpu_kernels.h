@@ -203,8 +203,8 @@ int nanovllm_qk_norm_rope(int dtype, void* q, int64_t q_token_stride, int64_t q_
                           void* v_cache, const int64_t* slots, int tokens, int head_dim, int num_threads);
 int nanovllm_few_rows_linear(int dtype, int rows, const void* x, int64_t x_stride, const void* w, const void* bias,
                              void* out, int64_t out_stride, int N, int K, int num_threads);
-int nanovllm_amx_linear(const void* x, int64_t x_stride, int M, int K, const void* w_packed, int N, const void* bias,
-                        void* out, int64_t out_stride, int num_threads);
+int nanovllm_amx_linear(int dtype, const void* x, int64_t x_stride, int M, int K, const void* w_packed, int N,
+                        const void* bias, void* out, int64_t out_stride, int num_threads);
 int nanovllm_paged_attention(int dtype, const void* q, void* out, const void* k_cache, const void* v_cache,
                              const int32_t* block_tables, int64_t table_stride, const int32_t* q_start,
                              const int32_t* q_len, const int32_t* k_len, int num_seqs, int num_heads,

@@ -790,7 +790,7 @@ void run(const void* q, void* out, const void* k_cache, const void* v_cache, con
 extern "C" {
 
 // The ABI version Python checks after loading, so a stale cached library is never called.
-int nanovllm_paged_attention_abi() { return 4; }
+int nanovllm_paged_attention_abi() { return 5; }
 
 // Returns 0, or -1 for a dtype code it does not know.
 int nanovllm_paged_attention(int dtype, const void* q, void* out, const void* k_cache, const void* v_cache,

@@ -7,7 +7,7 @@ more. `CpuDecodeLayers` hands the whole stack of layers, and the final norm, to 
 the same kernels with the same arguments, so its output is bit for bit the layers' own with
 fused_kernels="cpu" (tests/test_cpu_decode.py). It takes a step only when every part would have
 gone to those kernels: a decode step (no prefill rows) of at most the few-row product's rows, or
-of the AMX product's where every layer's products have it (bf16 on a CPU with AMX), on
+of the AMX product's where every layer's products have it (bf16 or float32 on a CPU with AMX), on
 an unquantised cache in the model's dtype, one tensor-parallel rank, a dense SwiGLU MLP in every
 layer; any other step returns None and the Python layers run it. Like an attention layer it reads
 the step's attention metadata from the forward context.

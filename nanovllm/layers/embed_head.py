@@ -11,6 +11,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from nanovllm.kernels.cpu_build import AMX_HEAD_MIN_ROWS
 from nanovllm.layers.linear import divide, linear, shard
 from nanovllm.utils.loader import copy_checked
 from nanovllm.utils.parallel import tp_rank, tp_size
@@ -44,13 +45,16 @@ class ParallelLMHead(VocabParallelEmbedding):
     computes_in_weight_dtype = True  # its weight may be held in float32 (see layers/linear.py linear())
     packed_weight: torch.Tensor | None = None  # set on CPU after loading (utils/cpu.py pack_linear_weights)
     few_rows: Callable | None = None  # the CPU's few-row product (layers/linear.py linear()), set by enable_cpu
+    amx: Callable | None = None  # the weight packed for the CPU's AMX product (layers/linear.py linear())
 
     def enable_cpu(self, kernels) -> None:
         self.few_rows = kernels.few_rows_linear(self.weight.dtype)
+        if self.weight.dtype == torch.float32:  # bf16 heads stay on oneDNN (kernels/cpu_build.py AMX_HEAD_MIN_ROWS)
+            self.amx = kernels.amx_linear(self.weight, min_rows=AMX_HEAD_MIN_ROWS)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor | None:
         """x: [num_rows, hidden] -> logits [num_rows, vocab] on rank 0 (None on the others)."""
-        logits = linear(x, self.weight, None, self.packed_weight, self.few_rows)
+        logits = linear(x, self.weight, None, self.packed_weight, self.few_rows, self.amx)
         if self.tp_size == 1:
             return logits
         parts = [torch.empty_like(logits) for _ in range(self.tp_size)] if self.tp_rank == 0 else None

@@ -63,12 +63,12 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
     few-row product, kernels/cpu_linear.cpp, set by enable_cpu) up to its max_rows rows of x in the
     weight's dtype go to it instead: a decode step of a few sequences, which reads the weight. With
     `amx` (the weight packed for the CPU's AMX product, kernels/cpu_amx_linear.cpp, set by
-    enable_cpu on a CPU with AMX) the rows above those, up to its max_rows, go to it: a decode step
-    of up to 256 sequences."""
+    enable_cpu on a CPU with AMX) the rows above those, from its min_rows up to its max_rows, go to
+    it: a decode step of up to 256 sequences."""
     if x.dim() == 2 and x.dtype == weight.dtype and x.size(0) > 0:
         if few_rows is not None and x.size(0) <= few_rows.max_rows:
             return few_rows(x, weight, bias)
-        if amx is not None and x.size(0) <= amx.max_rows:
+        if amx is not None and amx.min_rows <= x.size(0) <= amx.max_rows:
             return amx(x, bias)
     padded = None if packed is None else packed_rows(x.numel() // x.size(-1))
     if padded is not None:
