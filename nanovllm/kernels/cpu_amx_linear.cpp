@@ -58,20 +58,16 @@ void load_tile_config() {
 
 __m512 widen(__m256bh h) { return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32((__m256i)h), 16)); }
 
-// Sums 0-3 += the x tiles in 4 and 5 (5 only when `two`) times the w tiles in 6 and 7.
-inline void times_w(bool two) {
+// Sums 0-3 += the x rows in tile 4 and (when `two`) tile 5 times the w tiles in 6 and 7. With
+// `second`, tile 5 is loaded from there between the two, where its load overlaps tile 4's products.
+inline void times_w(bool two, const uint16_t* second = nullptr, int64_t stride_bytes = 0) {
   _tile_dpbf16ps(0, 4, 6);
   _tile_dpbf16ps(1, 4, 7);
   if (two) {
+    if (second != nullptr) _tile_loadd(5, second, stride_bytes);
     _tile_dpbf16ps(2, 5, 6);
     _tile_dpbf16ps(3, 5, 7);
   }
-}
-
-// Tiles 4 and 5 = a tile of rows of x at `a` and (when `two`) the next, `second` elements on.
-inline void load_x(const uint16_t* a, int64_t stride_bytes, bool two, int64_t second) {
-  _tile_loadd(4, a, stride_bytes);
-  if (two) _tile_loadd(5, a + second, stride_bytes);
 }
 
 // Tiles 6 and 7 = a K step of w's two column blocks (one part), packed one after the other.
@@ -165,18 +161,21 @@ void product(const T* x, int64_t x_stride, int M, int K, const uint16_t* wp, int
             const uint16_t* wk = w + kt * step_elems;
             if constexpr (x3) {
               const uint16_t* xk = xs + (static_cast<int64_t>((m0 - c0) / (2 * TILE_ROWS)) * k_tiles + kt) * step_elems;
-              const auto x_part = [&](int part) { load_x(xk + part * 2 * TILE_ELEMS, 64, two, TILE_ELEMS); };
+              const auto x_part = [&](int part) {  // x's part's two tiles of rows by w's tiles
+                _tile_loadd(4, xk + part * 2 * TILE_ELEMS, 64);
+                times_w(two, xk + part * 2 * TILE_ELEMS + TILE_ELEMS, 64);
+              };
               load_w(wk);  // w0 by x0, x1, x2
-              x_part(0), times_w(two), x_part(1), times_w(two), x_part(2), times_w(two);
+              x_part(0), x_part(1), x_part(2);
               load_w(wk + 2 * TILE_ELEMS);  // w1 by x1, x0
-              x_part(1), times_w(two), x_part(0), times_w(two);
+              x_part(1), x_part(0);
               load_w(wk + 4 * TILE_ELEMS);  // w2 by x0, still in tiles 4-5
               times_w(two);
             } else {
+              const uint16_t* xk = reinterpret_cast<const uint16_t*>(x) + m0 * x_stride + kt * TILE_K;
+              _tile_loadd(4, xk, x_stride * 2);  // before w's tiles: ~5% faster than after
               load_w(wk);
-              load_x(reinterpret_cast<const uint16_t*>(x) + m0 * x_stride + kt * TILE_K, x_stride * 2, two,
-                     TILE_ROWS * x_stride);
-              times_w(two);
+              times_w(two, xk + TILE_ROWS * x_stride, x_stride * 2);
             }
           }
           _tile_stored(0, sums[0], 64);
