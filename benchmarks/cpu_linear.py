@@ -1,6 +1,9 @@
 """CPU linear layers: F.linear on the plain weight (MKL sgemm in float32; oneDNN reordering the weight
 on every call in bf16) against oneDNN on a weight packed once (utils/cpu.py pack_linear_weights,
-what the engine runs), per GEMM shape of issue 29's real-proportion model and per batch size.
+what the engine runs for prefill) and, on a CPU with AMX, our AMX product (kernels/cpu_amx_linear.cpp,
+float32 as bf16x3; what the engine runs for decode steps of 5-256 sequences), per GEMM shape of
+issue 29's real-proportion model and per batch size. Its GB/s count the weight's own bytes (the
+float32 AMX product reads 1.5x as many: three bf16 parts).
 
 The variants alternate, round after round, so load on a shared host falls on all; the table gives
 the median and minimum over rounds of the process's CPU time per call (with one thread, the work
@@ -16,10 +19,15 @@ import argparse
 import json
 import platform
 import statistics
+import sys
 import time
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from nanovllm.kernels import cpu_build  # noqa: E402
 
 PACK_BATCH_HINT = 64  # as nanovllm/utils/cpu.py
 # (N, K) of the real-proportion model: qkv, o, gate_up, down, LM head.
@@ -68,17 +76,23 @@ def main() -> None:
     print(f"ceilings, {args.threads} thread(s): float32 {peak['float32_gflops']:.0f} GFLOP/s, bfloat16 "
           f"{peak['bfloat16_gflops']:.0f} GFLOP/s (a {CEILING_GEMM}^3 matmul); {peak['gb_per_s']:.1f} GB/s "
           f"(a sum over {CEILING_BUFFER_BYTES >> 20} MiB)", flush=True)
+    kernels = cpu_build.load_fused()
+    kernels = None if isinstance(kernels, str) else kernels
     rows = []
     for dtype in (torch.float32, torch.bfloat16):
         for n, k in SHAPES:
             weight = torch.randn(n, k, dtype=dtype) * 0.02
             packed = torch.ops.mkldnn._reorder_linear_weight(weight, PACK_BATCH_HINT)
+            amx = None if kernels is None else kernels.amx_linear(weight)
             for m in map(int, args.rows.split(",")):
                 x = torch.randn(m, k, dtype=dtype)
                 variants = {"F.linear": lambda: F.linear(x, weight),
                             "packed": lambda: torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")}
-                torch.testing.assert_close(variants["packed"]().float(), variants["F.linear"]().float(),
-                                           atol=2e-2, rtol=2e-2)
+                if amx is not None and m <= amx.max_rows:
+                    variants["amx"] = lambda: amx(x, None)
+                for name in variants:
+                    torch.testing.assert_close(variants[name]().float(), variants["F.linear"]().float(),
+                                               atol=2e-2, rtol=2e-2)
                 calls = min(100, max(3, int(3e7 / (2 * m * n * k / 50 + n * k * weight.element_size()))))
                 times = {name: [] for name in variants}
                 for _ in range(args.rounds):

@@ -1,5 +1,6 @@
-// bfloat16 and float32 products of a decode step's rows with a linear layer's weight on AMX
-// tiles, out = x @ w^T (+ bias), for 16..AMX_MAX_ROWS rows (Python pads x to a multiple of 16).
+// bfloat16 and float32 products of a step's rows with a linear layer's weight on AMX tiles,
+// out = x @ w^T (+ bias): bfloat16 decode steps of up to 256 rows (Python pads x to a multiple of
+// 16), float32 rows of any count, prefill chunks too (cpu_build.py AMX_MAX_ROWS).
 //
 // oneDNN's packed product (layers/linear.py) is fast when called back to back, but in a decode
 // step each call follows the attention's read of tens of MB of K/V, and then its first call costs
@@ -10,7 +11,8 @@
 // share the pairs) the rows of x two tiles of 16 at a time, K in steps of 32 (TDPBF16PS per tile
 // pair), sums in float32 tiles, bias added in float32, out in x's dtype (bf16 rounded to nearest
 // even). Float32 runs as bf16x3 (product() below): on that machine 0.5-0.9x oneDNN's float32 time
-// at 16-256 rows ("Eleventh 2026-11-27 session"), where float32 FMAs are compute-bound.
+// at 16-256 rows and ~0.5-0.9x on prefill chunks ("Eleventh 2026-11-27 session"), where oneDNN's
+// float32 FMAs run at their peak.
 //
 // w is packed once (AmxProduct in cpu_build.py) into AMX's pair-interleaved layout, tile after
 // tile, 1 KiB a tile, so each w tile is one contiguous load and a thread reads its columns'
@@ -76,10 +78,10 @@ inline void load_w(const uint16_t* w) {
   _tile_loadd(7, w + TILE_ELEMS, 64);
 }
 
-// Rows row0.. of out, columns col0..col0+15, from the sums tile plus bias: float32, or bfloat16
-// rounded to nearest even.
+// `rows` rows from row0 of out, columns col0..col0+15, from the sums tile plus bias: float32, or
+// bfloat16 rounded to nearest even.
 template <typename T>
-void write_tile(const float* sums, const T* bias, int col0, T* out, int64_t out_stride, int row0) {
+void write_tile(const float* sums, const T* bias, int col0, T* out, int64_t out_stride, int row0, int rows) {
   __m512 b = _mm512_setzero_ps();
   if (bias != nullptr) {
     if constexpr (sizeof(T) == 4)
@@ -87,7 +89,7 @@ void write_tile(const float* sums, const T* bias, int col0, T* out, int64_t out_
     else
       b = widen((__m256bh)_mm256_loadu_si256(reinterpret_cast<const __m256i*>(bias + col0)));
   }
-  for (int r = 0; r < TILE_ROWS; ++r) {
+  for (int r = 0; r < rows; ++r) {
     const __m512 y = _mm512_add_ps(_mm512_load_ps(sums + r * 16), b);
     T* dst = out + (row0 + r) * out_stride + col0;
     if constexpr (sizeof(T) == 4)
@@ -100,10 +102,11 @@ void write_tile(const float* sums, const T* bias, int col0, T* out, int64_t out_
 // x's rows m0..m0+31 split in three bfloat16 parts, x = p0 + p1 + p2 exactly (each part rounds
 // what the parts before it left; a float32's 24 significant bits fit three bfloat16's 8), stored
 // as the tiles product() reads, one K step after another: [K/32][3 parts][2 tiles of rows][16][32].
-void split_rows(const float* x, int64_t x_stride, int rows, int K, uint16_t* tiles) {
-  for (int r = 0; r < rows; ++r)
+// Rows from `rows` up to `tile_rows` are zeros (a last tile's padding).
+void split_rows(const float* x, int64_t x_stride, int rows, int tile_rows, int K, uint16_t* tiles) {
+  for (int r = 0; r < tile_rows; ++r)
     for (int k = 0; k < K; k += 16) {
-      __m512 rest = _mm512_loadu_ps(x + r * x_stride + k);
+      __m512 rest = r < rows ? _mm512_loadu_ps(x + r * x_stride + k) : _mm512_setzero_ps();
       uint16_t* at = tiles + (k / TILE_K) * 6 * TILE_ELEMS + (r / TILE_ROWS) * TILE_ELEMS + (r % TILE_ROWS) * TILE_K + k % TILE_K;
       for (int part = 0; part < 3; ++part, at += 2 * TILE_ELEMS) {
         const __m256bh h = _mm512_cvtneps_pbh(rest);
@@ -116,7 +119,7 @@ void split_rows(const float* x, int64_t x_stride, int rows, int K, uint16_t* til
 // Rows of x a chunk: the rows whose split parts (or bfloat16 rows) fit ~1 MiB, in L2, since each
 // pair of column blocks reads all of them; whole pairs of row tiles, at least one pair.
 int chunk_rows(int K, int parts) {
-  return std::max(2 * TILE_ROWS, (1 << 20) / (2 * parts * K) / (2 * TILE_ROWS) * (2 * TILE_ROWS));
+  return std::max(2 * TILE_ROWS, (3 << 19) / (2 * parts * K) / (2 * TILE_ROWS) * (2 * TILE_ROWS));
 }
 
 // Tiles: 0-3 sums (rows m0..m0+15 and m0+16..m0+31, x the two column blocks of a pair), 4-5 x,
@@ -129,10 +132,13 @@ int chunk_rows(int K, int parts) {
 // most 2 (x0w0, x1w0, x2w0, x1w1, x0w1, x0w2: in that order, 16 tile loads a K step). What the
 // other three would add is below 2^-26 of |x||w| a term, under float32's own rounding of a product
 // (2^-25): the result is a float32 product's to rounding (oneMKL calls this BF16X3), at AMX's rate.
+// M: x's rows; the kernel computes whole tiles of rows (float32: the split's padding rows are zeros;
+// bfloat16: M must be whole tiles) and writes out's first M.
 template <typename T>
 void product(const T* x, int64_t x_stride, int M, int K, const uint16_t* wp, int N, const T* bias, T* out,
              int64_t out_stride, uint16_t* xs, int num_threads) {
   constexpr bool x3 = sizeof(T) == 4;
+  const int M_tiles = (M + TILE_ROWS - 1) / TILE_ROWS * TILE_ROWS;
   constexpr int parts = x3 ? 3 : 1;
   const int k_tiles = K / TILE_K, chunk = chunk_rows(K, parts);
   const int64_t step_elems = parts * 2 * TILE_ELEMS;  // one K step of a pair of w, or of 32 rows of xs
@@ -140,13 +146,13 @@ void product(const T* x, int64_t x_stride, int M, int K, const uint16_t* wp, int
   {
     load_tile_config();
     alignas(64) float sums[4][TILE_ROWS * 16];
-    for (int c0 = 0; c0 < M; c0 += chunk) {
-      const int c1 = std::min(M, c0 + chunk);
+    for (int c0 = 0; c0 < M_tiles; c0 += chunk) {
+      const int c1 = std::min(M_tiles, c0 + chunk);
       if constexpr (x3) {
 #pragma omp for schedule(static)
         for (int m0 = c0; m0 < c1; m0 += 2 * TILE_ROWS)
-          split_rows(reinterpret_cast<const float*>(x) + m0 * x_stride, x_stride, std::min(c1 - m0, 2 * TILE_ROWS),
-                     K, xs + static_cast<int64_t>((m0 - c0) / (2 * TILE_ROWS)) * k_tiles * step_elems);
+          split_rows(reinterpret_cast<const float*>(x) + m0 * x_stride, x_stride,
+                     std::clamp(M - m0, 0, 2 * TILE_ROWS), std::min(c1 - m0, 2 * TILE_ROWS), K, xs + static_cast<int64_t>((m0 - c0) / (2 * TILE_ROWS)) * k_tiles * step_elems);
       }
 #pragma omp for schedule(static)
       for (int pair = 0; pair < N / 32; ++pair) {
@@ -184,8 +190,11 @@ void product(const T* x, int64_t x_stride, int M, int K, const uint16_t* wp, int
             _tile_stored(2, sums[2], 64);
             _tile_stored(3, sums[3], 64);
           }
-          for (int t = 0; t < (two ? 4 : 2); ++t)
-            write_tile(sums[t], bias, pair * 32 + (t % 2) * 16, out, out_stride, m0 + (t / 2) * TILE_ROWS);
+          for (int t = 0; t < (two ? 4 : 2); ++t) {
+            const int row0 = m0 + (t / 2) * TILE_ROWS;
+            if (row0 < M)
+              write_tile(sums[t], bias, pair * 32 + (t % 2) * 16, out, out_stride, row0, std::min(TILE_ROWS, M - row0));
+          }
         }
       }
     }
@@ -208,12 +217,13 @@ int nanovllm_amx_linear_supported() {
 }
 
 // out[M, N] (row stride out_stride) = x[M, K] (row stride x_stride) @ w^T (+ bias[N] when not
-// null), all of `dtype` (DTYPE_CODES: 0 float32, 1 bfloat16), w packed as the header says. M a
-// multiple of 16, K of 32, N of 32. Returns 0, or -1 for what it does not take or a build without AMX.
+// null), all of `dtype` (DTYPE_CODES: 0 float32, 1 bfloat16), w packed as the header says. K a
+// multiple of 32, N of 32, M (bfloat16) of 16. Returns 0, or -1 for what it does not take or a build
+// without AMX.
 int nanovllm_amx_linear(int dtype, const void* x, int64_t x_stride, int M, int K, const void* w_packed, int N,
                         const void* bias, void* out, int64_t out_stride, int num_threads) {
 #ifdef NANOVLLM_AMX
-  if (M <= 0 || M % TILE_ROWS || K % TILE_K || N % 32 || (dtype != 0 && dtype != 1)) return -1;
+  if (M <= 0 || (dtype == 1 && M % TILE_ROWS) || K % TILE_K || N % 32 || (dtype != 0 && dtype != 1)) return -1;
   const auto* wp = static_cast<const uint16_t*>(w_packed);
   if (dtype == 1) {
     product(static_cast<const uint16_t*>(x), x_stride, M, K, wp, N, static_cast<const uint16_t*>(bias),

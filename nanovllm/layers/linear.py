@@ -64,7 +64,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
     weight's dtype go to it instead: a decode step of a few sequences, which reads the weight. With
     `amx` (the weight packed for the CPU's AMX product, kernels/cpu_amx_linear.cpp, set by
     enable_cpu on a CPU with AMX) the rows above those, from its min_rows up to its max_rows, go to
-    it: a decode step of up to 256 sequences."""
+    it: a bf16 decode step of up to 256 sequences, float32 rows of any count."""
     if x.dim() == 2 and x.dtype == weight.dtype and x.size(0) > 0:
         if few_rows is not None and x.size(0) <= few_rows.max_rows:
             return few_rows(x, weight, bias)
@@ -129,6 +129,9 @@ class LinearBase(nn.Module):
     def enable_cpu(self, kernels) -> None:
         self.few_rows = kernels.few_rows_linear(self.weight.dtype)
         self.amx = kernels.amx_linear(self.weight)
+        if self.few_rows is not None and self.amx is not None and \
+                self.amx.takes_every_row_count_above(self.few_rows.max_rows):
+            self.packed_weight = None  # the oneDNN copy would multiply no rows (float32 on AMX): free it
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return linear(x, self.weight, self.bias, self.packed_weight, self.few_rows, self.amx)

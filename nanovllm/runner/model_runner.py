@@ -150,7 +150,8 @@ class ModelRunner:
         half_in_float32 = self.device.type == "cpu" and not cpu.native_half_matmul(config.dtype)
         if half_in_float32:
             cpu.hold_matmul_weights_in_float32(self.model)
-        packed_linears = cpu.pack_linear_weights(self.model) if self.device.type == "cpu" else 0
+        if self.device.type == "cpu":
+            cpu.pack_linear_weights(self.model)
         self.backend = create_backend(config.attention_backend, config.device, self.block_size, config.kv_cache_dtype)
         self.attention_backend = self.backend.name
         named_layers = {name: m for name, m in self.model.named_modules() if isinstance(m, Attention)}
@@ -224,9 +225,13 @@ class ModelRunner:
             if self.kv_quantized:
                 logger.info("KV-cache scales %s: %s", self.kv_scales_source, describe(kv_scales))
             if self.device.type == "cpu":
+                modules = list(self.model.modules())
                 logger.info("CPU: %d torch threads per rank, malloc tuned %s, linear layers in %s, %d packed for "
-                            "oneDNN", config.cpu_threads, malloc_tuned, "float32 (no native half-precision matmul here)"
-                            if half_in_float32 else str(config.dtype).removeprefix("torch."), packed_linears)
+                            "oneDNN, %d for AMX", config.cpu_threads, malloc_tuned,
+                            "float32 (no native half-precision matmul here)" if half_in_float32
+                            else str(config.dtype).removeprefix("torch."),
+                            sum(getattr(m, "packed_weight", None) is not None for m in modules),
+                            sum(getattr(m, "amx", None) is not None for m in modules))
             if config.preemption_mode == SWAP:
                 logger.info("swap space %d host blocks (swap_space=%s GiB per rank, %s)", self.num_swap_blocks,
                             config.swap_space, "pinned" if self.swap_cache.is_pinned() else "not pinned")
