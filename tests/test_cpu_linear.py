@@ -23,10 +23,12 @@ import torch
 import torch.nn.functional as F
 
 from nanovllm import LLM
-from nanovllm.kernels.cpu_build import AMX_HEAD_MIN_ROWS
+from nanovllm.kernels.cpu_build import AMX_HEAD_MIN_ROWS, AMX_MAX_ROWS, AMX_PREFILL_MIN_K
 from nanovllm.layers.linear import (BUCKETED_PACKED_ROWS, EXACT_PACKED_ROWS, MIN_PACKED_ROWS, LinearBase, linear,
                                     packed_rows)
 from nanovllm.utils import cpu
+from conftest import build_checkpoint
+from helpers import greedy, hf_greedy, random_prompts
 
 pytestmark = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="torch has no oneDNN here")
 
@@ -227,11 +229,14 @@ def test_linear_takes_the_amx_product_above_the_few_rows(cpu_kernels):
     linear(torch.randn(8, 64), weight, None, None, None, counting(product, "amx"))  # activations in another dtype
     assert calls == [("few", 1), ("few", few.max_rows), ("amx", few.max_rows + 1), ("amx", product.max_rows)]
     calls.clear()
-    head = cpu_kernels.amx_linear(torch.randn(64, 64), min_rows=32)  # the float32 LM head's kind
-    assert head.max_rows >= 1 << 40  # float32: prefill chunks of any size too
+    head = cpu_kernels.amx_linear(torch.randn(64, AMX_PREFILL_MIN_K), min_rows=32)  # the float32 LM head's kind
+    assert head.max_rows >= 1 << 40  # float32 of AMX_PREFILL_MIN_K columns or more: prefill chunks of any size too
     for rows in (16, 31, 32, 3000):
-        linear(torch.randn(rows, 64), torch.randn(64, 64), None, None, None, counting(head, "amx"))
+        linear(torch.randn(rows, AMX_PREFILL_MIN_K), torch.randn(64, AMX_PREFILL_MIN_K), None, None, None,
+               counting(head, "amx"))
     assert calls == [("amx", 32), ("amx", 3000)]
+    narrow = cpu_kernels.amx_linear(torch.randn(64, AMX_PREFILL_MIN_K - 32))  # fewer columns: decode rows only
+    assert narrow.max_rows == product.max_rows == AMX_MAX_ROWS
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
@@ -250,4 +255,34 @@ def test_engine_gives_linear_layers_the_amx_product(qwen3_tiny, cpu_kernels, dty
         assert head.amx is not None and head.amx.min_rows == AMX_HEAD_MIN_ROWS
     else:
         assert head.amx is None
+    llm.exit()
+
+
+@pytest.fixture(scope="module")
+def qwen3_wide(tmp_path_factory) -> str:
+    """Qwen3 whose products have K >= AMX_PREFILL_MIN_K (hidden and MLP 512), so that float32 prefill
+    chunks go to the AMX product too, not only decode steps."""
+    return build_checkpoint(str(tmp_path_factory.mktemp("qwen3_wide")), "qwen3", hidden_size=AMX_PREFILL_MIN_K,
+                            intermediate_size=AMX_PREFILL_MIN_K, num_attention_heads=8, num_key_value_heads=4,
+                            head_dim=64)
+
+
+def test_engine_on_float32_amx_products_gives_hf_greedy_tokens(qwen3_wide, cpu_kernels, monkeypatch):
+    """The whole float32 engine with every product of more than 4 rows on bf16x3 (prefill chunks,
+    decode batches, the one-call decode step) gives HF's greedy tokens: fresh prompts in a batch,
+    prefill chunks (max_num_batched_tokens smaller than the prompts), and prefix-cache hits."""
+    amx_for(cpu_kernels, torch.zeros(32, 32, dtype=torch.bfloat16))
+    prompts = random_prompts(500, [300, 7, 130, 1, 64, 257], seed=5)
+    prompts += [prompts[0][:200] + p[:40] for p in prompts[2:5]]  # a cached prefix of 192 tokens, then new ones
+    llm = LLM(qwen3_wide, max_num_batched_tokens=384, num_kvcache_blocks=96, kvcache_block_size=16)
+    layers = [m for m in llm.model_runner.model.modules() if isinstance(m, LinearBase)]
+    assert layers and all(m.amx is not None and m.packed_weight is None for m in layers)  # no oneDNN copy left
+    rows, product = [], type(layers[0].amx)
+    real = product.__call__
+    monkeypatch.setattr(product, "__call__", lambda self, x, bias: (rows.append(x.size(0)), real(self, x, bias))[1])
+    first = llm.generate(prompts[:6], greedy(10), use_tqdm=False)
+    again = llm.generate(prompts[6:], greedy(10), use_tqdm=False)
+    assert [o["token_ids"] for o in first + again] == hf_greedy(qwen3_wide, prompts, 10)
+    assert max(rows) > AMX_MAX_ROWS  # prefill chunks went through it
+    assert sum(o["num_cached_tokens"] for o in again) >= 3 * 192
     llm.exit()

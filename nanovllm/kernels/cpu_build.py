@@ -51,20 +51,23 @@ DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 # up to 4 sequences can run as one call (layers/cpu_decode.py), which saves ~1 ms a step of Python
 # (real-proportion model) where the slower products cost ~0.4 ms.
 FEW_ROWS_MAX = {torch.float32: 4, torch.bfloat16: 4}
-# The most rows the AMX product takes (cpu_amx_linear.cpp) per dtype. bfloat16: decode steps of up
-# to 256 sequences; on a 2-vCPU Intel Xeon with AMX, after a 24 MB read (an attention layer's), the
-# real model's layer shapes took 0.45-0.75x oneDNN's packed time at 16-64 rows, 0.6-0.9x at 128-256,
-# and were level at 512 (docs/BENCHMARKS.md, "Tenth 2026-11-26 session"); prefill chunks on it ran
-# 0.91x end to end. float32 (bf16x3): every row count, prefill chunks too, where oneDNN's float32
-# products run at the FMAs' peak and bf16x3 on AMX tiles beyond it (real model, 64 prompts, in one
-# process: +8.6% end to end over oneDNN for the prefill rows; "Eleventh 2026-11-27 session"), so
-# float32 layers with it keep no oneDNN copy (LinearBase.enable_cpu).
+# The most rows the AMX product takes (cpu_amx_linear.cpp): decode steps of up to 256 sequences.
+# bfloat16: on a 2-vCPU Intel Xeon with AMX, after a 24 MB read (an attention layer's), the real
+# model's layer shapes took 0.45-0.75x oneDNN's packed time at 16-64 rows, 0.6-0.9x at 128-256, and
+# were level at 512 (docs/BENCHMARKS.md, "Tenth 2026-11-26 session"); prefill chunks on it ran 0.91x
+# end to end. float32 (bf16x3) weights of AMX_PREFILL_MIN_K columns or more take every row count,
+# prefill chunks too (ANY_ROWS), where oneDNN's float32 products run at the FMAs' peak and bf16x3
+# on AMX tiles beyond it: real model (K 512 and 1,536), 64 prompts, in one process, +8.6% end to end
+# ("Eleventh 2026-11-27 session"); so such layers keep no oneDNN copy (LinearBase.enable_cpu). With
+# fewer columns a tile of sums has too few K steps to pay for its set-up: the tiny model's (K 128)
+# prefill chunks ran 0.92x.
 # The bf16 LM head (32,000 columns) stays on oneDNN: level at 64 rows, slower above. The float32
 # one takes it from AMX_HEAD_MIN_ROWS rows: its three bf16 parts are 1.5x the float32 weight's
 # bytes, and below 64 rows, where reading the 65 MB weight bounds the product, that was slower than
 # oneDNN (0.87-0.89x at 16-32 rows, 1.07x at 64, 1.3-1.7x at 128-256).
+AMX_MAX_ROWS = 256
 ANY_ROWS = 1 << 62  # more rows than any step has
-AMX_MAX_ROWS = {torch.bfloat16: 256, torch.float32: ANY_ROWS}
+AMX_PREFILL_MIN_K = 512
 AMX_HEAD_MIN_ROWS = 64
 AMX_TILE_ROWS, AMX_TILE_K, AMX_PAIR_COLUMNS = 16, 32, 32
 CPUINFO = "/proc/cpuinfo"
@@ -134,15 +137,15 @@ def split_bf16x3(t: torch.Tensor) -> torch.Tensor:
 
 class AmxProduct:
     """One weight packed for the AMX product (cpu_amx_linear.cpp), called as x @ weight.T (+ bias)
-    for min_rows..max_rows rows of x (AMX_MAX_ROWS): the product layers/linear.py linear() takes
-    at decode steps (and, float32, prefill chunks). The weight is packed as the kernel's tiles, [N/32][K/32][parts][2
+    for min_rows..max_rows rows of x: the product layers/linear.py linear() takes at decode steps
+    (and, float32 with K >= AMX_PREFILL_MIN_K, prefill chunks). The weight is packed as the kernel's tiles, [N/32][K/32][parts][2
     blocks of 16 columns][16 pairs of K][16 columns][2]: one part for bfloat16, for float32 its
     three bfloat16 parts (split_bf16x3) for the kernel's bf16x3 product. The plain weight stays
     (prefill products use it)."""
     def __init__(self, fn, weight: torch.Tensor, min_rows: int = 1):
         n, k = weight.shape
         self._fn = fn
-        self.max_rows = AMX_MAX_ROWS[weight.dtype]
+        self.max_rows = ANY_ROWS if weight.dtype == torch.float32 and k >= AMX_PREFILL_MIN_K else AMX_MAX_ROWS
         self.min_rows = min_rows  # fewer rows go to the product linear() would take without it
         self.n = n
         self.dtype = weight.dtype
@@ -230,7 +233,7 @@ class FusedKernels:
         return FewRowsLinear(self._few_rows_linear, FEW_ROWS_MAX[dtype])
 
     def amx_linear(self, weight: torch.Tensor, min_rows: int = 1) -> AmxProduct | None:
-        """`weight` packed for the AMX product (taking min_rows..AMX_MAX_ROWS[dtype] rows), or None where
+        """`weight` packed for the AMX product (taking min_rows..max_rows rows), or None where
         this CPU's build has none or the product does not take the weight (bfloat16 or float32, N
         and K multiples of 32)."""
         if self._amx_linear is None or not AmxProduct.takes(weight):
