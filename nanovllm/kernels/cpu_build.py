@@ -127,7 +127,7 @@ class FewRowsLinear:
 
 def split_bf16x3(t: torch.Tensor) -> torch.Tensor:
     """[3, *t.shape] bfloat16 parts of float32 `t` with t = p0 + p1 + p2 exactly, each the nearest
-    bfloat16 to what the parts before it left (cpu_amx_linear.cpp's split_row, for weights)."""
+    bfloat16 to what the parts before it left (cpu_amx_linear.cpp's split_rows, for weights)."""
     parts, rest = [], t.float()
     for _ in range(3):
         parts.append(rest.bfloat16())
@@ -138,19 +138,19 @@ def split_bf16x3(t: torch.Tensor) -> torch.Tensor:
 class AmxProduct:
     """One weight packed for the AMX product (cpu_amx_linear.cpp), called as x @ weight.T (+ bias)
     for min_rows..max_rows rows of x: the product layers/linear.py linear() takes at decode steps
-    (and, float32 with K >= AMX_PREFILL_MIN_K, prefill chunks). The weight is packed as the kernel's tiles, [N/32][K/32][parts][2
-    blocks of 16 columns][16 pairs of K][16 columns][2]: one part for bfloat16, for float32 its
-    three bfloat16 parts (split_bf16x3) for the kernel's bf16x3 product. The plain weight stays
-    (prefill products use it)."""
+    (and, float32 with K >= AMX_PREFILL_MIN_K, prefill chunks). The weight is packed as the
+    kernel's tiles, [N/32][K/32][parts][2 blocks of 16 columns][16 pairs of K][16 columns][2]: one
+    part for bfloat16, for float32 its three bfloat16 parts (split_bf16x3) for the kernel's bf16x3
+    product. The plain weight stays (the embedding may share it; other row counts use it)."""
+
     def __init__(self, fn, weight: torch.Tensor, min_rows: int = 1):
         n, k = weight.shape
         self._fn = fn
         self.max_rows = ANY_ROWS if weight.dtype == torch.float32 and k >= AMX_PREFILL_MIN_K else AMX_MAX_ROWS
         self.min_rows = min_rows  # fewer rows go to the product linear() would take without it
         self.n = n
-        self.dtype = weight.dtype
         w = weight.detach()
-        parts = split_bf16x3(w) if self.dtype == torch.float32 else w[None]  # [parts, n, k]
+        parts = split_bf16x3(w) if w.dtype == torch.float32 else w[None]  # [parts, n, k]
         self.packed = parts.reshape(len(parts), n // 32, 2, 16, k // AMX_TILE_K, AMX_TILE_K // 2, 2).permute(
             1, 4, 0, 2, 5, 3, 6).contiguous()
 
