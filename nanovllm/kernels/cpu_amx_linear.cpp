@@ -23,6 +23,7 @@
 // a process needs before its first tile instruction, and says 0 where either is missing.
 #include <algorithm>
 #include <cstdint>
+#include <type_traits>
 #include <vector>
 
 #include "cpu_kernels.h"
@@ -82,13 +83,8 @@ inline void load_w(const uint16_t* w) {
 // bfloat16 rounded to nearest even.
 template <typename T>
 void write_tile(const float* sums, const T* bias, int col0, T* out, int64_t out_stride, int row0, int rows) {
-  __m512 b = _mm512_setzero_ps();
-  if (bias != nullptr) {
-    if constexpr (sizeof(T) == 4)
-      b = _mm512_loadu_ps(bias + col0);
-    else
-      b = widen((__m256bh)_mm256_loadu_si256(reinterpret_cast<const __m256i*>(bias + col0)));
-  }
+  using Tag = std::conditional_t<sizeof(T) == 4, nanovllm_cpu::F32T, nanovllm_cpu::BF16T>;
+  const __m512 b = bias == nullptr ? _mm512_setzero_ps() : nanovllm_cpu::load16<Tag>(bias + col0);
   for (int r = 0; r < rows; ++r) {
     const __m512 y = _mm512_add_ps(_mm512_load_ps(sums + r * 16), b);
     T* dst = out + (row0 + r) * out_stride + col0;
