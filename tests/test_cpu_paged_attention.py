@@ -7,7 +7,7 @@ garbage, so reading one changes the output. Covered: decode rows of ragged lengt
 around block boundaries, many blocks), prefill chunks over a cached prefix beside one-token rows
 (a mixed step), GQA groups 1/2/4/8, head dims 64 and 128, block sizes 16 and 32, sequences whose
 tables share blocks (a prefix-cache hit), a strided q (a view of a fused qkv), float32 to rounding,
-bfloat16 and float16 within their tolerance. Then the engine: greedy tokens equal HF's with the
+bfloat16 and float16 within their tolerance; bfloat16 prefill tiles on AMX where the CPU has it. Then the engine: greedy tokens equal HF's with the
 kernel on every path (prefix hits, mixed steps, chunked prefill), and the backend choice falls back
 to torch, saying why, when the kernel cannot be built.
 """
@@ -145,6 +145,43 @@ def test_prefill_tiles_of_many_rows_match_reference(kernel, dtype, group, head_d
     scale = head_dim ** -0.5
     out = CpuPagedBackend(kernel).prefill(q, None, None, k_cache, v_cache, meta, scale)
     assert_matches(out, ReferenceTorchBackend().prefill(q, None, None, k_cache, v_cache, meta, scale), dtype)
+
+
+@pytest.fixture
+def amx_kernel(kernel):
+    """The kernel with bfloat16 prefill tiles on AMX (the default where the CPU has it), put back
+    on after the test; skips where this CPU or build has no AMX."""
+    if not kernel.use_amx(True):
+        pytest.skip("this CPU has no AMX (amx_bf16 + amx_tile), so bf16 prefill tiles stay on AVX-512")
+    yield kernel
+    kernel.use_amx(True)
+
+
+@pytest.mark.parametrize("group", GROUPS)
+@pytest.mark.parametrize("head_dim, block_size", [(64, 32), (64, 64), (128, 32), (256, 32)])
+def test_amx_prefill_tiles_match_reference(amx_kernel, group, head_dim, block_size):
+    """bfloat16 prefill tiles on AMX (cpu_amx_attention.cpp): fresh prompts of one tile of rows,
+    part tiles and several items (over 256 rows), chunks over prefixes on and off 32-key
+    boundaries, sequences sharing blocks, beside a few-row chunk and decode-sized rows that take the
+    other paths. Within bf16's tolerance of the reference, no further from it than the AVX-512
+    path's error allows (P is rounded to bf16 there, scores are not), and not the AVX-512 path's
+    output bit for bit (the AMX path ran)."""
+    gen = torch.Generator().manual_seed(group * 31 + head_dim + block_size)
+    num_kv_heads = 2
+    lens = [(0, 16), (0, 300), (17, 45), (block_size, 33), (3 * block_size - 5, 70), (0, 5), (40, 1), (64, 129)]
+    k_cache, v_cache, tables = paged_cache([p + n for p, n in lens], block_size, num_kv_heads, head_dim,
+                                           torch.bfloat16, gen, shared_blocks=1)
+    meta = prefill_meta(lens, tables)
+    q = torch.randn(sum(meta.seqlens_q), num_kv_heads * group, head_dim, generator=gen).to(torch.bfloat16)
+    scale = head_dim ** -0.5
+    expected = ReferenceTorchBackend().prefill(q.float(), None, None, k_cache.float(), v_cache.float(), meta, scale)
+    out = CpuPagedBackend(amx_kernel).prefill(q, None, None, k_cache, v_cache, meta, scale)
+    assert_matches(out, expected, torch.bfloat16)
+    amx_kernel.use_amx(False)
+    lanes = CpuPagedBackend(amx_kernel).prefill(q, None, None, k_cache, v_cache, meta, scale)
+    assert not torch.equal(out, lanes)
+    error, lanes_error = ((x.float() - expected).abs().mean().item() for x in (out, lanes))
+    assert error <= 2 * lanes_error, (error, lanes_error)
 
 
 @pytest.mark.parametrize("is_prefill", [False, True])

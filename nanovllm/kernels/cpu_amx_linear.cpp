@@ -28,36 +28,15 @@
 
 #include "cpu_kernels.h"
 
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
-#define NANOVLLM_AMX 1
-#include <sys/syscall.h>
-#include <unistd.h>
-#endif
-
 namespace {
 
 using nanovllm_cpu::AMX_TILE_ROWS;
 constexpr int TILE_ROWS = AMX_TILE_ROWS;
 constexpr int TILE_K = 32;  // bf16 elements of K per tile row: 64 bytes
 constexpr int TILE_ELEMS = TILE_ROWS * TILE_K;  // one packed weight tile: 1 KiB
-constexpr int ARCH_REQ_XCOMP_PERM = 0x1023, XFEATURE_XTILEDATA = 18;
 
 #ifdef NANOVLLM_AMX
-struct TileConfig {  // the 64-byte operand of LDTILECFG, palette 1
-  uint8_t palette = 1, start_row = 0;
-  uint8_t reserved[14] = {};
-  uint16_t colsb[16] = {};
-  uint8_t rows[16] = {};
-};
-
-void load_tile_config() {
-  TileConfig config;
-  for (int t = 0; t < 8; ++t) {
-    config.rows[t] = TILE_ROWS;
-    config.colsb[t] = 64;
-  }
-  _tile_loadconfig(&config);
-}
+using nanovllm_cpu::load_tile_config;
 
 __m512 widen(__m256bh h) { return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32((__m256i)h), 16)); }
 
@@ -208,13 +187,7 @@ void product(const T* x, int64_t x_stride, int M, int K, const uint16_t* wp, int
 extern "C" {
 
 // 1 where this build has the AMX product and Linux grants this process the tile data state, else 0.
-int nanovllm_amx_linear_supported() {
-#ifdef NANOVLLM_AMX
-  return syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
-#else
-  return 0;
-#endif
-}
+int nanovllm_amx_linear_supported() { return nanovllm_cpu::amx_granted(); }
 
 // out[M, N] (row stride out_stride) = x[M, K] (row stride x_stride) @ w^T (+ bias[N] when not
 // null), all of `dtype` (DTYPE_CODES: 0 float32, 1 bfloat16), w packed as the header says. K a

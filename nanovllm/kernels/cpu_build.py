@@ -36,12 +36,12 @@ logger = logging.getLogger("nanovllm")
 
 SOURCES = tuple(Path(__file__).with_name(name) for name in ("cpu_paged_attention.cpp", "cpu_fused.cpp",
                                                                  "cpu_linear.cpp", "cpu_amx_linear.cpp",
-                                                                 "cpu_decode_layers.cpp"))
+                                                                 "cpu_amx_attention.cpp", "cpu_decode_layers.cpp"))
 HEADERS = (Path(__file__).with_name("cpu_kernels.h"),)
 # -march=native: AVX-512/AVX2 as this CPU has them (the library is cached per CPU flags).
 # -fopenmp: the (sequence, KV head, query tile) loop runs on torch's OpenMP pool.
 CXX_FLAGS = ("-O3", "-march=native", "-fopenmp", "-std=c++17", "-shared", "-fPIC")
-ABI_VERSION = 5  # nanovllm_paged_attention_abi() of a library this module can call
+ABI_VERSION = 6  # nanovllm_paged_attention_abi() of a library this module can call
 BUILD_TIMEOUT_S = 120  # a build takes ~1 s alone; a loaded machine may stretch it
 DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 # The most rows of x the few-row product takes per dtype (cpu_linear.cpp's MAX_ROWS). Against
@@ -86,6 +86,15 @@ class PagedAttentionKernel:
                        i64, i64, i64, i64, i32]
         fn.restype = i32
         self._fn = fn
+        self._amx = library.nanovllm_paged_attention_amx
+        self._amx.argtypes = [i32]
+        self._amx.restype = i32
+
+    def use_amx(self, enable: bool) -> bool:
+        """Whether bfloat16 prefill tiles go to AMX (cpu_amx_attention.cpp; on by default where the
+        CPU has it) or to the AVX-512 path: for tests and A/B runs. Returns the setting now, False
+        where AMX is missing. One setting for the process (the library is loaded once)."""
+        return bool(self._amx(int(enable)))
 
     def __call__(self, q: torch.Tensor, out: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                  block_tables: torch.Tensor, q_start: torch.Tensor, q_len: torch.Tensor, k_len: torch.Tensor,

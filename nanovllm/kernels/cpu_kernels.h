@@ -13,6 +13,14 @@
 #include <immintrin.h>
 #endif
 
+// AMX kernels (cpu_amx_linear.cpp, cpu_amx_attention.cpp) exist only where the compiler has
+// AMX-TILE, AMX-BF16 and AVX512-BF16 (-march=native on such a CPU).
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
+#define NANOVLLM_AMX 1
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
+
 namespace nanovllm_cpu {
 
 enum DType { F32 = 0, BF16 = 1, F16 = 2 };
@@ -112,6 +120,36 @@ inline float exp_nonpositive(float x) {
 constexpr int LANES = 16;  // floats per AVX-512 vector (two AVX2 vectors): the unit of the inner loops
 constexpr int AMX_TILE_ROWS = 16;  // rows of an AMX tile: the AMX product's rows come in whole tiles
 
+#ifdef NANOVLLM_AMX
+struct TileConfig {  // the 64-byte operand of LDTILECFG, palette 1
+  uint8_t palette = 1, start_row = 0;
+  uint8_t reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+// Every one of the 8 tiles 16 rows of 64 bytes: what the AMX kernels use (one configuration a thread).
+inline void load_tile_config() {
+  TileConfig config;
+  for (int t = 0; t < 8; ++t) {
+    config.rows[t] = AMX_TILE_ROWS;
+    config.colsb[t] = 64;
+  }
+  _tile_loadconfig(&config);
+}
+#endif
+
+// 1 where this build has AMX and Linux grants this process the tile data state (arch_prctl), which
+// a process needs before its first tile instruction; else 0. Idempotent.
+inline int amx_granted() {
+#ifdef NANOVLLM_AMX
+  constexpr int ARCH_REQ_XCOMP_PERM = 0x1023, XFEATURE_XTILEDATA = 18;
+  return syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
+#else
+  return 0;
+#endif
+}
+
 #ifdef __AVX512F__
 // The types with explicit AVX-512 paths (attention's scores by sums, P x V and prefill lanes; the
 // fused elementwise rows): float32 and bfloat16.
@@ -205,6 +243,12 @@ int nanovllm_few_rows_linear(int dtype, int rows, const void* x, int64_t x_strid
                              void* out, int64_t out_stride, int N, int K, int num_threads);
 int nanovllm_amx_linear(int dtype, const void* x, int64_t x_stride, int M, int K, const void* w_packed, int N,
                         const void* bias, void* out, int64_t out_stride, int num_threads);
+int nanovllm_amx_prefill_takes(int head_dim, int block_size);
+int nanovllm_amx_prefill_attention(const uint16_t* q, uint16_t* out, const uint16_t* k_cache, const uint16_t* v_cache,
+                                   const int32_t* table, int64_t q_stride_token, int64_t q_stride_head,
+                                   int64_t out_stride_token, int64_t out_stride_head, int64_t first_row, int first_pos,
+                                   int queries, int head_begin, int head_end, int group, int num_kv_heads,
+                                   int head_dim, int block_size, float scale);
 int nanovllm_paged_attention(int dtype, const void* q, void* out, const void* k_cache, const void* v_cache,
                              const int32_t* block_tables, int64_t table_stride, const int32_t* q_start,
                              const int32_t* q_len, const int32_t* k_len, int num_seqs, int num_heads,

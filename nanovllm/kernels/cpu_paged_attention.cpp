@@ -49,6 +49,13 @@ constexpr int TRANSPOSE_MIN_ROWS = 16;
 // Work items per thread below which each KV head is an item of its own; above it an item takes
 // all of a sequence's KV heads, so each block is read front to back (measured ~1.5x in decode).
 constexpr int ITEMS_PER_THREAD = 4;
+// Query rows (queries x group) per prefill item on AMX (cpu_amx_attention.cpp): it transposes each
+// chunk of K and V once for all its row tiles, so more rows share that work; fewer where the
+// items would not keep the threads busy.
+constexpr int AMX_ITEM_ROWS = 256;
+// Whether bfloat16 prefill items go to AMX: -1 until run() first asks the CPU (amx_granted), then
+// 1 or 0; nanovllm_paged_attention_amx() sets it (tests and benchmarks compare both paths).
+int amx_prefill = -1;
 
 inline int round_up(int x, int m) { return (x + m - 1) / m * m; }
 
@@ -556,6 +563,14 @@ void attend_item(const Item& item, const typename T::storage* q, typename T::sto
   const int head_rows = round_up(live_rows, ROWS);
   const int rows = heads * head_rows;
   const bool transpose = head_rows >= TRANSPOSE_MIN_ROWS;
+  if constexpr (std::is_same_v<T, BF16T>) {  // a prefill tile of many rows, on AMX where it takes the shapes
+    if (live_rows >= LANES && amx_prefill == 1 &&
+        nanovllm_amx_prefill_attention(q, out, k_cache, v_cache, table, q_stride_token, q_stride_head,
+                                       out_stride_token, out_stride_head, q_start + item.q_begin,
+                                       k_len - q_len + item.q_begin, queries, item.head_begin, item.head_end, group,
+                                       num_kv_heads, head_dim, block_size, scale) == 0)
+      return;
+  }
 #ifdef __AVX512F__
   if constexpr (vector_type<T>()) {
     if (live_rows >= LANES && lanes_head_dim(head_dim)) {  // a prefill tile of many rows
@@ -754,8 +769,18 @@ void run(const void* q, void* out, const void* k_cache, const void* v_cache, con
          int num_threads) {
   using S = typename T::storage;
   const int group = num_heads / num_kv_heads;
-  int64_t tiles = 0;
-  for (int s = 0; s < num_seqs; ++s) tiles += (q_len[s] + q_tile - 1) / q_tile;
+  const auto count_tiles = [&](int tile) {
+    int64_t n = 0;
+    for (int s = 0; s < num_seqs; ++s) n += (q_len[s] + tile - 1) / tile;
+    return n;
+  };
+  if (amx_prefill < 0) amx_prefill = amx_granted();
+  if (std::is_same_v<T, BF16T> && amx_prefill == 1 && q_tile > 1 && nanovllm_amx_prefill_takes(head_dim, block_size)) {
+    // Prefill items on AMX: larger.
+    const int amx_tile = std::max(q_tile, AMX_ITEM_ROWS / group);
+    if (count_tiles(amx_tile) * num_kv_heads >= static_cast<int64_t>(ITEMS_PER_THREAD) * num_threads) q_tile = amx_tile;
+  }
+  const int64_t tiles = count_tiles(q_tile);
   const int heads_per_item = tiles >= static_cast<int64_t>(ITEMS_PER_THREAD) * num_threads ? num_kv_heads : 1;
   std::vector<Item> items;
   for (int s = 0; s < num_seqs; ++s)
@@ -790,7 +815,14 @@ void run(const void* q, void* out, const void* k_cache, const void* v_cache, con
 extern "C" {
 
 // The ABI version Python checks after loading, so a stale cached library is never called.
-int nanovllm_paged_attention_abi() { return 5; }
+int nanovllm_paged_attention_abi() { return 6; }
+
+// Whether bfloat16 prefill items run on AMX tiles (cpu_amx_attention.cpp): enable 0 turns it off,
+// 1 on where the CPU and build have AMX. Returns the setting now (1 on, 0 off).
+int nanovllm_paged_attention_amx(int enable) {
+  amx_prefill = enable ? amx_granted() : 0;
+  return amx_prefill;
+}
 
 // Returns 0, or -1 for a dtype code it does not know.
 int nanovllm_paged_attention(int dtype, const void* q, void* out, const void* k_cache, const void* v_cache,
