@@ -1,7 +1,8 @@
 """Builds and loads the CPU kernels once per machine: paged attention (cpu_paged_attention.cpp),
 the fused elementwise kernels (cpu_fused.cpp), few-row linear products (cpu_linear.cpp), bf16
-products on AMX tiles (cpu_amx_linear.cpp, where the CPU has AMX) and a decode step through all
-decoder layers built of those (cpu_decode_layers.cpp), one library sharing cpu_kernels.h.
+products on AMX tiles (cpu_amx_linear.cpp, where the CPU has AMX), bf16 prefill attention on AMX
+tiles (cpu_amx_attention.cpp, called by the paged kernel) and a decode step through all decoder
+layers built of those (cpu_decode_layers.cpp), one library sharing cpu_kernels.h.
 
 The source is plain C++ with a C ABI (pointers and integers, no torch headers), so g++ builds it
 in about a second, where a torch C++ extension (torch.utils.cpp_extension) spends ~30-60 s of a

@@ -14,7 +14,8 @@
 // blocks once: scores for ROWS query rows at a time in registers, then an online softmax
 // (running max and sum per row) folds the block's V into float32 accumulators, ROWS rows per V
 // vector loaded. A prefill tile of 16 or more rows (float32 or bfloat16, AVX-512) goes instead to
-// attend_prefill_lanes, which holds 16 rows in the lanes of a vector (see there).
+// attend_prefill_lanes, which holds 16 rows in the lanes of a vector (see there), or, bfloat16 on a
+// CPU with AMX, to cpu_amx_attention.cpp's tile products (items of up to AMX_ITEM_ROWS rows).
 // Caches and queries are float32, bfloat16 or float16, the same type for both; all arithmetic
 // is float32.
 //
@@ -776,7 +777,7 @@ void run(const void* q, void* out, const void* k_cache, const void* v_cache, con
   };
   if (amx_prefill < 0) amx_prefill = amx_granted();
   if (std::is_same_v<T, BF16T> && amx_prefill == 1 && q_tile > 1 && nanovllm_amx_prefill_takes(head_dim, block_size)) {
-    // Prefill items on AMX: larger.
+    // Prefill items for AMX take up to AMX_ITEM_ROWS rows, where that leaves the threads enough items.
     const int amx_tile = std::max(q_tile, AMX_ITEM_ROWS / group);
     if (count_tiles(amx_tile) * num_kv_heads >= static_cast<int64_t>(ITEMS_PER_THREAD) * num_threads) q_tile = amx_tile;
   }
