@@ -16,6 +16,7 @@ import logging
 import pytest
 import torch
 
+from conftest import build_checkpoint
 from helpers import hf_greedy, random_prompts
 from nanovllm import LLM, SamplingParams
 from nanovllm import attention
@@ -182,6 +183,28 @@ def test_amx_prefill_tiles_match_reference(amx_kernel, group, head_dim, block_si
     assert not torch.equal(out, lanes)
     error, lanes_error = ((x.float() - expected).abs().mean().item() for x in (out, lanes))
     assert error <= 2 * lanes_error, (error, lanes_error)
+
+
+def test_engine_bf16_prefill_on_amx_scores_prompts_as_the_avx512_path(tmp_path_factory, amx_kernel):
+    """The bfloat16 engine with its prefill tiles on AMX, through chunked prefill (chunks over the
+    prompt's own earlier chunks in the cache): every prompt token's logprob within bf16's reach of
+    the AVX-512 path's, in the same engine (bf16 greedy tokens diverge on any rounding, so the
+    comparison is of the distributions the two paths give)."""
+    path = build_checkpoint(str(tmp_path_factory.mktemp("qwen3_head64")), "qwen3", hidden_size=256,
+                            intermediate_size=256, num_attention_heads=4, num_key_value_heads=2, head_dim=64)
+    prompts = random_prompts(500, [200, 90, 40], seed=8)
+    llm = LLM(path, dtype="bfloat16", attention_backend="cpu", max_num_batched_tokens=128, kvcache_block_size=32)
+    params = SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=0)
+    scored = {}
+    for amx in (True, False):
+        amx_kernel.use_amx(amx)
+        outputs = llm.generate(prompts, params, use_tqdm=False)
+        scored[amx] = torch.tensor([out["prompt_logprobs"][k][prompt[k]]["logprob"]
+                                    for out, prompt in zip(outputs, prompts) for k in range(1, len(prompt))])
+    llm.exit()
+    assert scored[True].isfinite().all() and scored[True].numel() == sum(len(p) - 1 for p in prompts)
+    assert not torch.equal(scored[True], scored[False])  # the AMX path ran
+    torch.testing.assert_close(scored[True], scored[False], atol=0.1, rtol=0.02)
 
 
 @pytest.mark.parametrize("is_prefill", [False, True])
