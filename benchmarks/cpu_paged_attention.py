@@ -3,8 +3,11 @@ the in-place C++ kernel (attention/cpu_backend.py), for decode, for a prefill ch
 cached prefix and for fresh prompts (torch's SDPA on the contiguous K/V against the kernel reading
 them from the cache), on issue 29's real-proportion shapes (8 query / 4 KV heads of 64, blocks of 32).
 
+On a CPU with AMX the kernel runs twice: with its bf16 prefill tiles on AMX (cpu_amx_attention.cpp,
+the default; "kernel") and on AVX-512 ("kernel-avx512", `use_amx(False)`).
+
 One step of every layer's attention (NUM_LAYERS caches, so the data comes from memory as in the
-engine), the two backends alternating round after round so that load on a shared host falls on
+engine), the backends alternating round after round so that load on a shared host falls on
 both; the table gives the median and minimum over rounds of the process's CPU time per layer
 (less disturbed by other processes than wall time; with one thread it is the work done) and the
 same for wall time. The outputs are compared first. Last, one JSON line.
@@ -88,21 +91,29 @@ def main() -> None:
     kernel = cpu_build.load()
     if isinstance(kernel, str):
         sys.exit(kernel)
+    amx = kernel.use_amx(True)
     results = []
     for dtype in (torch.float32, torch.bfloat16):
         for mode in ("decode", "prefill", "fresh"):
             meta, run = case(mode, args.batch, dtype)
             backends = {"torch": TorchBackend(), "kernel": CpuPagedBackend(kernel)}
-            outs = {name: run(backend, meta()) for name, backend in backends.items()}
+            if amx:
+                backends["kernel-avx512"] = CpuPagedBackend(kernel)
+
+            def timed(name: str, m):
+                kernel.use_amx(name != "kernel-avx512")
+                c, w = time.process_time(), time.perf_counter()
+                outs = run(backends[name], m)
+                return outs, time.process_time() - c, time.perf_counter() - w
+
+            outs = {name: timed(name, meta())[0] for name in backends}
             diff = max((a.float() - b.float()).abs().max().item() for a, b in zip(outs["torch"], outs["kernel"]))
             cpu, wall = ({name: [] for name in backends} for _ in range(2))
             for _ in range(args.rounds):
-                for name, backend in backends.items():
-                    m = meta()
-                    c, w = time.process_time(), time.perf_counter()
-                    run(backend, m)
-                    cpu[name].append((time.process_time() - c) / NUM_LAYERS * 1e3)
-                    wall[name].append((time.perf_counter() - w) / NUM_LAYERS * 1e3)
+                for name in backends:
+                    _, c, w = timed(name, meta())
+                    cpu[name].append(c / NUM_LAYERS * 1e3)
+                    wall[name].append(w / NUM_LAYERS * 1e3)
             what = {"decode": f"batch {args.batch}", "prefill": f"2 x {CHUNK} over {PREFIX}",
                     "fresh": f"{FRESH_SEQS} x {FRESH}, no prefix (torch: SDPA)"}[mode]
             cells = " | ".join(f"{name}: CPU {statistics.median(cpu[name]):.2f} (min {min(cpu[name]):.2f}), wall "
@@ -112,8 +123,9 @@ def main() -> None:
             results.append({"mode": mode, "dtype": str(dtype).removeprefix("torch."), "max_abs_diff": diff,
                             **{f"{name}_{what}_ms": round(statistics.median(times[name]), 3)
                                for name in backends for what, times in (("cpu", cpu), ("wall", wall))}})
+    kernel.use_amx(True)
     print(json.dumps({"benchmark": "cpu_paged_attention", "threads": args.threads, "batch": args.batch,
-                      "rounds": args.rounds, "results": results}))
+                      "rounds": args.rounds, "amx": amx, "results": results}))
 
 
 if __name__ == "__main__":
