@@ -7,9 +7,10 @@ garbage, so reading one changes the output. Covered: decode rows of ragged lengt
 around block boundaries, many blocks), prefill chunks over a cached prefix beside one-token rows
 (a mixed step), GQA groups 1/2/4/8, head dims 64 and 128, block sizes 16 and 32, sequences whose
 tables share blocks (a prefix-cache hit), a strided q (a view of a fused qkv), float32 to rounding,
-bfloat16 and float16 within their tolerance; bfloat16 prefill tiles on AMX where the CPU has it. Then the engine: greedy tokens equal HF's with the
-kernel on every path (prefix hits, mixed steps, chunked prefill), and the backend choice falls back
-to torch, saying why, when the kernel cannot be built.
+bfloat16 and float16 within their tolerance; bfloat16 prefill tiles on AMX where the CPU has it.
+Then the engine: greedy tokens equal HF's with the kernel on every path (prefix hits, mixed steps,
+chunked prefill), bf16 prompt logprobs with AMX prefill tiles as without, and the backend choice
+falls back to torch, saying why, when the kernel cannot be built.
 """
 import logging
 
