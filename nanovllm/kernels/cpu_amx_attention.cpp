@@ -8,14 +8,13 @@
 //   1. The keys the item sees, in chunks of 32 tokens (a chunk lies in one block: block_size a
 //      multiple of 32), are laid out once for all its rows as the products' B operands: K^T (K's
 //      rows of bf16 pairs transposed, by gathers) and V with its token pairs interleaved.
-//   2. Each tile of 16 query rows (queries x the group of query heads; Q's rows are A tiles as they
-//      lie) walks its chunks as flash attention does: S = Q K^T in two float32 tiles; per row, in
+//   2. Each tile of 16 query rows (queries x the group of query heads, copied together per KV head:
+//      the A tiles of S) walks its chunks as flash attention does: S = Q K^T in two float32 tiles; per row, in
 //      float32 vectors, the causal mask, the running max, the weights P (rounded to bf16, as flash
 //      attention's P is) and their sum; O += P V. For head_dim 64 O stays in four tiles across the
 //      chunks; wider heads keep O in float32 rows, each chunk's P V added with AVX-512.
-// The running max is raised only when a row's scores pass it by more than 2^RESCALE_LOG2 (the
-// weights stay <= 256, exact enough in float32 and bf16), so O seldom has to leave its tiles to
-// be rescaled. Scores' products are exact in float32 (bf16 x bf16) and summed in float32, as the
+// A row's running max is raised only where one of its weights would pass 2^RESCALE_LOG2 (256:
+// exact enough in float32 and bf16), so O seldom has to leave its tiles to be rescaled. Scores' products are exact in float32 (bf16 x bf16) and summed in float32, as the
 // AVX-512 path's dot products are; the one rounding more is P's to bf16 (relative 2^-9, below the
 // bf16 output's own).
 #include <algorithm>
