@@ -159,6 +159,18 @@ def amx_kernel(kernel):
     kernel.use_amx(True)
 
 
+def test_amx_prefill_says_which_tiles_take_it(amx_kernel):
+    """bfloat16 caches whose head_dim is a multiple of 64 and blocks of a multiple of 32 tokens, while
+    the setting is on; asking (use_amx()) leaves the setting as it is."""
+    assert amx_kernel.use_amx() and amx_kernel.use_amx()
+    assert amx_kernel.amx_prefill(torch.bfloat16, 64, 32) and amx_kernel.amx_prefill(torch.bfloat16, 128, 256)
+    assert not amx_kernel.amx_prefill(torch.float32, 64, 32) and not amx_kernel.amx_prefill(torch.float16, 64, 32)
+    assert not amx_kernel.amx_prefill(torch.bfloat16, 32, 32) and not amx_kernel.amx_prefill(torch.bfloat16, 96, 32)
+    assert not amx_kernel.amx_prefill(torch.bfloat16, 64, 16)
+    assert not amx_kernel.use_amx(False) and not amx_kernel.use_amx()
+    assert not amx_kernel.amx_prefill(torch.bfloat16, 64, 32)
+
+
 @pytest.mark.parametrize("group", GROUPS)
 @pytest.mark.parametrize("head_dim, block_size", [(64, 32), (64, 64), (128, 32), (256, 32)])
 def test_amx_prefill_tiles_match_reference(amx_kernel, group, head_dim, block_size):
@@ -186,15 +198,18 @@ def test_amx_prefill_tiles_match_reference(amx_kernel, group, head_dim, block_si
     assert error <= 2 * lanes_error, (error, lanes_error)
 
 
-def test_engine_bf16_prefill_on_amx_scores_prompts_as_the_avx512_path(tmp_path_factory, amx_kernel):
-    """The bfloat16 engine with its prefill tiles on AMX, through chunked prefill (chunks over the
-    prompt's own earlier chunks in the cache): every prompt token's logprob within bf16's reach of
-    the AVX-512 path's, in the same engine (bf16 greedy tokens diverge on any rounding, so the
-    comparison is of the distributions the two paths give)."""
+def test_engine_bf16_prefill_on_amx_scores_prompts_as_the_avx512_path(tmp_path_factory, amx_kernel, caplog):
+    """The bfloat16 engine with its prefill tiles on AMX (its start-up log says so), through chunked
+    prefill (chunks over the prompt's own earlier chunks in the cache): every prompt token's logprob
+    within bf16's reach of the AVX-512 path's, in the same engine (bf16 greedy tokens diverge on any
+    rounding, so the comparison is of the distributions the two paths give)."""
     path = build_checkpoint(str(tmp_path_factory.mktemp("qwen3_head64")), "qwen3", hidden_size=256,
                             intermediate_size=256, num_attention_heads=4, num_key_value_heads=2, head_dim=64)
     prompts = random_prompts(500, [200, 90, 40], seed=8)
-    llm = LLM(path, dtype="bfloat16", attention_backend="cpu", max_num_batched_tokens=128, kvcache_block_size=32)
+    with caplog.at_level(logging.INFO, logger="nanovllm"):
+        llm = LLM(path, dtype="bfloat16", attention_backend="cpu", max_num_batched_tokens=128,
+                  kvcache_block_size=32)
+    assert "prefill attention on AMX tiles" in caplog.text
     params = SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=0)
     scored = {}
     for amx in (True, False):

@@ -90,12 +90,20 @@ class PagedAttentionKernel:
         self._amx = library.nanovllm_paged_attention_amx
         self._amx.argtypes = [i32]
         self._amx.restype = i32
+        self._amx_takes = library.nanovllm_amx_prefill_takes
+        self._amx_takes.argtypes = [i32, i32]
+        self._amx_takes.restype = i32
 
-    def use_amx(self, enable: bool) -> bool:
+    def use_amx(self, enable: bool | None = None) -> bool:
         """Whether bfloat16 prefill tiles go to AMX (cpu_amx_attention.cpp; on by default where the
-        CPU has it) or to the AVX-512 path: for tests and A/B runs. Returns the setting now, False
-        where AMX is missing. One setting for the process (the library is loaded once)."""
-        return bool(self._amx(int(enable)))
+        CPU has it) or to the AVX-512 path: for tests and A/B runs; None only asks. Returns the
+        setting now, False where AMX is missing. One setting for the process (the library is loaded
+        once)."""
+        return bool(self._amx(-1 if enable is None else int(enable)))
+
+    def amx_prefill(self, dtype: torch.dtype, head_dim: int, block_size: int) -> bool:
+        """Whether prefill tiles of this cache dtype and these shapes run on AMX here now."""
+        return dtype == torch.bfloat16 and self.use_amx() and bool(self._amx_takes(head_dim, block_size))
 
     def __call__(self, q: torch.Tensor, out: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                  block_tables: torch.Tensor, q_start: torch.Tensor, q_len: torch.Tensor, k_len: torch.Tensor,

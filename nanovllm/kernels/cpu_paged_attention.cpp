@@ -819,9 +819,12 @@ extern "C" {
 int nanovllm_paged_attention_abi() { return 6; }
 
 // Whether bfloat16 prefill items run on AMX tiles (cpu_amx_attention.cpp): enable 0 turns it off,
-// 1 on where the CPU and build have AMX. Returns the setting now (1 on, 0 off).
+// 1 on where the CPU and build have AMX, -1 leaves it as it is. Returns the setting now (1 on, 0 off).
 int nanovllm_paged_attention_amx(int enable) {
-  amx_prefill = enable ? amx_granted() : 0;
+  if (enable >= 0)
+    amx_prefill = enable ? amx_granted() : 0;
+  else if (amx_prefill < 0)
+    amx_prefill = amx_granted();
   return amx_prefill;
 }
 

@@ -226,12 +226,16 @@ class ModelRunner:
                 logger.info("KV-cache scales %s: %s", self.kv_scales_source, describe(kv_scales))
             if self.device.type == "cpu":
                 modules = list(self.model.modules())
+                kernel = getattr(self.backend, "kernel", None)  # the C++ paged attention, when chosen
+                amx_prefill = kernel is not None and kernel.amx_prefill(self.cache_dtype, self.head_dim, self.block_size)
                 logger.info("CPU: %d torch threads per rank, malloc tuned %s, linear layers in %s, %d packed for "
-                            "oneDNN, %d for AMX", config.cpu_threads, malloc_tuned,
+                            "oneDNN, %d for AMX, prefill attention %s", config.cpu_threads, malloc_tuned,
                             "float32 (no native half-precision matmul here)" if half_in_float32
                             else str(config.dtype).removeprefix("torch."),
                             sum(getattr(m, "packed_weight", None) is not None for m in modules),
-                            sum(getattr(m, "amx", None) is not None for m in modules))
+                            sum(getattr(m, "amx", None) is not None for m in modules),
+                            "on AMX tiles" if amx_prefill else "in vector registers" if kernel is not None
+                            else f"by the {self.backend.name} backend")
             if config.preemption_mode == SWAP:
                 logger.info("swap space %d host blocks (swap_space=%s GiB per rank, %s)", self.num_swap_blocks,
                             config.swap_space, "pinned" if self.swap_cache.is_pinned() else "not pinned")
