@@ -136,10 +136,9 @@ def run_nanovllm(job: dict) -> dict:
     # Which AMX paths this machine ran (older checkouts have neither attribute): the layers whose
     # products went to AMX tiles, and whether the prefill attention's tiles did.
     info["amx_layers"] = sum(getattr(m, "amx", None) is not None for m in llm.model_runner.model.modules())
-    kernel, hf = getattr(llm.model_runner.backend, "kernel", None), llm.config.hf_config
-    head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
+    kernel = getattr(llm.model_runner.backend, "kernel", None)
     info["amx_attention"] = hasattr(kernel, "amx_prefill") and kernel.amx_prefill(
-        getattr(torch, job["dtype"]), head_dim, llm.config.kvcache_block_size)
+        getattr(torch, job["dtype"]), llm.model_runner.head_dim, llm.config.kvcache_block_size)
     return timed_runs(job, imports, startup, generate, info)
 
 
