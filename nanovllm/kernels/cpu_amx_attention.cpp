@@ -34,8 +34,6 @@ constexpr int CHUNK = 32;  // keys a step: one tile row of bf16 pairs
 constexpr int PV_TILES = 4;  // output column tiles a pass of P x V (tiles 0-3), so head_dim % 64 == 0
 constexpr int TILE_ELEMS = TILE * CHUNK;  // bf16 elements of a B tile (16 rows of 64 bytes)
 constexpr float RESCALE_LOG2 = 8.0f;  // how far (log2) scores may pass the running max before it moves
-constexpr float LOG2E = 1.44269504088896341f;
-constexpr int CACHE_LINE = 64;  // bytes a prefetch brings
 
 // kt[w][t] = word w (bf16 pair 2w, 2w+1) of key token t of the chunk, t < CHUNK (tokens past n
 // repeat the last): K^T in the B tiles' pair-interleaved layout, row stride CHUNK words.
@@ -277,7 +275,7 @@ int nanovllm_amx_prefill_attention(const uint16_t* q, uint16_t* out, const uint1
       if (c + 1 < chunks) {  // the next chunk's rows on their way (its block is anywhere in the cache)
         const int64_t next = chunk_at(first + CHUNK);
         for (int t = 0; t < std::min(CHUNK, visible_end - first - CHUNK); ++t)
-          for (int d = 0; d < head_dim; d += CACHE_LINE / 2) {
+          for (int d = 0; d < head_dim; d += CACHE_LINE / static_cast<int>(sizeof(uint16_t))) {
             _mm_prefetch(reinterpret_cast<const char*>(k_cache + next + t * token_stride + d), _MM_HINT_T0);
             _mm_prefetch(reinterpret_cast<const char*>(v_cache + next + t * token_stride + d), _MM_HINT_T0);
           }

@@ -93,13 +93,15 @@ inline float rounded(float x) {
   return load<T>(&v);
 }
 
+constexpr int CACHE_LINE = 64;  // bytes a prefetch brings
+constexpr float LOG2E = 1.44269504088896341f;  // log2(e): exp(x) = 2^(x log2 e)
+
 // exp(x) for x <= 0 (scores minus their running max) in a form the compiler vectorises:
 // 2^(x log2 e) split into 2^n (built in the exponent bits) times a degree-6 polynomial for 2^f,
 // f in [-0.5, 0.5] (Cephes' exp2f coefficients); relative error ~2e-7, about float32 rounding.
 // Below -87 it returns 0.
 inline float exp_nonpositive(float x) {
-  const float log2e = 1.44269504088896341f;
-  float t = std::max(x, -87.0f) * log2e;
+  float t = std::max(x, -87.0f) * LOG2E;
   float n = __builtin_rintf(t);  // nearest, ties to even: vectorises (roundf does not)
   float f = t - n;
   float p = 1.535336188319500e-4f;
@@ -192,7 +194,7 @@ inline __m512 rounded16(__m512 x) {
 
 // Vector form of exp_nonpositive (the same operations in the same order, so the same values).
 inline __m512 exp_nonpositive_v(__m512 x) {
-  const __m512 t = _mm512_mul_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.0f)), _mm512_set1_ps(1.44269504088896341f));
+  const __m512 t = _mm512_mul_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.0f)), _mm512_set1_ps(LOG2E));
   const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
   const __m512 f = _mm512_sub_ps(t, n);
   __m512 p = _mm512_set1_ps(1.535336188319500e-4f);

@@ -37,7 +37,6 @@ using namespace nanovllm_cpu;
 // rows. Prefill takes MAX_ROWS; a decode item has `group` rows (one query per head of the group),
 // so it takes 1 or 2 for groups of 1 or 2 rather than compute padding rows.
 constexpr int MAX_ROWS = 4;
-constexpr int CACHE_LINE = 64;  // bytes per prefetch
 // Lines Ahead::step() requests per 16-bit element's worth of cache (float32 twice as many): the
 // loops step ~256 times a 32-token block, and its K, V and the next block's K and V must all be
 // asked for by its end (decode, 64 sequences: bf16 ~5-20%, float32 ~12-15% faster than bursts,
