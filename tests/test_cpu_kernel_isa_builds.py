@@ -1,37 +1,45 @@
-"""The CPU kernels as other CPUs build them, run here: an AVX2-only CPU gets `-march=x86-64-v3`
-(no AVX-512: the kernels' plain loops, which the native build on an AVX-512 machine never runs),
-an AVX-512 CPU without AVX512-BF16 gets `-march=x86-64-v4 -mno-avx512bf16` (bfloat16 scores
-through widened FMAs instead of dot products). Each build is checked against the same oracles as
-the native one (tests/reference_attention.py, the torch layer functions), on a compact set of
-cases: decode and prefill (chunks over a prefix, tiles of many rows) for every dtype, head dims
-that take each path, GQA groups 1/2/4; the fused residual add + RMSNorm and SiLU-and-mul. A build
-is skipped, saying so, where this CPU lacks what it needs."""
+"""The CPU kernels as other CPUs build them, run here (cpu_build.CPU_ISAS, the builds
+$NANOVLLM_CPU_ISA picks): an AVX2-only CPU gets `-march=x86-64-v3` (no AVX-512: the kernels' plain
+loops, which the native build on an AVX-512 machine never runs), an AVX-512 CPU without
+AVX512-BF16 gets `-march=x86-64-v4` (bfloat16 scores through widened FMAs instead of dot
+products). Each build is checked against the same oracles as the native one
+(tests/reference_attention.py, the torch layer functions), on a compact set of cases: decode and
+prefill (chunks over a prefix, tiles of many rows) for every dtype, head dims that take each path,
+GQA groups 1/2/4; the fused residual add + RMSNorm and SiLU-and-mul; and the whole engine built for
+each, through $NANOVLLM_CPU_ISA, against HF's greedy tokens. A build is skipped, saying so, where
+this CPU lacks what it needs."""
+import logging
+
 import pytest
 import torch
 
+from nanovllm import LLM
 from nanovllm.attention.cpu_backend import CpuPagedBackend
 from nanovllm.kernels import cpu_build
 from nanovllm.layers.activation import silu_and_mul
 from nanovllm.layers.layernorm import add_rms_norm
 from reference_attention import ReferenceTorchBackend
+from conftest import build_checkpoint
+from helpers import greedy, hf_greedy, random_prompts
 from test_cpu_fused_kernels import assert_close, randn
 from test_cpu_paged_attention import assert_matches, decode_meta, paged_cache, prefill_meta
 
-# build name: (extra compiler flags, the /proc/cpuinfo flags the build's code needs)
-ISA_BUILDS = {
-    "avx2": (("-march=x86-64-v3",), {"avx2", "fma", "bmi2"}),
-    "avx512-no-bf16": (("-march=x86-64-v4", "-mno-avx512bf16"), {"avx512f", "avx512bw", "avx512dq", "avx512vl"}),
-}
+# The builds below this CPU's own that each test runs (names of cpu_build.CPU_ISAS).
+ISA_BUILDS = ("avx2", "avx512")
 
 
-@pytest.fixture(scope="module", params=sorted(ISA_BUILDS))
-def library(request, tmp_path_factory):
-    flags, needs = ISA_BUILDS[request.param]
-    missing = needs - set((cpu_build.cpu_flags_line() or "").split())
+def skip_unless_buildable(isa: str) -> None:
+    missing = cpu_build.CPU_ISAS[isa][1] - set((cpu_build.cpu_flags_line() or "").split())
     if missing:
-        pytest.skip(f"this CPU lacks {sorted(missing)}, which the {request.param} build's code needs")
+        pytest.skip(f"this CPU lacks {sorted(missing)}, which the {isa} build's code needs")
     if cpu_build.compiler() is None:
         pytest.skip("no C++ compiler here")
+
+
+@pytest.fixture(scope="module", params=ISA_BUILDS)
+def library(request, tmp_path_factory):
+    skip_unless_buildable(request.param)
+    flags = cpu_build.CPU_ISAS[request.param][0]
     return cpu_build.open_library(cpu_build.build(tmp_path_factory.mktemp(request.param), extra_flags=flags))
 
 
@@ -68,3 +76,60 @@ def test_fused_build_matches_torch(library, dtype):
     assert_close(out.out, expected)
     gate_up = randn(33, 2 * 200, dtype=dtype, seed=4, scale=4.0)
     assert_close(kernels.silu_and_mul(gate_up), silu_and_mul(gate_up))
+
+
+def test_cpu_isa_env_picks_the_build_flags(monkeypatch):
+    monkeypatch.delenv(cpu_build.CPU_ISA_ENV, raising=False)
+    assert cpu_build.isa_flags_from_env() == ()
+    monkeypatch.setattr(cpu_build, "cpu_flags_line", lambda: "flags\t: sse2 avx avx2 fma bmi2 avx512f avx512bw "
+                                                             "avx512dq avx512vl\n")
+    for isa in ("native", "avx2", "avx512"):
+        monkeypatch.setenv(cpu_build.CPU_ISA_ENV, isa)
+        assert cpu_build.isa_flags_from_env() == cpu_build.CPU_ISAS[isa][0]
+    assert "-march=x86-64-v3" in cpu_build.CPU_ISAS["avx2"][0]
+    # a class this CPU lacks would stop on an illegal instruction: refused, saying what is missing
+    monkeypatch.setenv(cpu_build.CPU_ISA_ENV, "avx512_bf16")
+    with pytest.raises(ValueError, match=r"NANOVLLM_CPU_ISA='avx512_bf16' needs \['avx512_bf16'\]"):
+        cpu_build.isa_flags_from_env()
+    monkeypatch.setenv(cpu_build.CPU_ISA_ENV, "sse")
+    with pytest.raises(ValueError, match="NANOVLLM_CPU_ISA='sse' is not a known ISA; allowed: native, avx512_bf16"):
+        cpu_build.isa_flags_from_env()
+
+
+def test_bad_cpu_isa_env_stops_the_engine_before_it_loads(qwen3_tiny, monkeypatch):
+    monkeypatch.setattr(cpu_build, "_loaded", None)  # as in a fresh process: the library not tried yet
+    monkeypatch.setenv(cpu_build.CPU_ISA_ENV, "avx1024")
+    with pytest.raises(ValueError, match="NANOVLLM_CPU_ISA='avx1024'"):
+        LLM(qwen3_tiny, num_kvcache_blocks=16)
+
+
+@pytest.fixture(scope="module")
+def qwen3_head64(tmp_path_factory) -> str:
+    """Qwen3 with head_dim 64 and GQA 2: the shapes of the paged kernel's tiles a real model takes."""
+    return build_checkpoint(str(tmp_path_factory.mktemp("qwen3_head64")), "qwen3", hidden_size=128,
+                            num_attention_heads=4, num_key_value_heads=2, head_dim=64)
+
+
+@pytest.mark.parametrize("isa", ISA_BUILDS)
+def test_engine_built_for_another_isa_gives_hf_greedy_tokens(qwen3_head64, isa, monkeypatch, caplog):
+    """The whole float32 engine on the kernels an AVX2-only or an AVX-512 (no BF16, no AMX) CPU
+    builds, as $NANOVLLM_CPU_ISA asks for them: fresh prompts in a batch, prefill chunks over
+    several steps and prefix-cache hits give HF's greedy tokens, with no product on AMX tiles."""
+    skip_unless_buildable(isa)
+    monkeypatch.setattr(cpu_build, "_loaded", None)  # the next engine loads the library anew, for `isa`
+    monkeypatch.setenv(cpu_build.CPU_ISA_ENV, isa)
+    prompts = random_prompts(500, [200, 7, 90, 1, 33], seed=11)
+    prompts += [prompts[0][:160] + p[:30] for p in prompts[1:3]]  # a cached prefix of 160 tokens, then new ones
+    with caplog.at_level(logging.INFO, logger="nanovllm"):
+        llm = LLM(qwen3_head64, max_num_batched_tokens=128, num_kvcache_blocks=64, kvcache_block_size=16)
+    assert f"kernels built for {isa}" in caplog.text and "prefill attention in vector registers" in caplog.text
+    assert llm.model_runner.backend.name == "cpu"
+    library = cpu_build.load_library()
+    assert library.path == cpu_build.build(extra_flags=cpu_build.CPU_ISAS[isa][0]) != cpu_build.build()
+    assert not library.nanovllm_amx_linear_supported()
+    assert bool(library.nanovllm_few_rows_supported(0)) == (isa != "avx2")  # float32 few-row product: AVX-512F
+    first = llm.generate(prompts[:5], greedy(8), use_tqdm=False)
+    again = llm.generate(prompts[5:], greedy(8), use_tqdm=False)
+    assert [o["token_ids"] for o in first + again] == hf_greedy(qwen3_head64, prompts, 8)
+    assert sum(o["num_cached_tokens"] for o in again) >= 2 * 160
+    llm.exit()

@@ -72,6 +72,18 @@ AMX_PREFILL_MIN_K = 512
 AMX_HEAD_MIN_ROWS = 64
 AMX_TILE_ROWS, AMX_TILE_K, AMX_PAIR_COLUMNS = 16, 32, 32
 CPUINFO = "/proc/cpuinfo"
+# NANOVLLM_CPU_ISA builds the kernels for less than this CPU has, as another x86 CPU would build
+# them (its paths run here: to try them, or to compare engines capped alike, benchmarks/
+# vs_vllm_cpu.py --isa-cap): name -> (flags after CXX_FLAGS, the /proc/cpuinfo flags its code needs).
+# The code tests only __AVX512F__, __AVX512BF16__ and AMX's macros, so the generic x86-64 levels
+# stand for the CPUs of each class.
+CPU_ISA_ENV = "NANOVLLM_CPU_ISA"
+CPU_ISAS = {
+    "native": ((), set()),  # everything this CPU has (AMX where present)
+    "avx512_bf16": (("-march=x86-64-v4", "-mavx512bf16"), {"avx512f", "avx512bw", "avx512dq", "avx512vl", "avx512_bf16"}),
+    "avx512": (("-march=x86-64-v4",), {"avx512f", "avx512bw", "avx512dq", "avx512vl"}),
+    "avx2": (("-march=x86-64-v3",), {"avx2", "fma", "bmi2"}),
+}
 
 _loaded: "ctypes.CDLL | str | None" = None  # the library, or why there is none; None: not tried yet
 
@@ -339,6 +351,20 @@ def cpu_flags_line() -> str | None:
         return None
 
 
+def isa_flags_from_env() -> tuple[str, ...]:
+    """The compiler flags $NANOVLLM_CPU_ISA asks for (none when unset or "native"). ValueError for
+    a name not in CPU_ISAS or an ISA this CPU lacks (its code would stop on an illegal instruction)."""
+    name = os.environ.get(CPU_ISA_ENV, "native")
+    if name not in CPU_ISAS:
+        raise ValueError(f"{CPU_ISA_ENV}={name!r} is not a known ISA; allowed: {', '.join(CPU_ISAS)}")
+    flags, needs = CPU_ISAS[name]
+    missing = needs - set((cpu_flags_line() or "").split())
+    if missing:
+        raise ValueError(f"{CPU_ISA_ENV}={name!r} needs {sorted(missing)}, which this CPU lacks; allowed: a class "
+                         f"this CPU has, or 'native'")
+    return flags
+
+
 def build(directory: Path | None = None, extra_flags: tuple[str, ...] = ()) -> Path:
     """Compile the library into `directory` (default: the cache) unless it is there already;
     returns its path. `extra_flags` come after CXX_FLAGS (e.g. "-march=x86-64-v3": the build an
@@ -380,12 +406,14 @@ def open_library(path: Path) -> ctypes.CDLL:
 
 
 def load_library() -> "ctypes.CDLL | str":
-    """The library, built on first use in this process (or loaded from the cache), or a string
-    saying why it cannot be had here. Tried once per process."""
+    """The library, built on first use in this process (or loaded from the cache) for the ISA
+    $NANOVLLM_CPU_ISA names (this CPU's when unset), or a string saying why it cannot be had here.
+    Tried once per process; a bad $NANOVLLM_CPU_ISA raises ValueError."""
     global _loaded
     if _loaded is None:
+        flags = isa_flags_from_env()
         try:
-            _loaded = open_library(build())
+            _loaded = open_library(build(extra_flags=flags))
         except (OSError, RuntimeError, subprocess.SubprocessError) as e:
             _loaded = f"the CPU kernels could not be built or loaded: {e}"
     return _loaded

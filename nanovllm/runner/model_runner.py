@@ -11,6 +11,7 @@ replaying a graph (graph.py), and rank 0 samples the rows that complete a sequen
 sequence except to give a seeded one its random generator.
 """
 import logging
+import os
 import time
 from typing import Callable, NamedTuple
 
@@ -228,8 +229,9 @@ class ModelRunner:
                 modules = list(self.model.modules())
                 kernel = getattr(self.backend, "kernel", None)  # the C++ paged attention, when chosen
                 amx_prefill = kernel is not None and kernel.amx_prefill(self.cache_dtype, self.head_dim, self.block_size)
-                logger.info("CPU: %d torch threads per rank, malloc tuned %s, linear layers in %s, %d packed for "
-                            "oneDNN, %d for AMX, prefill attention %s", config.cpu_threads, malloc_tuned,
+                logger.info("CPU: %d torch threads per rank, malloc tuned %s, kernels built for %s, linear layers in "
+                            "%s, %d packed for oneDNN, %d for AMX, prefill attention %s", config.cpu_threads,
+                            malloc_tuned, os.environ.get(cpu_build.CPU_ISA_ENV, "native"),
                             "float32 (no native half-precision matmul here)" if half_in_float32
                             else str(config.dtype).removeprefix("torch."),
                             sum(getattr(m, "packed_weight", None) is not None for m in modules),
