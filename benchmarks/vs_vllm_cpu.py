@@ -53,7 +53,7 @@ Usage: python benchmarks/vs_vllm_cpu.py [--models tiny real] [--mode batch|singl
            [--openvino-python /work/peers/openvino/bin/python]
            [--llamacpp LLAMA_CPP_TREE [--llamacpp-python PYTHON]]
            [--baseline-root CHECKOUT [--baseline-env KEY=VALUE ...]] [--variant NAME KEY=VALUE ...]
-           [--dtypes float32 bfloat16]
+           [--dtypes float32 bfloat16] [--isa-cap avx2|avx512|avx512_bf16]
            [--repeats 3] [--timed-runs 3] [--num-prompts N ...] [--note TEXT]
 """
 import argparse
@@ -97,6 +97,23 @@ KV_CACHE_GIB = 4  # nanovllm's default cpu_kvcache_space_gib; every peer gets th
 WARMUP_TOKENS = 8  # per warm-up prompt: a prefill and some decode steps before timing
 SEED = 0
 ISA_FLAGS = ("avx2", "avx512f", "avx512_bf16", "amx_bf16")  # what decides which kernels a CPU gets
+# --isa-cap CLASS: every engine limited to an ISA class below this CPU's, to see the paths a CPU of
+# that class takes (an estimate of such a machine: its cache, memory and clock stay this one's).
+# torch's own kernels follow ATEN_CPU_CAPABILITY (inductor's generated code too), oneDNN
+# ONEDNN_MAX_CPU_ISA, MKL MKL_ENABLE_INSTRUCTIONS, nanovllm's kernels NANOVLLM_CPU_ISA
+# (kernels/cpu_build.py), and vLLM's choice of its kernel library and paths torch.cpu's checks,
+# answered by isa_cap/sitecustomize.py. OpenVINO runs uncapped, an upper bound on its speed under
+# the cap: its plugin checks the CPU itself and follows ONEDNN_MAX_CPU_ISA only in part (under the
+# AVX2 cap some bf16 nodes stayed on AVX-512 and its bf16 products failed to build). llama.cpp
+# builds for the CPU it is built on: not run capped.
+ISA_CAPS = {
+    "avx2": {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2", "MKL_ENABLE_INSTRUCTIONS": "AVX2"},
+    "avx512": {"ATEN_CPU_CAPABILITY": "avx512", "ONEDNN_MAX_CPU_ISA": "AVX512_CORE",
+               "MKL_ENABLE_INSTRUCTIONS": "AVX512"},
+    "avx512_bf16": {"ATEN_CPU_CAPABILITY": "avx512", "ONEDNN_MAX_CPU_ISA": "AVX512_CORE_BF16",
+                    "MKL_ENABLE_INSTRUCTIONS": "AVX512"},
+}
+ISA_CAP_SHIM = REPO / "benchmarks" / "isa_cap"  # its sitecustomize.py, first on vLLM's PYTHONPATH
 TCMALLOC_NAMES = ("libtcmalloc_minimal.so.4", "libtcmalloc.so.4")  # Debian's packages; vLLM's docs name either
 IOMP_NAME = "libiomp5.so"  # the intel-openmp wheel puts it in <venv>/lib
 PEERS = ("vllm", "openvino", "llamacpp")
@@ -132,7 +149,9 @@ def run_nanovllm(job: dict) -> dict:
         return list(output.outputs[0].token_ids) if hasattr(output, "outputs") else output["token_ids"]
 
     info = {"version": "nanovllm", "torch": torch.__version__, "threads": torch.get_num_threads(),
-            "block_size": llm.config.kvcache_block_size, "attention": llm.model_runner.backend.name}
+            "block_size": llm.config.kvcache_block_size, "attention": llm.model_runner.backend.name,
+            "kernels_isa": os.environ.get("NANOVLLM_CPU_ISA", "native"),
+            "torch_capability": torch.backends.cpu.get_cpu_capability()}
     # Which AMX paths this machine ran (older checkouts have neither attribute): the layers whose
     # products went to AMX tiles, and whether the prefill attention's tiles did.
     info["amx_layers"] = sum(getattr(m, "amx", None) is not None for m in llm.model_runner.model.modules())
@@ -157,7 +176,8 @@ def run_vllm(job: dict) -> dict:
         outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
         return [list(o.outputs[0].token_ids) for o in outputs]
 
-    info = {"version": f"vllm {vllm.__version__}", "torch": torch.__version__, "preload_active": mapped_preloads()}
+    info = {"version": f"vllm {vllm.__version__}", "torch": torch.__version__, "preload_active": mapped_preloads(),
+            "kernel_library": mapped_vllm_kernels(), "torch_capability": torch.backends.cpu.get_cpu_capability()}
     return timed_runs(job, imports, startup, generate, info)
 
 
@@ -254,6 +274,33 @@ def mapped_preloads() -> list[str]:
     with open("/proc/self/maps") as f:
         paths = {line.split()[-1] for line in f if "/" in line}
     return sorted(p for p in paths if any(name in os.path.basename(p) for name in TCMALLOC_NAMES + (IOMP_NAME,)))
+
+
+def process_tree(pid: int) -> list[int]:
+    """pid and its descendants, from /proc's children lists (processes gone meanwhile are skipped)."""
+    pids, i = [pid], 0
+    while i < len(pids):
+        for task in Path(f"/proc/{pids[i]}/task").glob("*"):
+            try:
+                pids += [int(child) for child in (task / "children").read_text().split()]
+            except OSError:
+                pass
+        i += 1
+    return pids
+
+
+def mapped_vllm_kernels() -> list[str]:
+    """Which of vLLM's kernel libraries (_C, _C_AVX512, _C_AVX2: by the CPU's ISA) this process or
+    its engine-core process mapped."""
+    names = set()
+    for pid in process_tree(os.getpid()):
+        try:
+            with open(f"/proc/{pid}/maps") as f:
+                names |= {os.path.basename(line.split()[-1]) for line in f
+                          if re.search(r"/vllm/_C[^/]*\.so$", line.strip())}
+        except OSError:
+            pass
+    return sorted(names)
 
 
 def timed_runs(job: dict, imports: float, startup: float, generate, info: dict) -> dict:
@@ -518,6 +565,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="extra environment for nanovllm's subprocesses; repeatable")
     parser.add_argument("--vllm-env", action="append", default=[], type=key_value, metavar="KEY=VALUE",
                         help="extra environment for vLLM's subprocesses (over the documented set-up)")
+    parser.add_argument("--isa-cap", choices=list(ISA_CAPS),
+                        help="limit every engine to this ISA class (below this CPU's), as on a CPU of that class; "
+                             "an estimate, recorded as such")
     parser.add_argument("--jsonl", default=str(REPO / "docs" / "bench" / "vs_vllm_cpu.jsonl"),
                         help="file the run's JSON line is appended to ('' for none)")
     parser.add_argument("--note", default="", help="free text kept in the JSON line (e.g. 'host shared')")
@@ -535,6 +585,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if args.llamacpp and not os.access(llamacpp_server(args.llamacpp), os.X_OK):
         parser.error(f"--llamacpp {args.llamacpp}: no {llamacpp_server(args.llamacpp)}; build it first "
                      "(cmake -B build && cmake --build build --target llama-server)")
+    if args.isa_cap and (args.llamacpp or args.baseline_root or args.variant):
+        parser.error("--isa-cap caps this checkout and the peers that can be capped: not llama.cpp (built for "
+                     "this CPU), nor --baseline-root / --variant (a checkout before NANOVLLM_CPU_ISA builds for "
+                     "the whole CPU)")
     if args.no_preload and not args.vllm_python:
         parser.error("--no-preload is about vLLM's set-up; it needs --vllm-python")
     for name in ("nanovllm_config",):
@@ -628,7 +682,9 @@ def rotation(engines: list, repeat: int) -> list:
 def make_engines(args: argparse.Namespace) -> tuple[list[Engine], dict]:
     """The engines to run and the peers' set-up facts (preload, environment) for the JSON line."""
     config = {key: json.loads(value) for key, value in args.nanovllm_config}
-    engines = [Engine("nanovllm", "nanovllm", sys.executable, dict(args.nanovllm_env),
+    cap = dict(ISA_CAPS[args.isa_cap]) if args.isa_cap else {}
+    nanovllm_cap = dict(cap, NANOVLLM_CPU_ISA=args.isa_cap) if cap else {}
+    engines = [Engine("nanovllm", "nanovllm", sys.executable, {**nanovllm_cap, **dict(args.nanovllm_env)},
                       os.path.abspath(args.nanovllm_root), config)]
     if args.baseline_root:
         engines.append(Engine("baseline", "nanovllm", sys.executable, dict(args.baseline_env or args.nanovllm_env),
@@ -645,6 +701,9 @@ def make_engines(args: argparse.Namespace) -> tuple[list[Engine], dict]:
             ldconfig = subprocess.run(["ldconfig", "-p"], capture_output=True, text=True, check=False).stdout
             preloads = find_preloads(venv, ldconfig)
         env = {**vllm_environment(args.cpus, preloads), **dict(args.vllm_env)}
+        if cap:
+            path = os.pathsep.join(filter(None, [str(ISA_CAP_SHIM), os.environ.get("PYTHONPATH")]))
+            env.update(cap, NANOVLLM_BENCH_ISA_CAP=args.isa_cap, PYTHONPATH=path)
         print(f"vLLM set-up: LD_PRELOAD={env.get('LD_PRELOAD', '(none: --no-preload)')} "
               f"VLLM_CPU_OMP_THREADS_BIND={env['VLLM_CPU_OMP_THREADS_BIND']} "
               f"VLLM_CPU_KVCACHE_SPACE={env['VLLM_CPU_KVCACHE_SPACE']}", file=sys.stderr)
@@ -655,6 +714,8 @@ def make_engines(args: argparse.Namespace) -> tuple[list[Engine], dict]:
         engines.append(Engine("openvino", "openvino", args.openvino_python, {}))
         setup["openvino"] = {"pipeline": "ContinuousBatchingPipeline",
                              "precision": "INFERENCE_PRECISION_HINT and KV_CACHE_PRECISION = the row's dtype"}
+        if cap:
+            setup["openvino"]["isa_cap"] = "none: this CPU's whole ISA (an upper bound on it under the cap)"
     if args.llamacpp:
         engines.append(Engine("llamacpp", "llamacpp", sys.executable, {}))
         setup["llamacpp"] = {"server": llamacpp_server(args.llamacpp), "commit": commit_of(args.llamacpp),
@@ -676,7 +737,10 @@ def main() -> None:
     with open("/proc/cpuinfo") as f:
         cpuinfo = f.read()
     host = {"host": platform.node(), "cpu": cpu_model(cpuinfo), "isa": isa_flags(cpuinfo), "cpus": args.cpus,
-            "cores": len(args.cpus), "load_start": load_averages()}
+            "cores": len(args.cpus), "load_start": load_averages(), "isa_cap": args.isa_cap}
+    if args.isa_cap:
+        print(f"ISA capped at {args.isa_cap} for every engine (an estimate of a CPU of that class): "
+              f"{ISA_CAPS[args.isa_cap]}", file=sys.stderr)
     print(f"{host['cpu']}, {host['cores']} cores {cpu_list(args.cpus)}, "
           f"ISA {', '.join(f for f, on in host['isa'].items() if on) or 'none of ' + str(ISA_FLAGS)}, "
           f"load {host['load_start']}", file=sys.stderr)

@@ -132,6 +132,9 @@ def test_rotation_moves_the_first_engine(bench):
     (["--variant", "X=1"], "is a new engine name"),
     (["--variant", "one", "A=1", "--variant", "one"], "is a new engine name"),
     (["--variant", "one", "NOEQUALS"], "expected KEY=VALUE"),
+    (["--isa-cap", "avx3"], "invalid choice"),
+    (["--isa-cap", "avx2", "--baseline-root", "/b"], "--isa-cap caps this checkout"),
+    (["--isa-cap", "avx2", "--variant", "one", "A=1"], "--isa-cap caps this checkout"),
 ])
 def test_bad_arguments_are_refused_before_any_work(bench, capsys, argv, message):
     with pytest.raises(SystemExit) as exit_info:
@@ -152,6 +155,35 @@ def test_arguments_parse(bench):
     assert engines[1].env == {"OMP_NUM_THREADS": "1"} and engines[1].root == engines[0].root
     assert engines[2].env == {"VLLM_CPU_KVCACHE_SPACE": str(bench.KV_CACHE_GIB), "VLLM_CPU_OMP_THREADS_BIND": "0-1"}
     assert setup["vllm"]["documented_setup"] is False  # --no-preload is not the documented set-up
+
+
+def test_isa_cap_reaches_every_engine_that_can_be_capped(bench):
+    args = bench.parse_args(["--cpus", "0-1", "--vllm-python", "/p/bin/python", "--no-preload",
+                             "--openvino-python", "/o/bin/python", "--isa-cap", "avx2"])
+    engines, setup = bench.make_engines(args)
+    nanovllm, vllm, openvino = engines
+    assert nanovllm.env == dict(bench.ISA_CAPS["avx2"], NANOVLLM_CPU_ISA="avx2")
+    assert vllm.env["NANOVLLM_BENCH_ISA_CAP"] == "avx2" and vllm.env["ONEDNN_MAX_CPU_ISA"] == "AVX2"
+    assert vllm.env["PYTHONPATH"].split(":")[0] == str(bench.ISA_CAP_SHIM)
+    assert openvino.env == {} and setup["openvino"]["isa_cap"].startswith("none")  # uncapped, and said so
+    # every cap names a build of nanovllm's kernels
+    from nanovllm.kernels.cpu_build import CPU_ISAS
+    assert set(bench.ISA_CAPS) <= set(CPU_ISAS)
+
+
+@pytest.mark.parametrize("cap, hidden, kept", [
+    ("avx2", ["_is_avx512_supported", "_is_avx512_bf16_supported", "_is_amx_tile_supported"], ["_is_avx2_supported"]),
+    ("avx512_bf16", ["_is_amx_tile_supported"], ["_is_avx512_supported", "_is_avx2_supported"]),
+])
+def test_isa_cap_shim_hides_what_the_class_lacks_from_torch(bench, cap, hidden, kept):
+    """The sitecustomize vLLM's processes get under --isa-cap: torch.cpu's checks say False for what
+    the class lacks and keep the CPU's answer for the rest (unset: no change)."""
+    import subprocess
+    import torch
+    code = "import torch; print([getattr(torch.cpu, name)() for name in %r])" % (hidden + kept)
+    env = {"PYTHONPATH": str(bench.ISA_CAP_SHIM), "NANOVLLM_BENCH_ISA_CAP": cap, "PATH": "/usr/bin:/bin"}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120, check=True)
+    assert out.stdout.strip() == str([False] * len(hidden) + [getattr(torch.cpu, name)() for name in kept])
 
 
 def fake_worker_output(tok_s: float, tokens: list[list[int]], single: bool = False) -> dict:
