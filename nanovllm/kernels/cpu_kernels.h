@@ -9,7 +9,7 @@
 #include <cstring>
 #include <type_traits>
 
-#ifdef __AVX512F__
+#if defined(__AVX512F__) || defined(__AVX2__)
 #include <immintrin.h>
 #endif
 
@@ -152,11 +152,12 @@ inline int amx_granted() {
 #endif
 }
 
-#ifdef __AVX512F__
-// The types with explicit AVX-512 paths (attention's scores by sums, P x V and prefill lanes; the
+// The types with explicit vector paths (attention's scores by sums, P x V and prefill lanes; the
 // fused elementwise rows): float32 and bfloat16.
 template <typename T>
 constexpr bool vector_type() { return std::is_same_v<T, F32T> || std::is_same_v<T, BF16T>; }
+
+#ifdef __AVX512F__
 
 // The mask of a vector's first `count` lanes, count clamped to 0..LANES (a loop's tail).
 inline __mmask16 first_lanes(int count) {
@@ -206,6 +207,22 @@ inline __m512 exp_nonpositive_v(__m512 x) {
   return _mm512_mask_mov_ps(_mm512_castsi512_ps(bits), under, _mm512_setzero_ps());
 }
 
+#endif
+
+#if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
+// exp_nonpositive on 8 lanes, for builds without AVX-512 (the same operations in the same order).
+inline __m256 exp_nonpositive_v8(__m256 x) {
+  const __m256 t = _mm256_mul_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.0f)), _mm256_set1_ps(LOG2E));
+  const __m256 n = _mm256_round_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m256 f = _mm256_sub_ps(t, n);
+  __m256 p = _mm256_set1_ps(1.535336188319500e-4f);
+  for (const float c : {1.339887440266574e-3f, 9.618437357674640e-3f, 5.550332471162809e-2f, 2.402264791363012e-1f,
+                        6.931472028550421e-1f, 1.0f})
+    p = _mm256_add_ps(_mm256_mul_ps(p, f), _mm256_set1_ps(c));
+  const __m256i bits = _mm256_add_epi32(_mm256_castps_si256(p), _mm256_slli_epi32(_mm256_cvtps_epi32(n), 23));
+  return _mm256_blendv_ps(_mm256_castsi256_ps(bits), _mm256_setzero_ps(),
+                          _mm256_cmp_ps(x, _mm256_set1_ps(-87.0f), _CMP_LT_OQ));
+}
 #endif
 
 #ifdef __AVX512F__

@@ -161,18 +161,19 @@ void scores_by_dot(float* __restrict__ s, const float* __restrict__ qf, const ty
   }
 }
 
-#ifdef __AVX512F__
-// Whether scores_by_sums takes this head_dim: whole pairs of vectors.
-inline bool sums_head_dim(int head_dim) { return head_dim % 32 == 0; }
 // Whether bfloat16 scores are AVX512-BF16 dot products of raw bfloat16 pairs (scaled on the sums).
 template <typename T>
 constexpr bool bf16_pair_dots() {
-#ifdef __AVX512BF16__
+#if defined(__AVX512BF16__) && defined(__AVX512F__)
   return std::is_same_v<T, BF16T>;
 #else
   return false;
 #endif
 }
+
+#ifdef __AVX512F__
+// Whether scores_by_sums takes this head_dim: whole pairs of vectors.
+inline bool sums_head_dim(int head_dim) { return head_dim % 32 == 0; }
 
 // accumulate_pv for float32 and bfloat16 with explicit AVX-512 vectors: each row's VECS
 // accumulators and the token's V vectors stay in registers, V widened once per token for all rows.
@@ -295,39 +296,94 @@ void scores_transposed(float* __restrict__ s, const float* __restrict__ qf, cons
   }
 }
 
-#ifdef __AVX512F__
+#define ALWAYS_INLINE __attribute__((always_inline)) inline
+// The vector operations of the prefill lanes path, at the width the build has: 16 lanes with
+// AVX-512, 8 with AVX2 + FMA (the build an AVX2-only CPU gets), none otherwise (the generic loops).
+#if defined(__AVX512F__)
+#define NANOVLLM_LANES 1
+struct Lanes {
+  static constexpr int W = 16;
+  using F = __m512;
+  using I = __m512i;
+  ALWAYS_INLINE static F load(const float* p) { return _mm512_loadu_ps(p); }
+  ALWAYS_INLINE static void store(float* p, F x) { _mm512_storeu_ps(p, x); }
+  ALWAYS_INLINE static F set1(float x) { return _mm512_set1_ps(x); }
+  ALWAYS_INLINE static F zero() { return _mm512_setzero_ps(); }
+  ALWAYS_INLINE static F fmadd(F a, F b, F c) { return _mm512_fmadd_ps(a, b, c); }
+  ALWAYS_INLINE static F add(F a, F b) { return _mm512_add_ps(a, b); }
+  ALWAYS_INLINE static F sub(F a, F b) { return _mm512_sub_ps(a, b); }
+  ALWAYS_INLINE static F mul(F a, F b) { return _mm512_mul_ps(a, b); }
+  ALWAYS_INLINE static F max(F a, F b) { return _mm512_max_ps(a, b); }
+  ALWAYS_INLINE static F exp(F x) { return exp_nonpositive_v(x); }
+  ALWAYS_INLINE static I load_positions(const int32_t* p) { return _mm512_loadu_si512(p); }
+  // x with -inf in the lanes whose query lies before key position `key` (the causal mask)
+  ALWAYS_INLINE static F mask_past(F x, int key, I pos) {
+    return _mm512_mask_mov_ps(x, _mm512_cmpgt_epi32_mask(_mm512_set1_epi32(key), pos), _mm512_set1_ps(-INFINITY));
+  }
+  ALWAYS_INLINE static bool all_one(F x) { return !_mm512_cmp_ps_mask(x, _mm512_set1_ps(1.0f), _CMP_NEQ_UQ); }
+};
+#elif defined(__AVX2__) && defined(__FMA__)
+#define NANOVLLM_LANES 1
+struct Lanes {
+  static constexpr int W = 8;
+  using F = __m256;
+  using I = __m256i;
+  ALWAYS_INLINE static F load(const float* p) { return _mm256_loadu_ps(p); }
+  ALWAYS_INLINE static void store(float* p, F x) { _mm256_storeu_ps(p, x); }
+  ALWAYS_INLINE static F set1(float x) { return _mm256_set1_ps(x); }
+  ALWAYS_INLINE static F zero() { return _mm256_setzero_ps(); }
+  ALWAYS_INLINE static F fmadd(F a, F b, F c) { return _mm256_fmadd_ps(a, b, c); }
+  ALWAYS_INLINE static F add(F a, F b) { return _mm256_add_ps(a, b); }
+  ALWAYS_INLINE static F sub(F a, F b) { return _mm256_sub_ps(a, b); }
+  ALWAYS_INLINE static F mul(F a, F b) { return _mm256_mul_ps(a, b); }
+  ALWAYS_INLINE static F max(F a, F b) { return _mm256_max_ps(a, b); }
+  ALWAYS_INLINE static F exp(F x) { return exp_nonpositive_v8(x); }
+  ALWAYS_INLINE static I load_positions(const int32_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
+  ALWAYS_INLINE static F mask_past(F x, int key, I pos) {
+    return _mm256_blendv_ps(x, _mm256_set1_ps(-INFINITY),
+                            _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(key), pos)));
+  }
+  ALWAYS_INLINE static bool all_one(F x) { return _mm256_movemask_ps(_mm256_cmp_ps(x, _mm256_set1_ps(1.0f), _CMP_NEQ_UQ)) == 0; }
+};
+#endif
+
+#ifdef NANOVLLM_LANES
 // ---- Prefill tiles: query rows in the vector lanes ----
-// A tile of many query rows (queries x its group of heads) puts 16 rows in the lanes of a vector,
+// A tile of many query rows (queries x its group of heads) puts W rows in the lanes of a vector
+// (Lanes: 16 with AVX-512, 8 in an AVX2-only build),
 // RV vectors a pass, so every step is a vertical vector operation: scores are 16 rows x one key
 // (Q transposed once per pass, each key element broadcast from the cache where it lies: no K
 // transposition, no horizontal sums), the softmax's max and sum run down a block's tokens, and
-// P x V broadcasts each V element to 16 rows' FMAs. bfloat16 scores are AVX512-BF16 dot products
+// P x V broadcasts each V element to W rows' FMAs. bfloat16 scores are AVX512-BF16 dot products
 // of raw bfloat16 pairs (as decode's: products exact in float32, scaled on the sums).
 
 // Whether a prefill tile of a vector_type takes the lanes path: head_dim whole vectors.
 inline bool lanes_head_dim(int head_dim) { return head_dim % LANES == 0; }
 
-// One pass: R = 16 * RV rows of one KV head, their positions `pos` (lane r sees keys 0..pos[r]),
+// One pass: R = W * RV rows of one KV head, their positions `pos` (lane r sees keys 0..pos[r]),
 // over the head's keys 0..visible_end-1. qt holds Q transposed: float32 [head_dim][R] (scaled),
 // or for bfloat16 [head_dim / 2][R] pairs of raw bfloat16 as 32-bit words. Leaves O transposed,
 // unnormalised, in ot [head_dim][R] and the softmax sums in l[R].
 template <typename T, int RV>
-void prefill_lanes_pass(const void* qt, const __m512i* pos, const typename T::storage* k_head,
+ALWAYS_INLINE void prefill_lanes_pass(const void* qt, const int32_t* pos, const typename T::storage* k_head,
                         const typename T::storage* v_head, const int32_t* table, int64_t token_stride,
                         int64_t block_stride, int block_size, int visible_end, int head_dim, float scale,
                         float* __restrict__ ot, float* __restrict__ l, float* __restrict__ s, float* __restrict__ vf) {
   using S = typename T::storage;
-  constexpr int R = LANES * RV;
-  constexpr int TT = LANES / RV;  // key tokens per register tile of scores (TT x RV accumulators)
-  constexpr int DB = LANES / RV;  // head dims per register tile of P x V
-  constexpr bool pairs = bf16_pair_dots<T>();
-  __m512 m[RV], sum[RV];
-  int min_pos = INT32_MAX;
+  using F = Lanes::F;
+  constexpr int W = Lanes::W;
+  constexpr int R = W * RV;
+  constexpr int TT = W / RV;  // key tokens per register tile of scores (TT x RV accumulators)
+  constexpr int DB = W / RV;  // head dims per register tile of P x V
+  constexpr bool pairs = bf16_pair_dots<T>() && W == LANES;  // AVX512-BF16 pairs: 16-lane vectors
+  F m[RV], sum[RV];
+  typename Lanes::I positions[RV];
   for (int rv = 0; rv < RV; ++rv) {
-    m[rv] = _mm512_set1_ps(-INFINITY);
-    sum[rv] = _mm512_setzero_ps();
-    min_pos = std::min(min_pos, _mm512_reduce_min_epi32(pos[rv]));
+    m[rv] = Lanes::set1(-INFINITY);
+    sum[rv] = Lanes::zero();
+    positions[rv] = Lanes::load_positions(pos + rv * W);
   }
+  const int min_pos = *std::min_element(pos, pos + R);
   std::fill(ot, ot + static_cast<size_t>(head_dim) * R, 0.0f);
   const int num_blocks = (visible_end + block_size - 1) / block_size;
   for (int b = 0; b < num_blocks; ++b) {
@@ -337,14 +393,14 @@ void prefill_lanes_pass(const void* qt, const __m512i* pos, const typename T::st
     const S* v = v_head + static_cast<int64_t>(table[b]) * block_stride;
     // 1. Scores s[t][R] for the block's n tokens, TT at a time (tokens past n repeat the last).
     for (int t0 = 0; t0 < n; t0 += TT) {
-      __m512 acc[TT][RV];
+      F acc[TT][RV];
       const S* kt[TT];
       for (int j = 0; j < TT; ++j) {
         kt[j] = k + std::min(t0 + j, n - 1) * token_stride;
-        for (int rv = 0; rv < RV; ++rv) acc[j][rv] = _mm512_setzero_ps();
+        for (int rv = 0; rv < RV; ++rv) acc[j][rv] = Lanes::zero();
       }
       if constexpr (pairs) {
-#ifdef __AVX512BF16__
+#if defined(__AVX512BF16__) && defined(__AVX512F__)
         const uint32_t* qp = static_cast<const uint32_t*>(qt);
         for (int dp = 0; dp < head_dim / 2; ++dp) {
           __m512bh qv[RV];
@@ -362,43 +418,41 @@ void prefill_lanes_pass(const void* qt, const __m512i* pos, const typename T::st
       } else {
         const float* qf = static_cast<const float*>(qt);
         for (int d = 0; d < head_dim; ++d) {
-          __m512 qv[RV];
-          for (int rv = 0; rv < RV; ++rv) qv[rv] = _mm512_loadu_ps(qf + static_cast<size_t>(d) * R + rv * LANES);
+          F qv[RV];
+          for (int rv = 0; rv < RV; ++rv) qv[rv] = Lanes::load(qf + static_cast<size_t>(d) * R + rv * W);
           for (int j = 0; j < TT; ++j) {
-            const __m512 kb = _mm512_set1_ps(load<T>(kt[j] + d));
-            for (int rv = 0; rv < RV; ++rv) acc[j][rv] = _mm512_fmadd_ps(qv[rv], kb, acc[j][rv]);
+            const F kb = Lanes::set1(load<T>(kt[j] + d));
+            for (int rv = 0; rv < RV; ++rv) acc[j][rv] = Lanes::fmadd(qv[rv], kb, acc[j][rv]);
           }
         }
       }
       const bool masked = first + t0 + TT - 1 > min_pos;  // some key here lies past some row's query
       for (int j = 0; j < TT && t0 + j < n; ++j)
         for (int rv = 0; rv < RV; ++rv) {
-          __m512 x = acc[j][rv];
-          if (masked)
-            x = _mm512_mask_mov_ps(x, _mm512_cmpgt_epi32_mask(_mm512_set1_epi32(first + t0 + j), pos[rv]),
-                                   _mm512_set1_ps(-INFINITY));
-          _mm512_storeu_ps(s + static_cast<size_t>(t0 + j) * R + rv * LANES, x);
+          F x = acc[j][rv];
+          if (masked) x = Lanes::mask_past(x, first + t0 + j, positions[rv]);
+          Lanes::store(s + static_cast<size_t>(t0 + j) * R + rv * W, x);
         }
     }
     // 2. Online softmax down the block's tokens: new running max, weights, sums, O rescaled.
     for (int rv = 0; rv < RV; ++rv) {
-      __m512 block_max = _mm512_set1_ps(-INFINITY);
-      for (int t = 0; t < n; ++t) block_max = _mm512_max_ps(block_max, _mm512_loadu_ps(s + static_cast<size_t>(t) * R + rv * LANES));
-      const __m512 new_max = _mm512_max_ps(m[rv], block_max);  // finite: every lane sees key 0
-      const __m512 correction = exp_nonpositive_v(_mm512_sub_ps(m[rv], new_max));  // 0 on the first block
-      __m512 block_sum = _mm512_setzero_ps();
+      F block_max = Lanes::set1(-INFINITY);
+      for (int t = 0; t < n; ++t) block_max = Lanes::max(block_max, Lanes::load(s + static_cast<size_t>(t) * R + rv * W));
+      const F new_max = Lanes::max(m[rv], block_max);  // finite: every lane sees key 0
+      const F correction = Lanes::exp(Lanes::sub(m[rv], new_max));  // 0 on the first block
+      F block_sum = Lanes::zero();
       for (int t = 0; t < n; ++t) {
-        float* st = s + static_cast<size_t>(t) * R + rv * LANES;
-        const __m512 p = exp_nonpositive_v(_mm512_sub_ps(_mm512_loadu_ps(st), new_max));
-        _mm512_storeu_ps(st, p);
-        block_sum = _mm512_add_ps(block_sum, p);
+        float* st = s + static_cast<size_t>(t) * R + rv * W;
+        const F p = Lanes::exp(Lanes::sub(Lanes::load(st), new_max));
+        Lanes::store(st, p);
+        block_sum = Lanes::add(block_sum, p);
       }
-      sum[rv] = _mm512_add_ps(_mm512_mul_ps(sum[rv], correction), block_sum);
+      sum[rv] = Lanes::add(Lanes::mul(sum[rv], correction), block_sum);
       m[rv] = new_max;
-      if (_mm512_cmp_ps_mask(correction, _mm512_set1_ps(1.0f), _CMP_NEQ_UQ))
+      if (!Lanes::all_one(correction))
         for (int d = 0; d < head_dim; ++d) {
-          float* od = ot + static_cast<size_t>(d) * R + rv * LANES;
-          _mm512_storeu_ps(od, _mm512_mul_ps(_mm512_loadu_ps(od), correction));
+          float* od = ot + static_cast<size_t>(d) * R + rv * W;
+          Lanes::store(od, Lanes::mul(Lanes::load(od), correction));
         }
     }
     // 3. O += P x V: V in float32 (bfloat16 widened once per block), each element broadcast.
@@ -412,27 +466,27 @@ void prefill_lanes_pass(const void* qt, const __m512i* pos, const typename T::st
       v_stride = head_dim;
     }
     for (int d0 = 0; d0 < head_dim; d0 += DB) {
-      __m512 o[DB][RV];
+      F o[DB][RV];
       for (int j = 0; j < DB; ++j)
-        for (int rv = 0; rv < RV; ++rv) o[j][rv] = _mm512_loadu_ps(ot + static_cast<size_t>(d0 + j) * R + rv * LANES);
+        for (int rv = 0; rv < RV; ++rv) o[j][rv] = Lanes::load(ot + static_cast<size_t>(d0 + j) * R + rv * W);
       for (int t = 0; t < n; ++t) {
-        __m512 p[RV];
-        for (int rv = 0; rv < RV; ++rv) p[rv] = _mm512_loadu_ps(s + static_cast<size_t>(t) * R + rv * LANES);
+        F p[RV];
+        for (int rv = 0; rv < RV; ++rv) p[rv] = Lanes::load(s + static_cast<size_t>(t) * R + rv * W);
         const float* vt = vrows + t * v_stride + d0;
         for (int j = 0; j < DB; ++j) {
-          const __m512 vb = _mm512_set1_ps(vt[j]);
-          for (int rv = 0; rv < RV; ++rv) o[j][rv] = _mm512_fmadd_ps(p[rv], vb, o[j][rv]);
+          const F vb = Lanes::set1(vt[j]);
+          for (int rv = 0; rv < RV; ++rv) o[j][rv] = Lanes::fmadd(p[rv], vb, o[j][rv]);
         }
       }
       for (int j = 0; j < DB; ++j)
-        for (int rv = 0; rv < RV; ++rv) _mm512_storeu_ps(ot + static_cast<size_t>(d0 + j) * R + rv * LANES, o[j][rv]);
+        for (int rv = 0; rv < RV; ++rv) Lanes::store(ot + static_cast<size_t>(d0 + j) * R + rv * W, o[j][rv]);
     }
   }
-  for (int rv = 0; rv < RV; ++rv) _mm512_storeu_ps(l + rv * LANES, sum[rv]);
+  for (int rv = 0; rv < RV; ++rv) Lanes::store(l + rv * W, sum[rv]);
 }
 
 // A prefill item on the lanes path: for each KV head, its rows (queries x group) in passes of up
-// to 32 rows (16 when 16 cover them), each pass a walk of the keys its rows see.
+// to 2W rows (W when W cover them), each pass a walk of the keys its rows see.
 template <typename T>
 void attend_prefill_lanes(const Item& item, const typename T::storage* q, typename T::storage* out,
                           const typename T::storage* k_cache, const typename T::storage* v_cache,
@@ -441,7 +495,7 @@ void attend_prefill_lanes(const Item& item, const typename T::storage* q, typena
                           int32_t k_len, int group, int num_kv_heads, int head_dim, int block_size, float scale,
                           std::vector<float>& scratch) {
   using S = typename T::storage;
-  constexpr int R = 2 * LANES;
+  constexpr int W = Lanes::W, R = 2 * W;
   const int live_rows = (item.q_end - item.q_begin) * group;
   const int64_t token_stride = static_cast<int64_t>(num_kv_heads) * head_dim;
   const int64_t block_stride = token_stride * block_size;
@@ -458,8 +512,8 @@ void attend_prefill_lanes(const Item& item, const typename T::storage* q, typena
   for (int h = item.head_begin; h < item.head_end; ++h) {
     for (int r0 = 0; r0 < live_rows; r0 += R) {
       const int rows = std::min(R, live_rows - r0);
-      const int rv_count = rows > LANES ? 2 : 1;
-      const int width = rv_count * LANES;
+      const int rv_count = rows > W ? 2 : 1;
+      const int width = rv_count * W;
       // Lane r: row r0 + r = query (r0 + r) / group, head h * group + (r0 + r) % group. Padding
       // lanes repeat the pass's last row (finite, dropped).
       alignas(64) int32_t pos[R] = {};
@@ -468,7 +522,7 @@ void attend_prefill_lanes(const Item& item, const typename T::storage* q, typena
         const int row = r0 + std::min(r, rows - 1);
         const S* src = q + static_cast<int64_t>(q_start + item.q_begin + row / group) * q_stride_token +
                        static_cast<int64_t>(h * group + row % group) * q_stride_head;
-        if constexpr (bf16_pair_dots<T>()) {
+        if constexpr (bf16_pair_dots<T>() && W == LANES) {
           uint32_t* qp = reinterpret_cast<uint32_t*>(qt);
           for (int dp = 0; dp < head_dim / 2; ++dp)
             qp[static_cast<size_t>(dp) * width + r] = static_cast<uint32_t>(src[2 * dp]) |
@@ -477,15 +531,14 @@ void attend_prefill_lanes(const Item& item, const typename T::storage* q, typena
           for (int d = 0; d < head_dim; ++d) qt[static_cast<size_t>(d) * width + r] = load<T>(src + d) * scale;
         }
       }
-      const __m512i pv[2] = {_mm512_load_si512(pos), _mm512_load_si512(pos + LANES)};
       const int visible_end = pos[rows - 1] + 1;
       const S* k_head = k_cache + static_cast<int64_t>(h) * head_dim;
       const S* v_head = v_cache + static_cast<int64_t>(h) * head_dim;
       if (rv_count == 2)
-        prefill_lanes_pass<T, 2>(qt, pv, k_head, v_head, table, token_stride, block_stride, block_size, visible_end,
+        prefill_lanes_pass<T, 2>(qt, pos, k_head, v_head, table, token_stride, block_stride, block_size, visible_end,
                                  head_dim, scale, ot, l, s, vf);
       else
-        prefill_lanes_pass<T, 1>(qt, pv, k_head, v_head, table, token_stride, block_stride, block_size, visible_end,
+        prefill_lanes_pass<T, 1>(qt, pos, k_head, v_head, table, token_stride, block_stride, block_size, visible_end,
                                  head_dim, scale, ot, l, s, vf);
       for (int r = 0; r < rows; ++r) {
         const int row = r0 + r;
@@ -571,9 +624,9 @@ void attend_item(const Item& item, const typename T::storage* q, typename T::sto
                                        num_kv_heads, head_dim, block_size, scale) == 0)
       return;
   }
-#ifdef __AVX512F__
+#ifdef NANOVLLM_LANES
   if constexpr (vector_type<T>()) {
-    if (live_rows >= LANES && lanes_head_dim(head_dim)) {  // a prefill tile of many rows
+    if (live_rows >= Lanes::W && lanes_head_dim(head_dim)) {  // a prefill tile of many rows
       attend_prefill_lanes<T>(item, q, out, k_cache, v_cache, table, q_stride_token, q_stride_head, out_stride_token,
                               out_stride_head, q_start, q_len, k_len, group, num_kv_heads, head_dim, block_size, scale,
                               scratch);
