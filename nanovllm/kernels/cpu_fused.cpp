@@ -115,6 +115,20 @@ void silu_and_mul_rows(const void* x_, int64_t x_stride, void* out_, int64_t out
         store16<T>(o + d, _mm512_mul_ps(rounded16<T>(silu), load16<T>(up + d)));
       }
     }
+#elif defined(__AVX2__) && defined(__FMA__)
+    if constexpr (vector_type<T>()) {  // the same on 8 lanes (a build for AVX2-only CPUs)
+      const __m256 one = _mm256_set1_ps(1.0f), zero = _mm256_setzero_ps();
+      const __m256 sign = _mm256_set1_ps(-0.0f);
+      for (; d + 8 <= width; d += 8) {
+        const __m256 g = load8<T>(gate + d);
+        const __m256 e = exp_nonpositive_v8(_mm256_or_ps(g, sign));  // exp(-|g|)
+        const __m256 den = _mm256_add_ps(one, e);
+        const __m256 nonnegative = _mm256_cmp_ps(g, zero, _CMP_GE_OQ);
+        const __m256 numerator = _mm256_blendv_ps(_mm256_mul_ps(g, e), g, nonnegative);
+        const __m256 silu = _mm256_div_ps(numerator, den);
+        store8<T>(o + d, _mm256_mul_ps(rounded8<T>(silu), load8<T>(up + d)));
+      }
+    }
 #endif
     for (; d < width; ++d) {
       const float g = load<T>(gate + d);

@@ -210,6 +210,47 @@ inline __m512 exp_nonpositive_v(__m512 x) {
 #endif
 
 #if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
+// 8 elements of float32 or bfloat16 (widened) as a float32 vector, for builds without AVX-512.
+template <typename T>
+inline __m256 load8(const typename T::storage* p) {
+  if constexpr (std::is_same_v<T, BF16T>)
+    return _mm256_castsi256_ps(
+        _mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))), 16));
+  else if constexpr (std::is_same_v<T, F16T>)
+    return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));  // F16C, part of x86-64-v3
+  else
+    return _mm256_loadu_ps(p);
+}
+
+// bf16_bits (below) on 8 lanes: nearest even, NaN kept quiet, as store<BF16T>.
+inline __m256i bf16_bits8(__m256 x) {
+  const __m256i bits = _mm256_castps_si256(x);
+  const __m256i high = _mm256_srli_epi32(bits, 16);
+  const __m256i lsb = _mm256_and_si256(high, _mm256_set1_epi32(1));
+  const __m256i r = _mm256_srli_epi32(_mm256_add_epi32(bits, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7fff))), 16);
+  const __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(x, x, _CMP_UNORD_Q));
+  return _mm256_blendv_epi8(r, _mm256_or_si256(high, _mm256_set1_epi32(0x40)), nan);
+}
+
+template <typename T>
+inline void store8(typename T::storage* p, __m256 x) {
+  if constexpr (std::is_same_v<T, BF16T>) {
+    const __m256i b = bf16_bits8(x);  // 8 x 32-bit, the value in the low half: pack to 8 x 16-bit
+    const __m128i packed = _mm_packus_epi32(_mm256_castsi256_si128(b), _mm256_extracti128_si256(b, 1));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(p), packed);
+  } else {
+    _mm256_storeu_ps(p, x);
+  }
+}
+
+template <typename T>
+inline __m256 rounded8(__m256 x) {
+  if constexpr (std::is_same_v<T, BF16T>)
+    return _mm256_castsi256_ps(_mm256_slli_epi32(bf16_bits8(x), 16));
+  else
+    return x;
+}
+
 // exp_nonpositive on 8 lanes, for builds without AVX-512 (the same operations in the same order).
 inline __m256 exp_nonpositive_v8(__m256 x) {
   const __m256 t = _mm256_mul_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.0f)), _mm256_set1_ps(LOG2E));

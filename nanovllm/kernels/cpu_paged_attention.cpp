@@ -172,8 +172,9 @@ constexpr bool bf16_pair_dots() {
 }
 
 #ifdef __AVX512F__
+constexpr int SUM_LANES = LANES;  // lanes of scores_by_sums's and accumulate_pv_vectors's vectors
 // Whether scores_by_sums takes this head_dim: whole pairs of vectors.
-inline bool sums_head_dim(int head_dim) { return head_dim % 32 == 0; }
+inline bool sums_head_dim(int head_dim) { return head_dim % (2 * SUM_LANES) == 0; }
 
 // accumulate_pv for float32 and bfloat16 with explicit AVX-512 vectors: each row's VECS
 // accumulators and the token's V vectors stay in registers, V widened once per token for all rows.
@@ -266,6 +267,80 @@ void scores_by_sums(float* __restrict__ s, const float* __restrict__ qf, const u
     }
   }
 }
+#elif defined(__AVX2__) && defined(__FMA__)
+// The decode path's vector forms in a build for AVX2-only CPUs (8 lanes): the same loops as the
+// AVX-512 ones above, for float32 and bfloat16 (widened in order: no evens/odds layout here).
+constexpr int SUM_LANES = 8;
+inline bool sums_head_dim(int head_dim) { return head_dim % (2 * SUM_LANES) == 0; }
+
+
+// Lane i of the result = the sum of v[i]'s 8 lanes (horizontal adds, then the two halves).
+inline __m256 sum8(const __m256* v) {
+  const __m256 t0 = _mm256_hadd_ps(v[0], v[1]), t1 = _mm256_hadd_ps(v[2], v[3]);
+  const __m256 t2 = _mm256_hadd_ps(v[4], v[5]), t3 = _mm256_hadd_ps(v[6], v[7]);
+  const __m256 u0 = _mm256_hadd_ps(t0, t1), u1 = _mm256_hadd_ps(t2, t3);
+  return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
+}
+
+template <typename T, int ROWS, int VECS>
+inline void accumulate_pv_vectors(float* __restrict__ acc, const float* __restrict__ p,
+                                  const typename T::storage* __restrict__ v, int64_t token_stride, int n,
+                                  int head_dim, int p_stride, Ahead* ahead = nullptr) {
+  __m256 a[ROWS][VECS];
+  for (int i = 0; i < ROWS; ++i)
+    for (int j = 0; j < VECS; ++j) a[i][j] = _mm256_loadu_ps(acc + static_cast<size_t>(i) * head_dim + j * SUM_LANES);
+  for (int t = 0; t < n; ++t) {
+    if (ahead) ahead->step();
+    const typename T::storage* vt = v + t * token_stride;
+    __m256 vv[VECS];
+    for (int j = 0; j < VECS; ++j) vv[j] = load8<T>(vt + j * SUM_LANES);
+    for (int i = 0; i < ROWS; ++i) {
+      const __m256 pi = _mm256_set1_ps(p[static_cast<size_t>(i) * p_stride + t]);
+      for (int j = 0; j < VECS; ++j) a[i][j] = _mm256_fmadd_ps(pi, vv[j], a[i][j]);
+    }
+  }
+  for (int i = 0; i < ROWS; ++i)
+    for (int j = 0; j < VECS; ++j) _mm256_storeu_ps(acc + static_cast<size_t>(i) * head_dim + j * SUM_LANES, a[i][j]);
+}
+
+// One query row (float32, scaled) times one key row, summed to 8 lanes; two chains of FMAs.
+template <typename T, int HD>
+inline __m256 dot_lanes(const float* __restrict__ qf, const typename T::storage* __restrict__ kp,
+                        int runtime_head_dim) {
+  const int head_dim = HD > 0 ? HD : runtime_head_dim;
+  __m256 acc[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
+  for (int d = 0, c = 0; d < head_dim; d += SUM_LANES, c ^= 1)
+    acc[c] = _mm256_fmadd_ps(_mm256_loadu_ps(qf + d), load8<T>(kp + d), acc[c]);
+  return _mm256_add_ps(acc[0], acc[1]);
+}
+
+// scores_by_dot's result for the few-row (decode) case, 8 / ROWS tokens at a time (tokens past n
+// repeat the last one; their scores are never read). qb and scale are the AVX-512 form's (unused).
+template <typename T, int ROWS, int HD>
+void scores_by_sums(float* __restrict__ s, const float* __restrict__ qf, const uint16_t* __restrict__ /*qb*/,
+                    const typename T::storage* __restrict__ k, int64_t token_stride, int n, int rows, int head_dim,
+                    int width, float /*scale*/, Ahead* ahead = nullptr) {
+  constexpr int TOKENS = SUM_LANES / ROWS;
+  for (int r0 = 0; r0 < rows; r0 += ROWS) {
+    for (int t0 = 0; t0 < n; t0 += TOKENS) {
+      if (ahead) ahead->step(TOKENS);
+      __m256 lanes[SUM_LANES];
+      for (int j = 0; j < TOKENS; ++j) {
+        const typename T::storage* kp = k + std::min(t0 + j, n - 1) * token_stride;
+        for (int i = 0; i < ROWS; ++i)
+          lanes[i * TOKENS + j] = dot_lanes<T, HD>(qf + static_cast<size_t>(r0 + i) * head_dim, kp, head_dim);
+      }
+      alignas(32) float sums[SUM_LANES];
+      _mm256_store_ps(sums, sum8(lanes));
+      for (int i = 0; i < ROWS; ++i)  // row i's scores are lanes i*TOKENS..
+        std::memcpy(s + static_cast<size_t>(r0 + i) * width + t0, sums + i * TOKENS, TOKENS * sizeof(float));
+    }
+  }
+}
+#endif
+
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
+#define NANOVLLM_SUMS 1  // scores_by_sums and accumulate_pv_vectors exist
 #endif
 
 // The same scores through K transposed into kt [head_dim][width] (tokens n..padded zeroed).
@@ -642,7 +717,7 @@ void attend_item(const Item& item, const typename T::storage* q, typename T::sto
   const size_t q_size = static_cast<size_t>(rows) * head_dim;
   const size_t s_size = static_cast<size_t>(rows) * width;
   const size_t k_size = static_cast<size_t>(head_dim) * (transpose ? width : 1);
-#ifdef __AVX512F__
+#ifdef NANOVLLM_SUMS
   const bool by_sums = vector_type<T>() && !transpose && sums_head_dim(head_dim);
   const bool steps_ahead = by_sums;  // its loops and P x V's vector loops call Ahead::step()
   auto sums = head_dim == 64    ? scores_by_sums<T, ROWS, 64>
@@ -748,7 +823,7 @@ void attend_item(const Item& item, const typename T::storage* q, typename T::sto
         scores_transposed<T, ROWS>(sh, qh, k, token_stride, n, head_rows, head_dim, width, kbuf);
         continue;
       }
-#ifdef __AVX512F__
+#ifdef NANOVLLM_SUMS
       if (by_sums) {
         sums(sh, qh, qb + static_cast<size_t>(hl) * head_rows * head_dim, k, token_stride, n, head_rows, head_dim,
              width, scale, &ahead);
@@ -782,11 +857,13 @@ void attend_item(const Item& item, const typename T::storage* q, typename T::sto
       const float* pr = s + static_cast<size_t>(r0) * width;
       const S* v = v_block + static_cast<int64_t>(item.head_begin + r0 / head_rows) * head_dim;
       int d0 = 0;
-#ifdef __AVX512F__
+#ifdef NANOVLLM_SUMS
       if constexpr (vector_type<T>()) {
-        for (; d0 + 4 * LANES <= head_dim; d0 += 4 * LANES)
-          accumulate_pv_vectors<T, ROWS, 4>(ar + d0, pr, v + d0, token_stride, n, head_dim, width, &ahead);
-        for (; d0 + 2 * LANES <= head_dim; d0 += 2 * LANES)  // head_dim 32, or the rest of 96
+        // Four vectors a pass, but two for four rows on AVX2 (its 16 registers hold 4 x 2 sums)
+        constexpr int VECS = SUM_LANES == LANES || ROWS <= 2 ? 4 : 2;
+        for (; d0 + VECS * SUM_LANES <= head_dim; d0 += VECS * SUM_LANES)
+          accumulate_pv_vectors<T, ROWS, VECS>(ar + d0, pr, v + d0, token_stride, n, head_dim, width, &ahead);
+        for (; d0 + 2 * SUM_LANES <= head_dim; d0 += 2 * SUM_LANES)  // head_dim 32, or the rest of 96
           accumulate_pv_vectors<T, ROWS, 2>(ar + d0, pr, v + d0, token_stride, n, head_dim, width, &ahead);
       }
 #endif
