@@ -136,6 +136,7 @@ def run_nanovllm(job: dict) -> dict:
     import torch
 
     from nanovllm import LLM, SamplingParams
+    from nanovllm.kernels import cpu_build
     imports = time.perf_counter() - START
     llm = LLM(job["checkpoint"], dtype=job["dtype"], max_model_len=MAX_MODEL_LEN, **job["nanovllm_config"])
     startup = time.perf_counter() - START - imports
@@ -150,7 +151,8 @@ def run_nanovllm(job: dict) -> dict:
 
     info = {"version": "nanovllm", "torch": torch.__version__, "threads": torch.get_num_threads(),
             "block_size": llm.config.kvcache_block_size, "attention": llm.model_runner.backend.name,
-            "kernels_isa": os.environ.get("NANOVLLM_CPU_ISA", "native"),
+            "kernels_isa": os.environ.get("NANOVLLM_CPU_ISA", "native") if hasattr(cpu_build, "CPU_ISAS")
+            else "native (a checkout without NANOVLLM_CPU_ISA)",
             "torch_capability": torch.backends.cpu.get_cpu_capability()}
     # Which AMX paths this machine ran (older checkouts have neither attribute): the layers whose
     # products went to AMX tiles, and whether the prefill attention's tiles did.
@@ -582,13 +584,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if args.llamacpp_python and not args.llamacpp:
         parser.error("--llamacpp-python is llama.cpp's converter; it needs --llamacpp")
     args.llamacpp_python = args.llamacpp_python or sys.executable
+    if args.isa_cap and args.llamacpp:
+        parser.error("--isa-cap caps nanovllm and the peers that can be capped: not llama.cpp (built for this CPU)")
     if args.llamacpp and not os.access(llamacpp_server(args.llamacpp), os.X_OK):
         parser.error(f"--llamacpp {args.llamacpp}: no {llamacpp_server(args.llamacpp)}; build it first "
                      "(cmake -B build && cmake --build build --target llama-server)")
-    if args.isa_cap and (args.llamacpp or args.baseline_root or args.variant):
-        parser.error("--isa-cap caps this checkout and the peers that can be capped: not llama.cpp (built for "
-                     "this CPU), nor --baseline-root / --variant (a checkout before NANOVLLM_CPU_ISA builds for "
-                     "the whole CPU)")
     if args.no_preload and not args.vllm_python:
         parser.error("--no-preload is about vLLM's set-up; it needs --vllm-python")
     for name in ("nanovllm_config",):
@@ -687,10 +687,11 @@ def make_engines(args: argparse.Namespace) -> tuple[list[Engine], dict]:
     engines = [Engine("nanovllm", "nanovllm", sys.executable, {**nanovllm_cap, **dict(args.nanovllm_env)},
                       os.path.abspath(args.nanovllm_root), config)]
     if args.baseline_root:
-        engines.append(Engine("baseline", "nanovllm", sys.executable, dict(args.baseline_env or args.nanovllm_env),
+        engines.append(Engine("baseline", "nanovllm", sys.executable,
+                              {**nanovllm_cap, **dict(args.baseline_env or args.nanovllm_env)},
                               os.path.abspath(args.baseline_root)))
     for name, *env in args.variant:
-        engines.append(Engine(name, "nanovllm", sys.executable, dict(item.split("=", 1) for item in env),
+        engines.append(Engine(name, "nanovllm", sys.executable, {**nanovllm_cap, **dict(item.split("=", 1) for item in env)},
                               os.path.abspath(args.nanovllm_root), config))
     setup = {}
     if args.vllm_python:

@@ -133,8 +133,7 @@ def test_rotation_moves_the_first_engine(bench):
     (["--variant", "one", "A=1", "--variant", "one"], "is a new engine name"),
     (["--variant", "one", "NOEQUALS"], "expected KEY=VALUE"),
     (["--isa-cap", "avx3"], "invalid choice"),
-    (["--isa-cap", "avx2", "--baseline-root", "/b"], "--isa-cap caps this checkout"),
-    (["--isa-cap", "avx2", "--variant", "one", "A=1"], "--isa-cap caps this checkout"),
+    (["--isa-cap", "avx2", "--llamacpp", "/l"], "not llama.cpp"),
 ])
 def test_bad_arguments_are_refused_before_any_work(bench, capsys, argv, message):
     with pytest.raises(SystemExit) as exit_info:
@@ -159,10 +158,12 @@ def test_arguments_parse(bench):
 
 def test_isa_cap_reaches_every_engine_that_can_be_capped(bench):
     args = bench.parse_args(["--cpus", "0-1", "--vllm-python", "/p/bin/python", "--no-preload",
-                             "--openvino-python", "/o/bin/python", "--isa-cap", "avx2"])
+                             "--openvino-python", "/o/bin/python", "--isa-cap", "avx2", "--baseline-root", "/b",
+                             "--variant", "one", "OMP_NUM_THREADS=1"])
     engines, setup = bench.make_engines(args)
-    nanovllm, vllm, openvino = engines
-    assert nanovllm.env == dict(bench.ISA_CAPS["avx2"], NANOVLLM_CPU_ISA="avx2")
+    nanovllm, baseline, one, vllm, openvino = engines
+    assert nanovllm.env == baseline.env == dict(bench.ISA_CAPS["avx2"], NANOVLLM_CPU_ISA="avx2")
+    assert one.env == dict(nanovllm.env, OMP_NUM_THREADS="1")
     assert vllm.env["NANOVLLM_BENCH_ISA_CAP"] == "avx2" and vllm.env["ONEDNN_MAX_CPU_ISA"] == "AVX2"
     assert vllm.env["PYTHONPATH"].split(":")[0] == str(bench.ISA_CAP_SHIM)
     assert openvino.env == {} and setup["openvino"]["isa_cap"].startswith("none")  # uncapped, and said so
