@@ -65,6 +65,20 @@ def test_attention_build_matches_reference(library, dtype, head_dim):
                        reference.prefill(q, None, None, k_cache, v_cache, meta, scale), dtype)
 
 
+@pytest.mark.parametrize("rows", [1, 2, 3, 4])
+def test_few_rows_product_build_matches_the_exact_product(library, rows):
+    """The float32 few-row product every build has (AVX2: 8 lanes, sum8) against float64, with K
+    past whole vectors (the masked tail), a bias, and strided rows of x."""
+    product = cpu_build.FusedKernels(library).few_rows_linear(torch.float32)
+    assert product is not None and product.max_rows >= rows
+    for n, k in ((96, 64), (37, 203)):
+        x = randn(rows, 2 * k, dtype=torch.float32, seed=rows)[:, :k]
+        weight, bias = randn(n, k, dtype=torch.float32, seed=7), randn(n, dtype=torch.float32, seed=8)
+        for b in (None, bias):
+            exact = x.double() @ weight.double().T + (0 if b is None else b.double())
+            assert torch.allclose(product(x, weight, b).double(), exact, rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
 def test_fused_build_matches_torch(library, dtype):
     kernels = cpu_build.FusedKernels(library)
@@ -127,7 +141,7 @@ def test_engine_built_for_another_isa_gives_hf_greedy_tokens(qwen3_head64, isa, 
     library = cpu_build.load_library()
     assert library.path == cpu_build.build(extra_flags=cpu_build.CPU_ISAS[isa][0]) != cpu_build.build()
     assert not library.nanovllm_amx_linear_supported()
-    assert bool(library.nanovllm_few_rows_supported(0)) == (isa != "avx2")  # float32 few-row product: AVX-512F
+    assert library.nanovllm_few_rows_supported(0)  # the float32 few-row product: AVX-512F or AVX2 + FMA
     first = llm.generate(prompts[:5], greedy(8), use_tqdm=False)
     again = llm.generate(prompts[5:], greedy(8), use_tqdm=False)
     assert [o["token_ids"] for o in first + again] == hf_greedy(qwen3_head64, prompts, 8)

@@ -251,6 +251,19 @@ inline __m256 rounded8(__m256 x) {
     return x;
 }
 
+// Lane i of the result = the sum of v[i]'s 8 lanes (horizontal adds, then the two halves).
+inline __m256 sum8(const __m256* v) {
+  const __m256 t0 = _mm256_hadd_ps(v[0], v[1]), t1 = _mm256_hadd_ps(v[2], v[3]);
+  const __m256 t2 = _mm256_hadd_ps(v[4], v[5]), t3 = _mm256_hadd_ps(v[6], v[7]);
+  const __m256 u0 = _mm256_hadd_ps(t0, t1), u1 = _mm256_hadd_ps(t2, t3);
+  return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
+}
+
+// The mask (all ones per lane) of a vector's first `count` lanes, count clamped to 0..8.
+inline __m256i first_lanes8(int count) {
+  return _mm256_cmpgt_epi32(_mm256_set1_epi32(count), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+}
+
 // exp_nonpositive on 8 lanes, for builds without AVX-512 (the same operations in the same order).
 inline __m256 exp_nonpositive_v8(__m256 x) {
   const __m256 t = _mm256_mul_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.0f)), _mm256_set1_ps(LOG2E));

@@ -13,8 +13,8 @@
 // float32: FMAs. bfloat16: AVX512-BF16 dot products of x and w as they are (exact products,
 // float32 sums), as oneDNN's bf16 product computes; results are rounded to bfloat16 after the
 // bias is added in float32. Built only where the compiler has the instructions (AVX-512F for
-// float32, AVX512-BF16 for bfloat16); nanovllm_few_rows_supported says which, and Python keeps
-// oneDNN for the rest.
+// float32, AVX512-BF16 for bfloat16); a build for AVX2-only CPUs has the float32 product on 8
+// lanes (sum8). nanovllm_few_rows_supported says which, and Python keeps oneDNN for the rest.
 #include <omp.h>
 
 #include "cpu_kernels.h"
@@ -124,6 +124,73 @@ void run_rows(const void* x, int64_t x_stride, const void* w, const void* bias, 
   }
 }
 
+#elif defined(__AVX2__) && defined(__FMA__)
+// The float32 product on AVX2 (8 lanes): the same loops as above.
+template <typename T>
+constexpr bool supported() { return std::is_same_v<T, F32T>; }
+
+inline void prefetch(const void* p) { _mm_prefetch(static_cast<const char*>(p) + PREFETCH_BYTES, _MM_HINT_T0); }
+
+template <typename T, int M>
+inline void row_products(const float* __restrict__ x, int64_t x_stride, const float* __restrict__ wr, int K,
+                         __m256* lanes, int stride) {
+  constexpr int W = 8;
+  __m256 a[M], b[M];
+  for (int m = 0; m < M; ++m) a[m] = b[m] = _mm256_setzero_ps();
+  int k = 0;
+  for (; k + 2 * W <= K; k += 2 * W) {
+    prefetch(wr + k);
+    const __m256 w0 = _mm256_loadu_ps(wr + k), w1 = _mm256_loadu_ps(wr + k + W);
+    for (int m = 0; m < M; ++m) {
+      a[m] = _mm256_fmadd_ps(_mm256_loadu_ps(x + m * x_stride + k), w0, a[m]);
+      b[m] = _mm256_fmadd_ps(_mm256_loadu_ps(x + m * x_stride + k + W), w1, b[m]);
+    }
+  }
+  for (; k < K; k += W) {  // the tail, masked: lanes past K load zeros
+    const __m256i mask = first_lanes8(K - k);
+    const __m256 w0 = _mm256_maskload_ps(wr + k, mask);
+    for (int m = 0; m < M; ++m) a[m] = _mm256_fmadd_ps(_mm256_maskload_ps(x + m * x_stride + k, mask), w0, a[m]);
+  }
+  for (int m = 0; m < M; ++m) lanes[m * stride] = _mm256_add_ps(a[m], b[m]);
+}
+
+// out[0:M, n0:n1] for this thread's rows n0..n1 of w, R = 8 / M rows at a time (M = 3: 2 rows, 6 lanes used).
+template <typename T, int M>
+void few_rows(const float* x, int64_t x_stride, const float* w, const float* bias, float* out, int64_t out_stride,
+              int n0, int n1, int K) {
+  constexpr int W = 8, R = W / M;
+  alignas(32) float sums[W];
+  __m256 lanes[W];
+  for (int i = 0; i < W; ++i) lanes[i] = _mm256_setzero_ps();
+  for (int g = n0; g < n1; g += R) {
+    const int rows = std::min(R, n1 - g);
+    for (int r = 0; r < rows; ++r) row_products<T, M>(x, x_stride, w + static_cast<int64_t>(g + r) * K, K, lanes + r, R);
+    _mm256_store_ps(sums, sum8(lanes));
+    for (int m = 0; m < M; ++m)
+      for (int r = 0; r < rows; ++r) out[m * out_stride + g + r] = sums[m * R + r] + (bias ? bias[g + r] : 0.0f);
+  }
+}
+
+template <typename T, int M>
+void run_rows(const void* x, int64_t x_stride, const void* w, const void* bias, void* out, int64_t out_stride, int N,
+              int K, int num_threads) {
+  constexpr int R = 8 / M;
+  const int groups = (N + R - 1) / R;
+  const int64_t bytes = static_cast<int64_t>(N) * K * sizeof(float);
+  const int threads = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(num_threads, bytes / 65536)));
+#pragma omp parallel num_threads(threads)
+  {
+    const int t = omp_get_thread_num(), n = omp_get_num_threads();
+    const int n0 = static_cast<int>(static_cast<int64_t>(groups) * t / n) * R;
+    const int n1 = std::min(N, static_cast<int>(static_cast<int64_t>(groups) * (t + 1) / n) * R);
+    few_rows<T, M>(static_cast<const float*>(x), x_stride, static_cast<const float*>(w),
+                   static_cast<const float*>(bias), static_cast<float*>(out), out_stride, n0, n1, K);
+  }
+}
+#endif
+
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
+#define NANOVLLM_FEW_ROWS 1
 template <typename T>
 int run(int rows, const void* x, int64_t x_stride, const void* w, const void* bias, void* out, int64_t out_stride,
         int N, int K, int num_threads) {
@@ -147,7 +214,7 @@ extern "C" {
 
 // Whether this build multiplies the dtype (codes as cpu_paged_attention.cpp's): 1 or 0.
 int nanovllm_few_rows_supported(int dtype) {
-#ifdef __AVX512F__
+#ifdef NANOVLLM_FEW_ROWS
   if (dtype == F32) return supported<F32T>();
   if (dtype == BF16) return supported<BF16T>();
 #endif
@@ -160,7 +227,7 @@ int nanovllm_few_rows_supported(int dtype) {
 // -1 for a dtype this build does not multiply or a row count out of range.
 int nanovllm_few_rows_linear(int dtype, int rows, const void* x, int64_t x_stride, const void* w, const void* bias,
                              void* out, int64_t out_stride, int N, int K, int num_threads) {
-#ifdef __AVX512F__
+#ifdef NANOVLLM_FEW_ROWS
   if (dtype == F32) return run<F32T>(rows, x, x_stride, w, bias, out, out_stride, N, K, num_threads);
   if (dtype == BF16) return run<BF16T>(rows, x, x_stride, w, bias, out, out_stride, N, K, num_threads);
 #endif

@@ -274,14 +274,6 @@ constexpr int SUM_LANES = 8;
 inline bool sums_head_dim(int head_dim) { return head_dim % (2 * SUM_LANES) == 0; }
 
 
-// Lane i of the result = the sum of v[i]'s 8 lanes (horizontal adds, then the two halves).
-inline __m256 sum8(const __m256* v) {
-  const __m256 t0 = _mm256_hadd_ps(v[0], v[1]), t1 = _mm256_hadd_ps(v[2], v[3]);
-  const __m256 t2 = _mm256_hadd_ps(v[4], v[5]), t3 = _mm256_hadd_ps(v[6], v[7]);
-  const __m256 u0 = _mm256_hadd_ps(t0, t1), u1 = _mm256_hadd_ps(t2, t3);
-  return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
-}
-
 template <typename T, int ROWS, int VECS>
 inline void accumulate_pv_vectors(float* __restrict__ acc, const float* __restrict__ p,
                                   const typename T::storage* __restrict__ v, int64_t token_stride, int n,
