@@ -133,8 +133,12 @@ def test_linear_takes_the_few_row_product_only_for_its_rows(cpu_kernels):
     weight = torch.randn(24, 32)
     for shape in [(1, 32), (product.max_rows, 32), (product.max_rows + 1, 32), (2, 1, 32), (1, 32)]:
         linear(torch.randn(*shape), weight, None, None, Counting())
-    linear(torch.randn(1, 32).bfloat16(), weight, None, None, Counting())  # activations in another dtype
-    assert calls == [1, product.max_rows, 1]
+    # bf16 activations over float32 weights (a CPU without native bf16 matmul): in as float32, out as bf16
+    x = torch.randn(2, 32).bfloat16()
+    out = linear(x, weight, None, None, Counting())
+    assert calls == [1, product.max_rows, 1, 2]
+    assert out.dtype == torch.bfloat16
+    torch.testing.assert_close(out, F.linear(x.float(), weight).bfloat16())
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])

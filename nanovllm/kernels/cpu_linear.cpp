@@ -27,6 +27,7 @@ constexpr int MAX_ROWS = 4;  // rows of x a call takes (M)
 constexpr int PREFETCH_BYTES = 8192;  // measured: 4-16 KB ahead all near the best, 1 KB or less well below
 
 #ifdef __AVX512F__
+constexpr int FEW_LANES = LANES;  // lanes of the vectors below: each weight row's sums, R = FEW_LANES / M rows a pass
 template <typename T>
 constexpr bool supported() {
 #ifdef __AVX512BF16__
@@ -105,27 +106,9 @@ void few_rows(const typename T::storage* x, int64_t x_stride, const typename T::
   }
 }
 
-template <typename T, int M>
-void run_rows(const void* x, int64_t x_stride, const void* w, const void* bias, void* out, int64_t out_stride, int N,
-              int K, int num_threads) {
-  using S = typename T::storage;
-  constexpr int R = LANES / M;
-  const int groups = (N + R - 1) / R;
-  // Small weights are not worth waking a second thread for (~2-5 us a fork); a thread per 64 KB.
-  const int64_t bytes = static_cast<int64_t>(N) * K * sizeof(S);
-  const int threads = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(num_threads, bytes / 65536)));
-#pragma omp parallel num_threads(threads)
-  {
-    const int t = omp_get_thread_num(), n = omp_get_num_threads();
-    const int n0 = static_cast<int>(static_cast<int64_t>(groups) * t / n) * R;
-    const int n1 = std::min(N, static_cast<int>(static_cast<int64_t>(groups) * (t + 1) / n) * R);
-    few_rows<T, M>(static_cast<const S*>(x), x_stride, static_cast<const S*>(w), static_cast<const S*>(bias),
-                   static_cast<S*>(out), out_stride, n0, n1, K);
-  }
-}
-
 #elif defined(__AVX2__) && defined(__FMA__)
 // The float32 product on AVX2 (8 lanes): the same loops as above.
+constexpr int FEW_LANES = 8;
 template <typename T>
 constexpr bool supported() { return std::is_same_v<T, F32T>; }
 
@@ -134,7 +117,7 @@ inline void prefetch(const void* p) { _mm_prefetch(static_cast<const char*>(p) +
 template <typename T, int M>
 inline void row_products(const float* __restrict__ x, int64_t x_stride, const float* __restrict__ wr, int K,
                          __m256* lanes, int stride) {
-  constexpr int W = 8;
+  constexpr int W = FEW_LANES;
   __m256 a[M], b[M];
   for (int m = 0; m < M; ++m) a[m] = b[m] = _mm256_setzero_ps();
   int k = 0;
@@ -158,7 +141,7 @@ inline void row_products(const float* __restrict__ x, int64_t x_stride, const fl
 template <typename T, int M>
 void few_rows(const float* x, int64_t x_stride, const float* w, const float* bias, float* out, int64_t out_stride,
               int n0, int n1, int K) {
-  constexpr int W = 8, R = W / M;
+  constexpr int W = FEW_LANES, R = W / M;
   alignas(32) float sums[W];
   __m256 lanes[W];
   for (int i = 0; i < W; ++i) lanes[i] = _mm256_setzero_ps();
@@ -171,26 +154,29 @@ void few_rows(const float* x, int64_t x_stride, const float* w, const float* bia
   }
 }
 
+#endif
+
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
+#define NANOVLLM_FEW_ROWS 1
 template <typename T, int M>
 void run_rows(const void* x, int64_t x_stride, const void* w, const void* bias, void* out, int64_t out_stride, int N,
               int K, int num_threads) {
-  constexpr int R = 8 / M;
+  using S = typename T::storage;
+  constexpr int R = FEW_LANES / M;
   const int groups = (N + R - 1) / R;
-  const int64_t bytes = static_cast<int64_t>(N) * K * sizeof(float);
+  // Small weights are not worth waking a second thread for (~2-5 us a fork); a thread per 64 KB.
+  const int64_t bytes = static_cast<int64_t>(N) * K * sizeof(S);
   const int threads = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(num_threads, bytes / 65536)));
 #pragma omp parallel num_threads(threads)
   {
     const int t = omp_get_thread_num(), n = omp_get_num_threads();
     const int n0 = static_cast<int>(static_cast<int64_t>(groups) * t / n) * R;
     const int n1 = std::min(N, static_cast<int>(static_cast<int64_t>(groups) * (t + 1) / n) * R);
-    few_rows<T, M>(static_cast<const float*>(x), x_stride, static_cast<const float*>(w),
-                   static_cast<const float*>(bias), static_cast<float*>(out), out_stride, n0, n1, K);
+    few_rows<T, M>(static_cast<const S*>(x), x_stride, static_cast<const S*>(w), static_cast<const S*>(bias),
+                   static_cast<S*>(out), out_stride, n0, n1, K);
   }
 }
-#endif
 
-#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
-#define NANOVLLM_FEW_ROWS 1
 template <typename T>
 int run(int rows, const void* x, int64_t x_stride, const void* w, const void* bias, void* out, int64_t out_stride,
         int N, int K, int num_threads) {

@@ -64,11 +64,13 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
     weight's dtype go to it instead: a decode step of a few sequences, which reads the weight. With
     `amx` (the weight packed for the CPU's AMX product, kernels/cpu_amx_linear.cpp, set by
     enable_cpu on a CPU with AMX) the rows above those, from its min_rows up to its max_rows, go to
-    it: a bf16 decode step of up to 256 sequences, float32 rows of any count."""
-    if x.dim() == 2 and x.dtype == weight.dtype and x.size(0) > 0:
+    it: a bf16 decode step of up to 256 sequences, float32 rows of any count. Half-precision rows
+    over float32 weights go to the few-row product as float32 (as to the packed one)."""
+    if x.dim() == 2 and x.size(0) > 0:
         if few_rows is not None and x.size(0) <= few_rows.max_rows:
-            return few_rows(x, weight, bias)
-        if amx is not None and amx.min_rows <= x.size(0) <= amx.max_rows:
+            y = few_rows(x if x.dtype == weight.dtype else x.to(weight.dtype), weight, bias)
+            return y if y.dtype == x.dtype else y.to(x.dtype)
+        if amx is not None and x.dtype == weight.dtype and amx.min_rows <= x.size(0) <= amx.max_rows:
             return amx(x, bias)
     padded = None if packed is None else packed_rows(x.numel() // x.size(-1))
     if padded is not None:
