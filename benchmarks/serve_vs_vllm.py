@@ -171,6 +171,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--workdir", default=str(REPO / "checkpoints"))
     parser.add_argument("--startup-timeout", type=float, default=600)
     parser.add_argument("--client-timeout", type=float, default=1800)
+    parser.add_argument("--isa-cap", choices=list(common.ISA_CAPS),
+                        help="limit both servers to this ISA class (below this CPU's), as vs_vllm_cpu.py --isa-cap; "
+                             "an estimate of a CPU of that class")
     parser.add_argument("--jsonl", default=str(REPO / "docs" / "bench" / "serve_vs_vllm.jsonl"))
     parser.add_argument("--note", default="")
     args = parser.parse_args(argv)
@@ -185,18 +188,20 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def make_servers(args: argparse.Namespace) -> tuple[list[Server], dict]:
-    servers = [Server("nanovllm", "nanovllm", sys.executable, {}, os.path.abspath(args.nanovllm_root))]
+    cap = common.isa_cap_env(args.isa_cap, "nanovllm")
+    servers = [Server("nanovllm", "nanovllm", sys.executable, cap, os.path.abspath(args.nanovllm_root))]
     if args.baseline_root:
-        servers.append(Server("baseline", "nanovllm", sys.executable, {}, os.path.abspath(args.baseline_root)))
+        servers.append(Server("baseline", "nanovllm", sys.executable, cap, os.path.abspath(args.baseline_root)))
     for name, *env in args.variant:
-        servers.append(Server(name, "nanovllm", sys.executable, dict(item.split("=", 1) for item in env),
+        servers.append(Server(name, "nanovllm", sys.executable, {**cap, **dict(item.split("=", 1) for item in env)},
                               os.path.abspath(args.nanovllm_root)))
     setup = {}
     if not args.no_vllm_server:
         venv = Path(args.vllm_python).parent.parent
         ldconfig = subprocess.run(["ldconfig", "-p"], capture_output=True, text=True, check=False).stdout
         preloads = [] if args.no_preload else common.find_preloads(venv, ldconfig)
-        env = {**common.vllm_environment(args.cpus, preloads), "VLLM_TARGET_DEVICE": "cpu"}
+        env = {**common.vllm_environment(args.cpus, preloads), "VLLM_TARGET_DEVICE": "cpu",
+               **common.isa_cap_env(args.isa_cap, "vllm")}
         print(f"vLLM set-up: {env}", file=sys.stderr)
         servers.append(Server("vllm", "vllm", args.vllm_python, env, ""))
         setup["vllm"] = {"env": env, "documented_setup": not args.no_preload, "compilation": "vLLM's default mode"}
@@ -210,7 +215,7 @@ def main() -> None:
     with open("/proc/cpuinfo") as f:
         cpuinfo = f.read()
     host = {"host": platform.node(), "cpu": common.cpu_model(cpuinfo), "isa": common.isa_flags(cpuinfo),
-            "cpus": args.cpus, "cores": len(args.cpus), "load_start": common.load_averages()}
+            "cpus": args.cpus, "cores": len(args.cpus), "load_start": common.load_averages(), "isa_cap": args.isa_cap}
     print(f"{host['cpu']}, {host['cores']} cores, ISA {host['isa']}, load {host['load_start']}", file=sys.stderr)
     client_env = dict(os.environ, VLLM_TARGET_DEVICE="cpu")
     for model in args.models:

@@ -114,6 +114,16 @@ ISA_CAPS = {
                     "MKL_ENABLE_INSTRUCTIONS": "AVX512"},
 }
 ISA_CAP_SHIM = REPO / "benchmarks" / "isa_cap"  # its sitecustomize.py, first on vLLM's PYTHONPATH
+
+
+def isa_cap_env(cap: str | None, engine: str) -> dict[str, str]:
+    """The environment that limits a nanovllm or vLLM process to ISA class `cap` (None: nothing)."""
+    if not cap:
+        return {}
+    if engine == "nanovllm":
+        return dict(ISA_CAPS[cap], NANOVLLM_CPU_ISA=cap)
+    path = os.pathsep.join(filter(None, [str(ISA_CAP_SHIM), os.environ.get("PYTHONPATH")]))
+    return dict(ISA_CAPS[cap], NANOVLLM_BENCH_ISA_CAP=cap, PYTHONPATH=path)
 TCMALLOC_NAMES = ("libtcmalloc_minimal.so.4", "libtcmalloc.so.4")  # Debian's packages; vLLM's docs name either
 IOMP_NAME = "libiomp5.so"  # the intel-openmp wheel puts it in <venv>/lib
 PEERS = ("vllm", "openvino", "llamacpp")
@@ -682,8 +692,7 @@ def rotation(engines: list, repeat: int) -> list:
 def make_engines(args: argparse.Namespace) -> tuple[list[Engine], dict]:
     """The engines to run and the peers' set-up facts (preload, environment) for the JSON line."""
     config = {key: json.loads(value) for key, value in args.nanovllm_config}
-    cap = dict(ISA_CAPS[args.isa_cap]) if args.isa_cap else {}
-    nanovllm_cap = dict(cap, NANOVLLM_CPU_ISA=args.isa_cap) if cap else {}
+    nanovllm_cap = isa_cap_env(args.isa_cap, "nanovllm")
     engines = [Engine("nanovllm", "nanovllm", sys.executable, {**nanovllm_cap, **dict(args.nanovllm_env)},
                       os.path.abspath(args.nanovllm_root), config)]
     if args.baseline_root:
@@ -701,10 +710,7 @@ def make_engines(args: argparse.Namespace) -> tuple[list[Engine], dict]:
         else:
             ldconfig = subprocess.run(["ldconfig", "-p"], capture_output=True, text=True, check=False).stdout
             preloads = find_preloads(venv, ldconfig)
-        env = {**vllm_environment(args.cpus, preloads), **dict(args.vllm_env)}
-        if cap:
-            path = os.pathsep.join(filter(None, [str(ISA_CAP_SHIM), os.environ.get("PYTHONPATH")]))
-            env.update(cap, NANOVLLM_BENCH_ISA_CAP=args.isa_cap, PYTHONPATH=path)
+        env = {**vllm_environment(args.cpus, preloads), **dict(args.vllm_env), **isa_cap_env(args.isa_cap, "vllm")}
         print(f"vLLM set-up: LD_PRELOAD={env.get('LD_PRELOAD', '(none: --no-preload)')} "
               f"VLLM_CPU_OMP_THREADS_BIND={env['VLLM_CPU_OMP_THREADS_BIND']} "
               f"VLLM_CPU_KVCACHE_SPACE={env['VLLM_CPU_KVCACHE_SPACE']}", file=sys.stderr)
@@ -715,7 +721,7 @@ def make_engines(args: argparse.Namespace) -> tuple[list[Engine], dict]:
         engines.append(Engine("openvino", "openvino", args.openvino_python, {}))
         setup["openvino"] = {"pipeline": "ContinuousBatchingPipeline",
                              "precision": "INFERENCE_PRECISION_HINT and KV_CACHE_PRECISION = the row's dtype"}
-        if cap:
+        if args.isa_cap:
             setup["openvino"]["isa_cap"] = "none: this CPU's whole ISA (an upper bound on it under the cap)"
     if args.llamacpp:
         engines.append(Engine("llamacpp", "llamacpp", sys.executable, {}))

@@ -351,6 +351,16 @@ def test_serve_summary_ratio(serve):
     assert "ratio_to_vllm" not in setting["vllm"]
 
 
+def test_serve_isa_cap_reaches_both_servers(serve, bench):
+    args = serve.parse_args(["--vllm-python", "/v/bin/python", "--no-preload", "--isa-cap", "avx512_bf16",
+                             "--baseline-root", "/b"])
+    servers, _ = serve.make_servers(args)
+    nanovllm, baseline, vllm = servers
+    assert nanovllm.env == baseline.env == dict(bench.ISA_CAPS["avx512_bf16"], NANOVLLM_CPU_ISA="avx512_bf16")
+    assert vllm.env["NANOVLLM_BENCH_ISA_CAP"] == "avx512_bf16" and vllm.env["VLLM_TARGET_DEVICE"] == "cpu"
+    assert serve.make_servers(serve.parse_args(["--vllm-python", "/v/bin/python", "--no-preload"]))[0][0].env == {}
+
+
 def test_serve_variant_is_this_checkout_with_its_environment(serve):
     args = serve.parse_args(["--vllm-python", "/v/bin/python", "--no-vllm-server",
                              "--variant", "one-thread", "OMP_NUM_THREADS=1"])
