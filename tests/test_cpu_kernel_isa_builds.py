@@ -37,10 +37,10 @@ def skip_unless_buildable(isa: str) -> None:
 
 
 @pytest.fixture(scope="module", params=ISA_BUILDS)
-def library(request, tmp_path_factory):
+def library(request):
     skip_unless_buildable(request.param)
     flags = cpu_build.CPU_ISAS[request.param][0]
-    return cpu_build.open_library(cpu_build.build(tmp_path_factory.mktemp(request.param), extra_flags=flags))
+    return cpu_build.open_library(cpu_build.build(extra_flags=flags))  # the cache, where NANOVLLM_CPU_ISA finds it
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
