@@ -700,8 +700,9 @@ def make_engines(args: argparse.Namespace) -> tuple[list[Engine], dict]:
                               {**nanovllm_cap, **dict(args.baseline_env or args.nanovllm_env)},
                               os.path.abspath(args.baseline_root)))
     for name, *env in args.variant:
-        engines.append(Engine(name, "nanovllm", sys.executable, {**nanovllm_cap, **dict(item.split("=", 1) for item in env)},
-                              os.path.abspath(args.nanovllm_root), config))
+        variant_env = {**nanovllm_cap, **dict(item.split("=", 1) for item in env)}
+        engines.append(Engine(name, "nanovllm", sys.executable, variant_env, os.path.abspath(args.nanovllm_root),
+                              config))
     setup = {}
     if args.vllm_python:
         venv = Path(args.vllm_python).parent.parent
