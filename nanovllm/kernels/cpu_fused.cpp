@@ -52,9 +52,11 @@ void rms_norm_rows(const void* x_, int64_t x_stride, const void* residual_, int6
 #pragma omp for schedule(static)
     for (int r = 0; r < rows; ++r) {
       const S* xr = x + r * x_stride;
-      int vectors = 0;  // elements the explicit AVX-512 loops take (the same operations, the same values)
+      int vectors = 0;  // elements the explicit vector loops take (the same operations, the same values)
 #ifdef __AVX512F__
       if constexpr (vector_type<T>()) vectors = hidden / LANES * LANES;
+#elif defined(__AVX2__) && defined(__FMA__)
+      if constexpr (vector_type<T>()) vectors = hidden / 8 * 8;
 #endif
       if (residual) {
         const S* rr = residual + r * residual_stride;
@@ -65,6 +67,13 @@ void rms_norm_rows(const void* x_, int64_t x_stride, const void* residual_, int6
             const __m512 sum = rounded16<T>(_mm512_add_ps(load16<T>(xr + d), load16<T>(rr + d)));
             _mm512_storeu_ps(v + d, sum);
             store16<T>(ro + d, sum);
+          }
+#elif defined(__AVX2__) && defined(__FMA__)
+        if constexpr (vector_type<T>())
+          for (int d = 0; d < vectors; d += 8) {
+            const __m256 sum = rounded8<T>(_mm256_add_ps(load8<T>(xr + d), load8<T>(rr + d)));
+            _mm256_storeu_ps(v + d, sum);
+            store8<T>(ro + d, sum);
           }
 #endif
         for (int d = vectors; d < hidden; ++d) {
@@ -81,6 +90,12 @@ void rms_norm_rows(const void* x_, int64_t x_stride, const void* residual_, int6
         const __m512 scale = _mm512_set1_ps(inv);
         for (int d = 0; d < vectors; d += LANES)
           store16<T>(o + d, _mm512_mul_ps(load16<T>(weight + d), rounded16<T>(_mm512_mul_ps(_mm512_loadu_ps(v + d), scale))));
+      }
+#elif defined(__AVX2__) && defined(__FMA__)
+      if constexpr (vector_type<T>()) {
+        const __m256 scale = _mm256_set1_ps(inv);
+        for (int d = 0; d < vectors; d += 8)
+          store8<T>(o + d, _mm256_mul_ps(load8<T>(weight + d), rounded8<T>(_mm256_mul_ps(_mm256_loadu_ps(v + d), scale))));
       }
 #endif
       for (int d = vectors; d < hidden; ++d) store<T>(o + d, load<T>(weight + d) * rounded<T>(v[d] * inv));
