@@ -720,7 +720,7 @@ void attend_item(const Item& item, const typename T::storage* q, typename T::sto
   const bool steps_ahead = false;
 #endif
   // bfloat16 queries as they are, for scores_by_sums's dot products (q_size halves: 16-bit each).
-  const size_t qb_size = std::is_same_v<T, BF16T> ? (q_size + 1) / 2 : 0;
+  const size_t qb_size = bf16_pair_dots<T>() ? (q_size + 1) / 2 : 0;  // only AVX512-BF16's dot products read them
   const size_t need = 2 * q_size + s_size + k_size + 2 * static_cast<size_t>(rows) + qb_size;
   if (scratch.size() < need) scratch.resize(need);
   float* qf = scratch.data();
