@@ -268,6 +268,12 @@ class SamplingParams:
         return not self.processors and self.logprobs is None
 
     @property
+    def argmax_only(self) -> bool:
+        """Greedy with nothing else to do: its token is the argmax of the raw logits (no processor,
+        no logprobs), which a step may find without them (runner/model_runner.py, a greedy head)."""
+        return self.greedy and self.needs_only_temperature_and_seed
+
+    @property
     def reads_output_tokens(self) -> bool:
         """Whether sampling this request's next token reads its previous tokens' values on the host
         (penalties count them; a grammar's mask follows them): each step waits for its tokens."""

@@ -103,7 +103,7 @@ def test_cpu_isa_env_picks_the_build_flags(monkeypatch):
     assert "-march=x86-64-v3" in cpu_build.CPU_ISAS["avx2"][0]
     # a class this CPU lacks would stop on an illegal instruction: refused, saying what is missing
     monkeypatch.setenv(cpu_build.CPU_ISA_ENV, "avx512_bf16")
-    with pytest.raises(ValueError, match=r"NANOVLLM_CPU_ISA='avx512_bf16' needs \['avx512_bf16'\]"):
+    with pytest.raises(ValueError, match=r"NANOVLLM_CPU_ISA='avx512_bf16' needs \['avx512_bf16', 'avx512_vnni'\]"):
         cpu_build.isa_flags_from_env()
     monkeypatch.setenv(cpu_build.CPU_ISA_ENV, "sse")
     with pytest.raises(ValueError, match="NANOVLLM_CPU_ISA='sse' is not a known ISA; allowed: native, avx512_bf16"):

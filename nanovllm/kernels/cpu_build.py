@@ -37,7 +37,8 @@ logger = logging.getLogger("nanovllm")
 
 SOURCES = tuple(Path(__file__).with_name(name) for name in ("cpu_paged_attention.cpp", "cpu_fused.cpp",
                                                                  "cpu_linear.cpp", "cpu_amx_linear.cpp",
-                                                                 "cpu_amx_attention.cpp", "cpu_decode_layers.cpp"))
+                                                                 "cpu_amx_attention.cpp", "cpu_decode_layers.cpp",
+                                                                 "cpu_greedy_head.cpp"))
 HEADERS = (Path(__file__).with_name("cpu_kernels.h"),)
 # -march=native: AVX-512/AVX2 as this CPU has them (the library is cached per CPU flags).
 # -fopenmp: the (sequence, KV head, query tile) loop runs on torch's OpenMP pool.
@@ -71,16 +72,19 @@ ANY_ROWS = 1 << 62  # more rows than any step has
 AMX_PREFILL_MIN_K = 512
 AMX_HEAD_MIN_ROWS = 64
 AMX_TILE_ROWS, AMX_TILE_K, AMX_PAIR_COLUMNS = 16, 32, 32
+GREEDY_HEAD_CHUNK = 64  # vocabulary rows a panel of cpu_greedy_head.cpp (its CHUNK)
 CPUINFO = "/proc/cpuinfo"
 # NANOVLLM_CPU_ISA builds the kernels for less than this CPU has, as another x86 CPU would build
 # them (its paths run here: to try them, or to compare engines capped alike, benchmarks/
 # vs_vllm_cpu.py --isa-cap): name -> (flags after CXX_FLAGS, the /proc/cpuinfo flags its code needs).
-# The code tests only __AVX512F__, __AVX512BF16__ and AMX's macros, so the generic x86-64 levels
+# The code tests only __AVX512F__, __AVX512BF16__, __AVX512VNNI__ and AMX's macros, so the generic x86-64 levels
 # stand for the CPUs of each class.
 CPU_ISA_ENV = "NANOVLLM_CPU_ISA"
 CPU_ISAS = {
     "native": ((), set()),  # everything this CPU has (AMX where present)
-    "avx512_bf16": (("-march=x86-64-v4", "-mavx512bf16"), {"avx512f", "avx512bw", "avx512dq", "avx512vl", "avx512_bf16"}),
+    # Every CPU with AVX512-BF16 (Cooper Lake, Sapphire Rapids, Zen 4) has AVX512-VNNI too.
+    "avx512_bf16": (("-march=x86-64-v4", "-mavx512bf16", "-mavx512vnni"),
+                    {"avx512f", "avx512bw", "avx512dq", "avx512vl", "avx512_bf16", "avx512_vnni"}),
     "avx512": (("-march=x86-64-v4",), {"avx512f", "avx512bw", "avx512dq", "avx512vl"}),
     "avx2": (("-march=x86-64-v3",), {"avx2", "fma", "bmi2"}),
 }
@@ -209,6 +213,68 @@ class AmxProduct:
         return out if padded == rows else out[:rows]
 
 
+class GreedyHead:
+    """A float32 LM head's greedy tokens (cpu_greedy_head.cpp): argmax_v x . w_v per row, found by
+    int8 scores with a proven bound and a float32 recheck of the few tokens the bound leaves, not by
+    every logit in float32. Holds the head's int8 form, made once: each vocabulary row scaled by
+    max|w_v| / 127 and rounded, packed per GREEDY_HEAD_CHUNK rows as [K/4][4][16][4] (what VNNI's
+    dot products read), the vocabulary padded with zero rows; per row its scale, the sum of its
+    int8 values, ||w_v|| and ||w_v - w^_v|| (computed in float64, rounded up to float32). The
+    plain weight stays (the recheck reads it, other steps multiply it)."""
+
+    def __init__(self, fn, weight: torch.Tensor):
+        self._fn = fn
+        self.weight = weight.detach()
+        v, k = self.weight.shape
+        self.vocab, self.width = v, k
+        padded = -(-v // GREEDY_HEAD_CHUNK) * GREEDY_HEAD_CHUNK
+        q = torch.zeros(padded, k, dtype=torch.int8)
+        self.scale, self.norm, self.err = (torch.zeros(padded) for _ in range(3))
+        self.qsum = torch.zeros(padded, dtype=torch.int32)
+        for start in range(0, v, 4096):  # float64 copies of a slice at a time: a large head's would be GBs
+            w = self.weight[start:start + 4096]
+            scale = w.abs().amax(1) / 127
+            scale = torch.where(scale > 0, scale, torch.ones_like(scale))
+            rows = torch.round(w / scale[:, None]).clamp_(-127, 127)
+            end = start + w.size(0)
+            q[start:end] = rows.to(torch.int8)
+            self.scale[start:end] = scale
+            self.qsum[start:end] = rows.sum(1).to(torch.int32)
+            w64 = w.double()
+            self.norm[start:end] = _round_up(w64.norm(dim=1))
+            self.err[start:end] = _round_up((w64 - scale.double()[:, None] * rows.double()).norm(dim=1))
+        self.max_norm = float(self.norm.max())
+        self.packed = q.view(padded // GREEDY_HEAD_CHUNK, 4, 16, k // 4, 4).permute(0, 3, 1, 2, 4).contiguous()
+        self.candidates = torch.zeros((), dtype=torch.int64)  # tokens rechecked by the latest call (for tests)
+
+    @staticmethod
+    def takes(weight: torch.Tensor) -> bool:
+        return (weight.dim() == 2 and weight.dtype == torch.float32 and weight.is_contiguous()
+                and weight.size(1) % 4 == 0 and bool(torch.isfinite(weight).all()))
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor | None:
+        """[rows] int64 greedy tokens of float32 rows x [rows, K]; None where the float32 logits must
+        decide (rows not float32, a row not finite, or logits near the sampler's clamp)."""
+        if x.dtype != torch.float32:
+            return None
+        if x.stride(-1) != 1:
+            x = x.contiguous()
+        rows = x.size(0)
+        out = torch.empty(rows, dtype=torch.int64)
+        rc = self._fn(x.data_ptr(), x.stride(0), rows, self.width, self.weight.data_ptr(), self.vocab,
+                      self.packed.data_ptr(), self.scale.data_ptr(), self.qsum.data_ptr(), self.norm.data_ptr(),
+                      self.err.data_ptr(), self.max_norm, out.data_ptr(), self.candidates.data_ptr(),
+                      torch.get_num_threads())
+        assert rc in (0, 1), f"nanovllm_greedy_head returned {rc}"
+        return out if rc == 0 else None
+
+
+def _round_up(t: torch.Tensor) -> torch.Tensor:
+    """float64 -> float32, rounded up where rounding to nearest went down."""
+    f = t.float()
+    return torch.where(f.double() < t, torch.nextafter(f, torch.tensor(float("inf"))), f)
+
+
 class FusedKernels:
     """The library's fused elementwise kernels (cpu_fused.cpp), and its few-row linear products
     (cpu_linear.cpp), called with tensors; the elementwise kernels with the
@@ -243,6 +309,10 @@ class FusedKernels:
         self._greedy_tokens.argtypes = [i32, ptr, i64, i32, i32, f32, ptr, i32]
         self._greedy_tokens.restype = i32
         self.greedy_vectorised = bool(library.nanovllm_greedy_vectorised())
+        self._greedy_head = library.nanovllm_greedy_head if library.nanovllm_greedy_head_supported() else None
+        if self._greedy_head is not None:
+            self._greedy_head.argtypes = [ptr, i64, i32, i32, ptr, i32, ptr, ptr, ptr, ptr, ptr, f32, ptr, ptr, i32]
+            self._greedy_head.restype = i32
 
     def greedy_tokens(self, logits: torch.Tensor, limit: float) -> torch.Tensor:
         """[rows] int64: each row's argmax of finite_logits(logits) (layers/logits_processors.py:
@@ -254,6 +324,13 @@ class FusedKernels:
                                  out.data_ptr(), torch.get_num_threads())
         assert rc == 0, f"nanovllm_greedy_tokens returned {rc}"
         return out
+
+    def greedy_head(self, weight: torch.Tensor) -> GreedyHead | None:
+        """`weight` (an LM head's) in the int8 form of the greedy head, or None where this build has
+        no AVX512-VNNI or the head is not float32, finite, with a width a multiple of 4."""
+        if self._greedy_head is None or not GreedyHead.takes(weight):
+            return None
+        return GreedyHead(self._greedy_head, weight)
 
     def few_rows_linear(self, dtype: torch.dtype) -> FewRowsLinear | None:
         """The few-row product for weights of `dtype`, or None where this CPU's build has none

@@ -46,11 +46,17 @@ class ParallelLMHead(VocabParallelEmbedding):
     packed_weight: torch.Tensor | None = None  # set on CPU after loading (utils/cpu.py pack_linear_weights)
     few_rows: Callable | None = None  # the CPU's few-row product (layers/linear.py linear()), set by enable_cpu
     amx: Callable | None = None  # the weight packed for the CPU's AMX product (layers/linear.py linear())
+    # Float32 rows -> their greedy tokens, without every logit (kernels/cpu_build.py GreedyHead), set
+    # by enable_cpu for a float32 head on one rank where the CPU has AVX512-VNNI; returns None
+    # where the logits must decide.
+    greedy: Callable[[torch.Tensor], torch.Tensor | None] | None = None
 
     def enable_cpu(self, kernels) -> None:
         self.few_rows = kernels.few_rows_linear(self.weight.dtype)
         if self.weight.dtype == torch.float32:  # bf16 heads stay on oneDNN (kernels/cpu_build.py AMX_HEAD_MIN_ROWS)
             self.amx = kernels.amx_linear(self.weight, min_rows=AMX_HEAD_MIN_ROWS)
+            if self.tp_size == 1:
+                self.greedy = kernels.greedy_head(self.weight)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor | None:
         """x: [num_rows, hidden] -> logits [num_rows, vocab] on rank 0 (None on the others)."""

@@ -38,6 +38,13 @@ class CausalLM(nn.Module):
         epsilons=("rms_norm_eps",),
         heads=("hidden_size", "num_attention_heads", "num_key_value_heads"))
 
+    def greedy_tokens(self, hidden_states: torch.Tensor) -> torch.Tensor | None:
+        """Per row, the argmax of compute_logits(hidden_states) where the LM head finds it without
+        every logit (layers/embed_head.py ParallelLMHead.greedy); None where it cannot (the caller
+        computes the logits). A family whose compute_logits does more than its lm_head overrides this."""
+        greedy = getattr(getattr(self, "lm_head", None), "greedy", None)
+        return None if greedy is None else greedy(hidden_states)
+
     @classmethod
     def check_raw_config(cls, raw: dict) -> None:
         """Refuse (ValueError naming the field) a value of config.json, as read from the file,

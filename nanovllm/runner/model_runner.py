@@ -121,6 +121,8 @@ class StepLogits(NamedTuple):
     sample_indices: list[int]  # the sequences the rows belong to (index into the step's sequences)
     # Per sequence of the step, the prompt logprobs its rows scored (rank 0); None when none asked.
     prompt_logprobs: list[PromptLogprobs | None] | None = None
+    # The sampled rows' tokens already chosen (a greedy head's argmax, StepMessage.argmax_only): no logits.
+    tokens: torch.Tensor | None = None
 
 
 class ModelRunner:
@@ -374,7 +376,9 @@ class ModelRunner:
                swap_in: BlockCopies = NO_COPIES) -> PendingTokens:
         """One step on this rank alone, returning before its tokens reach the host (async
         scheduling): placeholder tokens among its inputs are read from the previous launch's."""
-        return self.sample_pending(seqs, self.forward(StepMessage.of(seqs, is_prefill, swap_out, swap_in)))
+        argmax_only = self.rank == 0 and all(seq.sampling_params.argmax_only for seq in seqs)
+        return self.sample_pending(seqs, self.forward(StepMessage.of(seqs, is_prefill, swap_out, swap_in,
+                                                                     argmax_only=argmax_only)))
 
     @torch.inference_mode()
     def forward(self, step: StepMessage) -> StepLogits:
@@ -394,6 +398,10 @@ class ModelRunner:
                 return StepLogits(None, [], prompt)
             if inputs.keep_rows is None:
                 hidden_states = hidden_states[inputs.sample_rows]
+            if step.argmax_only:  # the tokens without the logits where the model's head can (else None)
+                tokens = self.model.greedy_tokens(hidden_states)
+                if tokens is not None:
+                    return StepLogits(None, inputs.sample_indices, prompt, tokens)
             logits = self.model.compute_logits(hidden_states)  # None on ranks > 0
         return StepLogits(logits, inputs.sample_indices, prompt)
 
@@ -423,7 +431,9 @@ class ModelRunner:
             return PendingTokens(0, [], None, [])
         sampled = seqs if len(step.sample_indices) == len(seqs) else [seqs[i] for i in step.sample_indices]
         tokens, logprobs, failed = None, [], {}
-        if sampled:
+        if sampled and step.tokens is not None:  # chosen by the forward pass already (greedy, nothing else)
+            tokens, logprobs = step.tokens, [None] * len(sampled)
+        elif sampled:
             logits = step.logits
             try:
                 inputs = self._sampling_inputs(sampled, logits)

@@ -37,10 +37,14 @@ class StepMessage(NamedTuple):
     # Prompt logprobs: per sequence, the prompt tokens its rows score in this step, or None
     # (runner/prompt_logprobs.py); empty when no sequence of the step scores any.
     prompt_targets: list[PromptTargets | None] | tuple[()] = ()
+    # Whether the step may leave argmax tokens instead of logits (every sequence argmax_only, and
+    # the caller samples through ModelRunner.sample_pending): StepLogits.tokens.
+    argmax_only: bool = False
 
     @classmethod
     def of(cls, seqs: list[Sequence], is_prefill: bool, swap_out: BlockCopies = NO_COPIES,
-           swap_in: BlockCopies = NO_COPIES, proposals: list[list[int]] | None = None) -> "StepMessage":
+           swap_in: BlockCopies = NO_COPIES, proposals: list[list[int]] | None = None,
+           argmax_only: bool = False) -> "StepMessage":
         """The message of a scheduled batch: each sequence's num_scheduled_tokens new tokens from
         num_computed_tokens on (a prefill chunk, or a decode step's one newest token). A prefill
         step may hold decode rows too (a mixed batch): one new token over the cached rest. With
@@ -49,7 +53,7 @@ class StepMessage(NamedTuple):
         tables = [seq.block_table for seq in seqs]
         if not is_prefill:  # one new token each, the newest: its context is the whole sequence
             return cls(False, [seq.last_token for seq in seqs], [n - 1 for n in lengths], lengths, lengths, tables,
-                       swap_out, swap_in)
+                       swap_out, swap_in, argmax_only=argmax_only)
         token_ids, starts, ends, targets = [], [], [], []
         for i, seq in enumerate(seqs):
             start, end = seq.num_computed_tokens, seq.num_computed_tokens + seq.num_scheduled_tokens
@@ -64,7 +68,8 @@ class StepMessage(NamedTuple):
         num_proposed = [len(p) for p in proposals] if proposals else ()
         if not any(targets):
             targets = ()
-        return cls(True, token_ids, starts, ends, lengths, tables, swap_out, swap_in, num_proposed, targets)
+        return cls(True, token_ids, starts, ends, lengths, tables, swap_out, swap_in, num_proposed, targets,
+                   argmax_only and not proposals and not targets)
 
     @property
     def num_seqs(self) -> int:

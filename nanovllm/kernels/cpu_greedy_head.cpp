@@ -1,0 +1,233 @@
+// The greedy token of float32 LM-head rows, argmax_v x . w_v, without every logit in float32.
+//
+// A greedy step reads only the largest logit of each row. The head's weight is also held in int8
+// (layers/embed_head.py GreedyHead: each vocabulary row w_v scaled by its own s_v = max|w_v| / 127
+// and rounded), each row x is rounded to int8 the same way at each call, and AVX512-VNNI multiplies
+// the two: 64 products an instruction where float32 FMAs do 16, from a quarter of the weight's bytes.
+// The int8 score s_v is within B_v of the float32 logit r_v that the recheck computes (x^ and w^_v
+// the rounded vectors as reals, Cauchy-Schwarz on both differences):
+//   |s_v - r_v| <= ||x - x^|| ||w_v|| + ||x^|| ||w_v - w^_v|| + slack ||x|| ||w_v|| = B_v,
+// the slack covering float32's roundings of r_v (K terms) and of s_v. So the token with the largest
+// r_v has s_v + B_v >= max_u (s_u - B_u): only the tokens that pass are recomputed in float32 and
+// the largest taken (the first on ties, as torch.argmax). The token is the one a float32 product of
+// every logit (in the recheck's order) would give, for a few dozen row products a row (random
+// weights: ~10 of 32,000) instead of the vocabulary's.
+//
+// Every norm is computed in double and rounded up, and B_v is widened by MARGIN, so the float32
+// arithmetic of the bound and the comparisons can only let more tokens through. Rows that are not
+// finite, or whose logits could reach 1e29 (the sampler clamps at 1e30), return 1: the caller then
+// takes the float32 logits' path.
+#include <vector>
+
+#include "cpu_kernels.h"
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
+#define NANOVLLM_GREEDY_HEAD 1
+#endif
+
+namespace {
+
+#ifdef NANOVLLM_GREEDY_HEAD
+constexpr int CHUNK = 64;  // vocabulary rows a panel: four vectors of 16 (GreedyHead packs the int8 weight so)
+constexpr int XROWS = 6;   // rows of x a pass over a panel (6 x 4 accumulators)
+constexpr double MARGIN = 1.0 + 1.0 / 64;  // well above float32's roundings of the bound and of s +- B
+constexpr double LOGIT_BOUND = 1e29;
+
+// A row's constants: its int8 scale, and the two factors of B_v (c1 * ||w_v|| + c2 * ||w_v - w^_v||).
+struct RowConsts {
+  float sx, c1, c2;
+};
+
+float round_up(double v) {
+  float f = static_cast<float>(v);
+  return static_cast<double>(f) < v ? std::nextafter(f, INFINITY) : f;
+}
+
+// xu = round(x / sx) + 128 (unsigned bytes, as VNNI's first operand wants), sx = max|x| / 127.
+// False when x is not finite or its logits could pass LOGIT_BOUND.
+bool quantize_row(const float* x, int K, float max_weight_norm, uint8_t* xu, RowConsts& c) {
+  float maxabs = 0.0f;
+  for (int k = 0; k < K; ++k) {
+    if (!std::isfinite(x[k])) return false;
+    maxabs = std::max(maxabs, std::fabs(x[k]));
+  }
+  const float sx = maxabs > 0.0f ? maxabs / 127.0f : 1.0f;
+  double d2 = 0.0, h2 = 0.0, n2 = 0.0;  // ||x - x^||^2, ||x^||^2, ||x||^2
+  for (int k = 0; k < K; ++k) {
+    const float q = std::min(127.0f, std::max(-127.0f, std::nearbyint(x[k] / sx)));
+    xu[k] = static_cast<uint8_t>(static_cast<int>(q) + 128);
+    const double xh = static_cast<double>(sx) * q, d = x[k] - xh;
+    d2 += d * d;
+    h2 += xh * xh;
+    n2 += static_cast<double>(x[k]) * x[k];
+  }
+  const double norm = std::sqrt(n2);
+  if (norm * max_weight_norm >= LOGIT_BOUND) return false;
+  const double slack = (K + 64) * 0x1p-20;  // > 2 (K + 8) u: float32's roundings, relative to ||x|| ||w_v||
+  c.sx = sx;
+  c.c1 = round_up((std::sqrt(d2) + slack * norm) * MARGIN);
+  c.c2 = round_up(std::sqrt(h2) * MARGIN);
+  return true;
+}
+
+// acc[r][j] = sum over k of xu[r][k] * q[v][k] for the panel's 64 rows v (vector j: rows 16j..16j+15),
+// the panel's int8 weight laid out [K/4][4 vectors][16 rows][4 k].
+template <int R>
+inline void panel_dots(const uint8_t* xu, int K, const int8_t* wp, __m512i (&acc)[XROWS][4]) {
+  __m512i a[R][4];  // in registers (the caller's array would be spilled at every step)
+  for (int r = 0; r < R; ++r)
+    for (int j = 0; j < 4; ++j) a[r][j] = _mm512_setzero_si512();
+  for (int k = 0; k < K; k += 4, wp += 4 * CHUNK) {
+    const __m512i w0 = _mm512_loadu_si512(wp), w1 = _mm512_loadu_si512(wp + 64);
+    const __m512i w2 = _mm512_loadu_si512(wp + 128), w3 = _mm512_loadu_si512(wp + 192);
+    for (int r = 0; r < R; ++r) {
+      int32_t quad;
+      std::memcpy(&quad, xu + static_cast<size_t>(r) * K + k, sizeof quad);
+      const __m512i xb = _mm512_set1_epi32(quad);
+      a[r][0] = _mm512_dpbusd_epi32(a[r][0], xb, w0);
+      a[r][1] = _mm512_dpbusd_epi32(a[r][1], xb, w1);
+      a[r][2] = _mm512_dpbusd_epi32(a[r][2], xb, w2);
+      a[r][3] = _mm512_dpbusd_epi32(a[r][3], xb, w3);
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int j = 0; j < 4; ++j) acc[r][j] = a[r][j];
+}
+
+// x . w in float32 (two chains of FMAs, a masked tail).
+float dot(const float* x, const float* w, int K) {
+  __m512 a0 = _mm512_setzero_ps(), a1 = _mm512_setzero_ps();
+  int k = 0;
+  for (; k + 32 <= K; k += 32) {
+    a0 = _mm512_fmadd_ps(_mm512_loadu_ps(x + k), _mm512_loadu_ps(w + k), a0);
+    a1 = _mm512_fmadd_ps(_mm512_loadu_ps(x + k + 16), _mm512_loadu_ps(w + k + 16), a1);
+  }
+  for (; k < K; k += 16) {
+    const __mmask16 m = K - k >= 16 ? static_cast<__mmask16>(0xffff) : static_cast<__mmask16>((1u << (K - k)) - 1);
+    a0 = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(m, x + k), _mm512_maskz_loadu_ps(m, w + k), a0);
+  }
+  return _mm512_reduce_add_ps(_mm512_add_ps(a0, a1));
+}
+#endif
+
+}  // namespace
+
+extern "C" {
+
+int nanovllm_greedy_head_supported() {
+#ifdef NANOVLLM_GREEDY_HEAD
+  return 1;
+#else
+  return 0;
+#endif
+}
+
+// out[r] = argmax_v x[r] . w[v] for rows x [rows, K] (row stride x_stride) and the head w [V, K]
+// float32, through its int8 form (GreedyHead: q packed per 64 rows as [K/4][4][16][4], V padded to a
+// multiple of 64 with zero rows; per row its scale, sum of q, ||w_v|| and ||w_v - w^_v|| rounded up;
+// max_weight_norm the largest ||w_v||). K a multiple of 4. `candidates`, when not null, gets the
+// number of tokens rechecked in float32. Returns 0, 1 where the float32 logits must decide (a
+// row not finite, or logits near the sampler's clamp), -1 where this build has no VNNI.
+int nanovllm_greedy_head(const float* x, int64_t x_stride, int rows, int K, const float* w, int V, const int8_t* q,
+                         const float* scale, const int32_t* qsum, const float* norm, const float* err,
+                         float max_weight_norm, int64_t* out, int64_t* candidates, int num_threads) {
+#ifndef NANOVLLM_GREEDY_HEAD
+  (void)x, (void)x_stride, (void)rows, (void)K, (void)w, (void)V, (void)q, (void)scale, (void)qsum, (void)norm;
+  (void)err, (void)max_weight_norm, (void)out, (void)candidates, (void)num_threads;
+  return -1;
+#else
+  using namespace nanovllm_cpu;
+  const int panels = (V + CHUNK - 1) / CHUNK, padded = panels * CHUNK;
+  // Scratch kept across calls (a step's 8 MB of bounds would fault its pages in anew each time).
+  thread_local std::vector<uint8_t> xu;
+  thread_local std::vector<RowConsts> consts;
+  thread_local std::vector<float> upper, panel_top, lower_max;
+  xu.resize(static_cast<size_t>(rows) * K);
+  consts.resize(rows);
+  upper.resize(static_cast<size_t>(rows) * padded);
+  panel_top.resize(static_cast<size_t>(rows) * panels);
+  lower_max.assign(rows, -INFINITY);
+  for (int r = 0; r < rows; ++r)
+    if (!quantize_row(x + r * x_stride, K, max_weight_norm, xu.data() + static_cast<size_t>(r) * K, consts[r]))
+      return 1;
+  uint8_t* xu_p = xu.data();
+  const RowConsts* rc = consts.data();
+  float *up = upper.data(), *top = panel_top.data(), *lmax = lower_max.data();
+  // Pass 1: each panel's int8 scores for every row, kept as s_v + B_v; each row's largest s_v - B_v.
+#pragma omp parallel num_threads(num_threads)
+  {
+    std::vector<float> mine(rows, -INFINITY);
+    __m512i acc[XROWS][4];
+#pragma omp for schedule(static)
+    for (int p = 0; p < panels; ++p) {
+      const int8_t* wp = q + static_cast<size_t>(p) * CHUNK * K;
+      const int v0 = p * CHUNK;
+      const __mmask16 valid[4] = {
+          static_cast<__mmask16>(V - v0 >= 16 ? 0xffff : V - v0 > 0 ? (1u << (V - v0)) - 1 : 0),
+          static_cast<__mmask16>(V - v0 >= 32 ? 0xffff : V - v0 > 16 ? (1u << (V - v0 - 16)) - 1 : 0),
+          static_cast<__mmask16>(V - v0 >= 48 ? 0xffff : V - v0 > 32 ? (1u << (V - v0 - 32)) - 1 : 0),
+          static_cast<__mmask16>(V - v0 >= 64 ? 0xffff : V - v0 > 48 ? (1u << (V - v0 - 48)) - 1 : 0)};
+      for (int r0 = 0; r0 < rows; r0 += XROWS) {
+        const int n = std::min(XROWS, rows - r0);
+        const uint8_t* xr = xu_p + static_cast<size_t>(r0) * K;
+        switch (n) {
+          case 6: panel_dots<6>(xr, K, wp, acc); break;
+          case 5: panel_dots<5>(xr, K, wp, acc); break;
+          case 4: panel_dots<4>(xr, K, wp, acc); break;
+          case 3: panel_dots<3>(xr, K, wp, acc); break;
+          case 2: panel_dots<2>(xr, K, wp, acc); break;
+          default: panel_dots<1>(xr, K, wp, acc); break;
+        }
+        for (int i = 0; i < n; ++i) {
+          const RowConsts& c = rc[r0 + i];
+          const __m512 c1 = _mm512_set1_ps(c.c1), c2 = _mm512_set1_ps(c.c2), sx = _mm512_set1_ps(c.sx);
+          __m512 low = _mm512_set1_ps(-INFINITY), high = _mm512_set1_ps(-INFINITY);
+          float* ur = up + static_cast<size_t>(r0 + i) * padded + v0;
+          for (int j = 0; j < 4; ++j) {
+            const int v = v0 + 16 * j;
+            // sum xu q = sum x_q q + 128 sum q: the integer dot of the signed values, exact.
+            const __m512i dots = _mm512_sub_epi32(acc[i][j], _mm512_slli_epi32(_mm512_loadu_si512(qsum + v), 7));
+            const __m512 s = _mm512_mul_ps(_mm512_cvtepi32_ps(dots), _mm512_mul_ps(sx, _mm512_loadu_ps(scale + v)));
+            const __m512 bound = _mm512_fmadd_ps(c1, _mm512_loadu_ps(norm + v), _mm512_mul_ps(c2, _mm512_loadu_ps(err + v)));
+            const __m512 u = _mm512_mask_blend_ps(valid[j], _mm512_set1_ps(-INFINITY), _mm512_add_ps(s, bound));
+            low = _mm512_mask_max_ps(low, valid[j], low, _mm512_sub_ps(s, bound));
+            high = _mm512_max_ps(high, u);
+            _mm512_storeu_ps(ur + 16 * j, u);
+          }
+          mine[r0 + i] = std::max(mine[r0 + i], _mm512_reduce_max_ps(low));
+          top[static_cast<size_t>(r0 + i) * panels + p] = _mm512_reduce_max_ps(high);
+        }
+      }
+    }
+#pragma omp critical
+    for (int r = 0; r < rows; ++r) lmax[r] = std::max(lmax[r], mine[r]);
+  }
+  // Pass 2: per row, the tokens whose s_v + B_v reaches the largest s_u - B_u, rechecked in float32.
+  int64_t total = 0;
+#pragma omp parallel for schedule(dynamic, 1) num_threads(num_threads) reduction(+ : total)
+  for (int r = 0; r < rows; ++r) {
+    const float floor = lmax[r];
+    const float* xr = x + r * x_stride;
+    float best = -INFINITY;
+    int64_t token = 0;
+    for (int p = 0; p < panels; ++p) {
+      if (top[static_cast<size_t>(r) * panels + p] < floor) continue;
+      const float* ur = up + static_cast<size_t>(r) * padded;
+      for (int v = p * CHUNK; v < std::min(V, (p + 1) * CHUNK); ++v) {
+        if (ur[v] < floor) continue;
+        ++total;
+        const float logit = dot(xr, w + static_cast<int64_t>(v) * K, K);
+        if (logit > best) {  // ascending v and a strict >: the first of equal logits, as torch.argmax
+          best = logit;
+          token = v;
+        }
+      }
+    }
+    out[r] = token;
+  }
+  if (candidates) *candidates = total;
+  return 0;
+#endif
+}
+
+}  // extern "C"
