@@ -92,10 +92,11 @@ def test_pruned_logits_equal_the_full_forward_rows(qwen3_tiny, monkeypatch):
     logits: list[torch.Tensor] = []
     compute = model.compute_logits
     model.compute_logits = lambda hidden: logits.append(compute(hidden)) or logits[-1]
-    llm.generate(prompts, greedy(1), use_tqdm=False)
+    wants_logits = greedy(1, logprobs=1)  # plain greedy steps may take their tokens without logits (a greedy head)
+    llm.generate(prompts, wants_logits, use_tqdm=False)
     full_inputs = model_runner.prefill_inputs
     monkeypatch.setattr(model_runner, "prefill_inputs", lambda *a, **k: full_inputs(*a, **k)._replace(keep_rows=None))
-    llm.generate(prompts, greedy(1), use_tqdm=False)
+    llm.generate(prompts, wants_logits, use_tqdm=False)
     pruned, full = logits
     assert pruned.shape == full.shape == (len(prompts), model.lm_head.weight.size(0))
     torch.testing.assert_close(pruned, full, rtol=1e-5, atol=1e-5)

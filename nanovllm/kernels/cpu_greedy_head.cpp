@@ -188,7 +188,8 @@ int nanovllm_greedy_head(const float* x, int64_t x_stride, int rows, int K, cons
             // sum xu q = sum x_q q + 128 sum q: the integer dot of the signed values, exact.
             const __m512i dots = _mm512_sub_epi32(acc[i][j], _mm512_slli_epi32(_mm512_loadu_si512(qsum + v), 7));
             const __m512 s = _mm512_mul_ps(_mm512_cvtepi32_ps(dots), _mm512_mul_ps(sx, _mm512_loadu_ps(scale + v)));
-            const __m512 bound = _mm512_fmadd_ps(c1, _mm512_loadu_ps(norm + v), _mm512_mul_ps(c2, _mm512_loadu_ps(err + v)));
+            const __m512 bound =
+                _mm512_fmadd_ps(c1, _mm512_loadu_ps(norm + v), _mm512_mul_ps(c2, _mm512_loadu_ps(err + v)));
             const __m512 u = _mm512_mask_blend_ps(valid[j], _mm512_set1_ps(-INFINITY), _mm512_add_ps(s, bound));
             low = _mm512_mask_max_ps(low, valid[j], low, _mm512_sub_ps(s, bound));
             high = _mm512_max_ps(high, u);
