@@ -94,6 +94,34 @@ inline void panel_dots(const uint8_t* xu, int K, const int8_t* wp, __m512i (&acc
     for (int j = 0; j < 4; ++j) acc[r][j] = a[r][j];
 }
 
+// Lanes of the panel at v0 that hold vocabulary rows (< V), per vector.
+inline void panel_valid(int V, int v0, __mmask16 (&valid)[4]) {
+  for (int j = 0; j < 4; ++j) {
+    const int left = V - v0 - 16 * j;
+    valid[j] = static_cast<__mmask16>(left >= 16 ? 0xffff : left > 0 ? (1u << left) - 1 : 0);
+  }
+}
+
+// One row's 64 int8 scores of the panel at v0 as bounds on its float32 logits: s - B and s + B
+// (-inf in lanes past V). Both passes call it; each pass's bounds hold on their own (MARGIN
+// covers however the compiler rounds or contracts them), so pass 2 need not reproduce pass 1's bits.
+inline void panel_bounds(const __m512i (&acc)[4], const RowConsts& c, int v0, const __mmask16 (&valid)[4],
+                         const int32_t* qsum, const float* scale, const float* norm, const float* err,
+                         __m512 (&lower)[4], __m512 (&upper)[4]) {
+  const __m512 c1 = _mm512_set1_ps(c.c1), c2 = _mm512_set1_ps(c.c2), sx = _mm512_set1_ps(c.sx);
+  const __m512 none = _mm512_set1_ps(-INFINITY);
+  for (int j = 0; j < 4; ++j) {
+    const int v = v0 + 16 * j;
+    // sum xu q = sum x_q q + 128 sum q: the integer dot of the signed values, exact.
+    const __m512i dots = _mm512_sub_epi32(acc[j], _mm512_slli_epi32(_mm512_loadu_si512(qsum + v), 7));
+    const __m512 s = _mm512_mul_ps(_mm512_cvtepi32_ps(dots), _mm512_mul_ps(sx, _mm512_loadu_ps(scale + v)));
+    const __m512 bound =
+        _mm512_fmadd_ps(c1, _mm512_loadu_ps(norm + v), _mm512_mul_ps(c2, _mm512_loadu_ps(err + v)));
+    lower[j] = _mm512_mask_blend_ps(valid[j], none, _mm512_sub_ps(s, bound));
+    upper[j] = _mm512_mask_blend_ps(valid[j], none, _mm512_add_ps(s, bound));
+  }
+}
+
 // x . w in float32 (two chains of FMAs, a masked tail).
 float dot(const float* x, const float* w, int K) {
   __m512 a0 = _mm512_setzero_ps(), a1 = _mm512_setzero_ps();
@@ -137,36 +165,32 @@ int nanovllm_greedy_head(const float* x, int64_t x_stride, int rows, int K, cons
   return -1;
 #else
   using namespace nanovllm_cpu;
-  const int panels = (V + CHUNK - 1) / CHUNK, padded = panels * CHUNK;
-  // Scratch kept across calls (a step's 8 MB of bounds would fault its pages in anew each time).
-  thread_local std::vector<uint8_t> xu;
+  const int panels = (V + CHUNK - 1) / CHUNK;
+  thread_local std::vector<uint8_t> xu;  // scratch kept across calls
   thread_local std::vector<RowConsts> consts;
-  thread_local std::vector<float> upper, panel_top, lower_max;
+  thread_local std::vector<float> panel_top, lower_max;
   xu.resize(static_cast<size_t>(rows) * K);
   consts.resize(rows);
-  upper.resize(static_cast<size_t>(rows) * padded);
   panel_top.resize(static_cast<size_t>(rows) * panels);
   lower_max.assign(rows, -INFINITY);
   for (int r = 0; r < rows; ++r)
     if (!quantize_row(x + r * x_stride, K, max_weight_norm, xu.data() + static_cast<size_t>(r) * K, consts[r]))
       return 1;
-  uint8_t* xu_p = xu.data();
+  const uint8_t* xu_p = xu.data();
   const RowConsts* rc = consts.data();
-  float *up = upper.data(), *top = panel_top.data(), *lmax = lower_max.data();
-  // Pass 1: each panel's int8 scores for every row, kept as s_v + B_v; each row's largest s_v - B_v.
+  float *top = panel_top.data(), *lmax = lower_max.data();
+  // Pass 1: every panel's int8 scores for every row: each row's largest s_v - B_v, and per panel
+  // its largest s_v + B_v.
 #pragma omp parallel num_threads(num_threads)
   {
     std::vector<float> mine(rows, -INFINITY);
     __m512i acc[XROWS][4];
+    __m512 lower[4], upper[4];
 #pragma omp for schedule(static)
     for (int p = 0; p < panels; ++p) {
       const int8_t* wp = q + static_cast<size_t>(p) * CHUNK * K;
-      const int v0 = p * CHUNK;
-      const __mmask16 valid[4] = {
-          static_cast<__mmask16>(V - v0 >= 16 ? 0xffff : V - v0 > 0 ? (1u << (V - v0)) - 1 : 0),
-          static_cast<__mmask16>(V - v0 >= 32 ? 0xffff : V - v0 > 16 ? (1u << (V - v0 - 16)) - 1 : 0),
-          static_cast<__mmask16>(V - v0 >= 48 ? 0xffff : V - v0 > 32 ? (1u << (V - v0 - 32)) - 1 : 0),
-          static_cast<__mmask16>(V - v0 >= 64 ? 0xffff : V - v0 > 48 ? (1u << (V - v0 - 48)) - 1 : 0)};
+      __mmask16 valid[4];
+      panel_valid(V, p * CHUNK, valid);
       for (int r0 = 0; r0 < rows; r0 += XROWS) {
         const int n = std::min(XROWS, rows - r0);
         const uint8_t* xr = xu_p + static_cast<size_t>(r0) * K;
@@ -179,22 +203,9 @@ int nanovllm_greedy_head(const float* x, int64_t x_stride, int rows, int K, cons
           default: panel_dots<1>(xr, K, wp, acc); break;
         }
         for (int i = 0; i < n; ++i) {
-          const RowConsts& c = rc[r0 + i];
-          const __m512 c1 = _mm512_set1_ps(c.c1), c2 = _mm512_set1_ps(c.c2), sx = _mm512_set1_ps(c.sx);
-          __m512 low = _mm512_set1_ps(-INFINITY), high = _mm512_set1_ps(-INFINITY);
-          float* ur = up + static_cast<size_t>(r0 + i) * padded + v0;
-          for (int j = 0; j < 4; ++j) {
-            const int v = v0 + 16 * j;
-            // sum xu q = sum x_q q + 128 sum q: the integer dot of the signed values, exact.
-            const __m512i dots = _mm512_sub_epi32(acc[i][j], _mm512_slli_epi32(_mm512_loadu_si512(qsum + v), 7));
-            const __m512 s = _mm512_mul_ps(_mm512_cvtepi32_ps(dots), _mm512_mul_ps(sx, _mm512_loadu_ps(scale + v)));
-            const __m512 bound =
-                _mm512_fmadd_ps(c1, _mm512_loadu_ps(norm + v), _mm512_mul_ps(c2, _mm512_loadu_ps(err + v)));
-            const __m512 u = _mm512_mask_blend_ps(valid[j], _mm512_set1_ps(-INFINITY), _mm512_add_ps(s, bound));
-            low = _mm512_mask_max_ps(low, valid[j], low, _mm512_sub_ps(s, bound));
-            high = _mm512_max_ps(high, u);
-            _mm512_storeu_ps(ur + 16 * j, u);
-          }
+          panel_bounds(acc[i], rc[r0 + i], p * CHUNK, valid, qsum, scale, norm, err, lower, upper);
+          const __m512 low = _mm512_max_ps(_mm512_max_ps(lower[0], lower[1]), _mm512_max_ps(lower[2], lower[3]));
+          const __m512 high = _mm512_max_ps(_mm512_max_ps(upper[0], upper[1]), _mm512_max_ps(upper[2], upper[3]));
           mine[r0 + i] = std::max(mine[r0 + i], _mm512_reduce_max_ps(low));
           top[static_cast<size_t>(r0 + i) * panels + p] = _mm512_reduce_max_ps(high);
         }
@@ -203,7 +214,9 @@ int nanovllm_greedy_head(const float* x, int64_t x_stride, int rows, int K, cons
 #pragma omp critical
     for (int r = 0; r < rows; ++r) lmax[r] = std::max(lmax[r], mine[r]);
   }
-  // Pass 2: per row, the tokens whose s_v + B_v reaches the largest s_u - B_u, rechecked in float32.
+  // Pass 2: per row, the panels whose largest s_v + B_v reaches the row's largest s_u - B_u, their
+  // scores recomputed (a panel's dots for one row: ~1/64 of pass 1's work for it) and each token
+  // that reaches it rechecked in float32.
   int64_t total = 0;
 #pragma omp parallel for schedule(dynamic, 1) num_threads(num_threads) reduction(+ : total)
   for (int r = 0; r < rows; ++r) {
@@ -211,12 +224,20 @@ int nanovllm_greedy_head(const float* x, int64_t x_stride, int rows, int K, cons
     const float* xr = x + r * x_stride;
     float best = -INFINITY;
     int64_t token = 0;
+    __m512i acc[XROWS][4];
+    __m512 lower[4], upper[4];
+    alignas(64) float up[CHUNK];
     for (int p = 0; p < panels; ++p) {
       if (top[static_cast<size_t>(r) * panels + p] < floor) continue;
-      const float* ur = up + static_cast<size_t>(r) * padded;
-      for (int v = p * CHUNK; v < std::min(V, (p + 1) * CHUNK); ++v) {
-        if (ur[v] < floor) continue;
+      __mmask16 valid[4];
+      panel_valid(V, p * CHUNK, valid);
+      panel_dots<1>(xu_p + static_cast<size_t>(r) * K, K, q + static_cast<size_t>(p) * CHUNK * K, acc);
+      panel_bounds(acc[0], rc[r], p * CHUNK, valid, qsum, scale, norm, err, lower, upper);
+      for (int j = 0; j < 4; ++j) _mm512_store_ps(up + 16 * j, upper[j]);
+      for (int i = 0; i < CHUNK; ++i) {
+        if (up[i] < floor) continue;  // past V too (-inf)
         ++total;
+        const int v = p * CHUNK + i;
         const float logit = dot(xr, w + static_cast<int64_t>(v) * K, K);
         if (logit > best) {  // ascending v and a strict >: the first of equal logits, as torch.argmax
           best = logit;
