@@ -219,7 +219,7 @@ class GreedyHead:
     every logit in float32. Holds the head's int8 form, made once: each vocabulary row scaled by
     max|w_v| / 127 and rounded, packed per GREEDY_HEAD_CHUNK rows as [K/4][4][16][4] (what VNNI's
     dot products read), the vocabulary padded with zero rows; per row its scale, the sum of its
-    int8 values, ||w_v|| and ||w_v - w^_v|| (computed in float64, rounded up to float32). The
+    int8 values, ||w_v|| and ||w_v - w^_v|| (upper bounds: float32's rounding error added). The
     plain weight stays (the recheck reads it, other steps multiply it)."""
 
     def __init__(self, fn, weight: torch.Tensor):
@@ -231,8 +231,11 @@ class GreedyHead:
         q = torch.zeros(padded, k, dtype=torch.int8)
         self.scale, self.norm, self.err = (torch.zeros(padded) for _ in range(3))
         self.qsum = torch.zeros(padded, dtype=torch.int32)
-        for start in range(0, v, 4096):  # float64 copies of a slice at a time: a large head's would be GBs
-            w = self.weight[start:start + 4096]
+        # Norms in float32, widened by float32's worst relative error over k terms (and the
+        # rounding of scale * q inside the difference), then rounded up once more: upper bounds.
+        widen = 1 + (k + 8) * 2.0 ** -23
+        for start in range(0, v, 16384):  # a slice at a time: the temporaries stay small
+            w = self.weight[start:start + 16384]
             scale = w.abs().amax(1) / 127
             scale = torch.where(scale > 0, scale, torch.ones_like(scale))
             rows = torch.round(w / scale[:, None]).clamp_(-127, 127)
@@ -240,9 +243,11 @@ class GreedyHead:
             q[start:end] = rows.to(torch.int8)
             self.scale[start:end] = scale
             self.qsum[start:end] = rows.sum(1).to(torch.int32)
-            w64 = w.double()
-            self.norm[start:end] = _round_up(w64.norm(dim=1))
-            self.err[start:end] = _round_up((w64 - scale.double()[:, None] * rows.double()).norm(dim=1))
+            norm = w.norm(dim=1)
+            # + what rounding scale * q to float32 may hide: at most 2^-24 max|w| an element
+            err = (w - scale[:, None] * rows).norm(dim=1) + norm * (k ** 0.5 * 2.0 ** -22)
+            self.norm[start:end] = _round_up(norm * widen)
+            self.err[start:end] = _round_up(err * widen)
         self.max_norm = float(self.norm.max())
         self.packed = q.view(padded // GREEDY_HEAD_CHUNK, 4, 16, k // 4, 4).permute(0, 3, 1, 2, 4).contiguous()
         self.candidates = torch.zeros((), dtype=torch.int64)  # tokens rechecked by the latest call (for tests)
@@ -270,9 +275,9 @@ class GreedyHead:
 
 
 def _round_up(t: torch.Tensor) -> torch.Tensor:
-    """float64 -> float32, rounded up where rounding to nearest went down."""
-    f = t.float()
-    return torch.where(f.double() < t, torch.nextafter(f, torch.tensor(float("inf"))), f)
+    """The next float32 above each value of float32 `t` (a bound computed in float32, made safe
+    against the rounding of its last operation)."""
+    return torch.nextafter(t, torch.tensor(float("inf")))
 
 
 class FusedKernels:

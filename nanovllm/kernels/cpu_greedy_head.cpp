@@ -13,7 +13,8 @@
 // every logit (in the recheck's order) would give, for a few dozen row products a row (random
 // weights: ~10 of 32,000) instead of the vocabulary's.
 //
-// Every norm is computed in double and rounded up, and B_v is widened by MARGIN, so the float32
+// Every norm is an upper bound (a row's computed in double, the head's widened by float32's
+// worst error, cpu_build.py GreedyHead), and B_v is widened by MARGIN, so the float32
 // arithmetic of the bound and the comparisons can only let more tokens through. Rows that are not
 // finite, or whose logits could reach 1e29 (the sampler clamps at 1e30), return 1: the caller then
 // takes the float32 logits' path.
