@@ -147,3 +147,19 @@ def test_steps_needing_logits_compute_them(qwen3_tiny, make_head):
         assert out[0]["token_ids"] == expected[0]
     assert calls == []
     assert not StepMessage.of([], False).argmax_only  # callers opt in; speculative steps never do
+
+
+def test_head_norms_bound_the_exact_ones(make_head):
+    """The bound's per-token factors are upper bounds of the exact norms (float64), and tight."""
+    gen = torch.Generator().manual_seed(8)
+    vocab, width = 1000, 264
+    w = torch.randn(vocab, width, generator=gen) * torch.rand(vocab, 1, generator=gen)
+    head = make_head(w)
+    q = head.packed.permute(0, 2, 3, 1, 4).reshape(-1, width)[:vocab].double()  # back to [vocab, width]
+    assert torch.equal(q, torch.round(w / head.scale[:vocab, None]).double())
+    exact_norm = w.double().norm(dim=1)
+    exact_err = (w.double() - head.scale[:vocab].double()[:, None] * q).norm(dim=1)
+    for bound, exact in ((head.norm[:vocab].double(), exact_norm), (head.err[:vocab].double(), exact_err)):
+        assert bool((bound >= exact).all()) and float((bound / exact).max()) < 1.01
+    assert torch.equal(head.qsum[:vocab], q.sum(1).int())
+    assert not head.norm[vocab:].any()  # padding rows: zeros
