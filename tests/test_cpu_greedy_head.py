@@ -7,7 +7,8 @@ as torch.argmax), rows with an outlier; recheck only a few tokens on random data
 prunes); and decline (None) rows it cannot prove: not finite, logits near the sampler's clamp,
 not float32. The head is made only for float32, finite heads of a width a multiple of 4.
 
-The engine gives a float32 head on one rank to it (where the CPU has AVX512-VNNI): steps whose
+The engine gives a float32 head on one rank to it (where the CPU has AVX512-VNNI or AVX2; the AVX2
+form runs in tests/test_cpu_kernel_isa_builds.py): steps whose
 sequences are all greedy with nothing else to sample take their tokens from it (HF's greedy
 tokens, every family), and a step with logprobs, a sampled row or a processor computes the logits.
 """
@@ -24,7 +25,7 @@ from nanovllm.runner.step_inputs import StepMessage
 @pytest.fixture(scope="module")
 def make_head(cpu_kernels):
     if cpu_kernels._greedy_head is None:
-        pytest.skip("this CPU's build has no AVX512-VNNI: no greedy head (the logits path runs)")
+        pytest.skip("this CPU's build has neither AVX512-VNNI nor AVX2: no greedy head (the logits path runs)")
     return cpu_kernels.greedy_head
 
 

@@ -5,7 +5,8 @@ AVX512-BF16 gets `-march=x86-64-v4` (bfloat16 scores through widened FMAs instea
 products). Each build is checked against the same oracles as the native one
 (tests/reference_attention.py, the torch layer functions), on a compact set of cases: decode and
 prefill (chunks over a prefix, tiles of many rows) for every dtype, head dims that take each path,
-GQA groups 1/2/4; the fused residual add + RMSNorm and SiLU-and-mul; and the whole engine built for
+GQA groups 1/2/4; the fused residual add + RMSNorm and SiLU-and-mul; the greedy LM head (its AVX2
+form: 7-bit rows through vpmaddubsw, where the native build has VNNI); and the whole engine built for
 each, through $NANOVLLM_CPU_ISA, against HF's greedy tokens. A build is skipped, saying so, where
 this CPU lacks what it needs."""
 import logging
@@ -147,3 +148,17 @@ def test_engine_built_for_another_isa_gives_hf_greedy_tokens(qwen3_head64, isa, 
     assert [o["token_ids"] for o in first + again] == hf_greedy(qwen3_head64, prompts, 8)
     assert sum(o["num_cached_tokens"] for o in again) >= 2 * 160
     llm.exit()
+
+
+def test_greedy_head_build_gives_the_exact_argmax(library):
+    kernels = cpu_build.FusedKernels(library)
+    for vocab, width, rows in ((3000, 512, 64), (1000, 100, 7), (50, 64, 1), (4097, 260, 70)):
+        gen = torch.Generator().manual_seed(vocab + rows)
+        w = torch.randn(vocab, width, generator=gen) * 0.05
+        x = torch.randn(rows, width, generator=gen)
+        head = kernels.greedy_head(w)
+        assert head is not None  # every build here has AVX2 at least
+        assert torch.equal(head(x), (x.double() @ w.double().T).argmax(1))
+        assert int(head.candidates) <= rows * max(8, vocab // 20)  # the bound still prunes at 7 bits
+    tied = torch.cat([w, w])  # exact ties: the first index
+    assert torch.equal(kernels.greedy_head(tied)(x), (x.double() @ w.double().T).argmax(1))

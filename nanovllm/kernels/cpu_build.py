@@ -332,7 +332,7 @@ class FusedKernels:
 
     def greedy_head(self, weight: torch.Tensor) -> GreedyHead | None:
         """`weight` (an LM head's) in the int8 form of the greedy head, or None where this build has
-        no AVX512-VNNI or the head is not float32, finite, with a width a multiple of 4."""
+        neither AVX512-VNNI nor AVX2, or the head is not float32, finite, with a width a multiple of 4."""
         if self._greedy_head is None or not GreedyHead.takes(weight):
             return None
         return GreedyHead(self._greedy_head, weight)

@@ -3,7 +3,9 @@
 // A greedy step reads only the largest logit of each row. The head's weight is also held in int8
 // (layers/embed_head.py GreedyHead: each vocabulary row w_v scaled by its own s_v = max|w_v| / 127
 // and rounded), each row x is rounded to int8 the same way at each call, and AVX512-VNNI multiplies
-// the two: 64 products an instruction where float32 FMAs do 16, from a quarter of the weight's bytes.
+// the two: 64 products an instruction where float32 FMAs do 16, from a quarter of the weight's bytes
+// (AVX2 builds: vpmaddubsw + vpmaddwd, 32 products in two instructions on the FMAs' ports, x
+// rounded to 7 bits so that the 16-bit pair sums cannot saturate).
 // The int8 score s_v is within B_v of the float32 logit r_v that the recheck computes (x^ and w^_v
 // the rounded vectors as reals, Cauchy-Schwarz on both differences):
 //   |s_v - r_v| <= ||x - x^|| ||w_v|| + ||x^|| ||w_v - w^_v|| + slack ||x|| ||w_v|| = B_v,
@@ -23,16 +25,26 @@
 #include "cpu_kernels.h"
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
-#define NANOVLLM_GREEDY_HEAD 1
+#define NANOVLLM_GREEDY_HEAD 512
+#elif defined(__AVX2__) && defined(__FMA__)
+#define NANOVLLM_GREEDY_HEAD 256
 #endif
 
 namespace {
 
 #ifdef NANOVLLM_GREEDY_HEAD
-constexpr int CHUNK = 64;  // vocabulary rows a panel: four vectors of 16 (GreedyHead packs the int8 weight so)
-constexpr int XROWS = 6;   // rows of x a pass over a panel (6 x 4 accumulators)
+constexpr int CHUNK = 64;  // vocabulary rows a panel (GreedyHead packs the int8 weight per panel)
 constexpr double MARGIN = 1.0 + 1.0 / 64;  // well above float32's roundings of the bound and of s +- B
 constexpr double LOGIT_BOUND = 1e29;
+#if NANOVLLM_GREEDY_HEAD == 512
+constexpr int XQ = 127;  // x rounded to [-XQ, XQ], stored + XQ + 1 as unsigned bytes
+constexpr int BIAS_SHIFT = 7;  // log2(XQ + 1)
+constexpr int XROWS = 6;  // rows of x a pass over a panel (6 x 4 accumulators)
+#else
+constexpr int XQ = 63;  // 7 bits: vpmaddubsw's pair sums 2 x 127 x 127 stay inside int16
+constexpr int BIAS_SHIFT = 6;
+constexpr int XROWS = 4;  // rows of x a pass over a group of 16 tokens (4 x 2 accumulators of 16 registers)
+#endif
 
 // A row's constants: its int8 scale, and the two factors of B_v (c1 * ||w_v|| + c2 * ||w_v - w^_v||).
 struct RowConsts {
@@ -44,7 +56,7 @@ float round_up(double v) {
   return static_cast<double>(f) < v ? std::nextafter(f, INFINITY) : f;
 }
 
-// xu = round(x / sx) + 128 (unsigned bytes, as VNNI's first operand wants), sx = max|x| / 127.
+// xu = round(x / sx) + XQ + 1 (unsigned bytes, the products' first operand), sx = max|x| / XQ.
 // False when x is not finite or its logits could pass LOGIT_BOUND.
 bool quantize_row(const float* x, int K, float max_weight_norm, uint8_t* xu, RowConsts& c) {
   float maxabs = 0.0f;
@@ -52,11 +64,11 @@ bool quantize_row(const float* x, int K, float max_weight_norm, uint8_t* xu, Row
     if (!std::isfinite(x[k])) return false;
     maxabs = std::max(maxabs, std::fabs(x[k]));
   }
-  const float sx = maxabs > 0.0f ? maxabs / 127.0f : 1.0f;
+  const float sx = maxabs > 0.0f ? maxabs / XQ : 1.0f;
   double d2 = 0.0, h2 = 0.0, n2 = 0.0;  // ||x - x^||^2, ||x^||^2, ||x||^2
   for (int k = 0; k < K; ++k) {
-    const float q = std::min(127.0f, std::max(-127.0f, std::nearbyint(x[k] / sx)));
-    xu[k] = static_cast<uint8_t>(static_cast<int>(q) + 128);
+    const float q = std::min(float(XQ), std::max(-float(XQ), std::nearbyint(x[k] / sx)));
+    xu[k] = static_cast<uint8_t>(static_cast<int>(q) + XQ + 1);
     const double xh = static_cast<double>(sx) * q, d = x[k] - xh;
     d2 += d * d;
     h2 += xh * xh;
@@ -71,6 +83,15 @@ bool quantize_row(const float* x, int K, float max_weight_norm, uint8_t* xu, Row
   return true;
 }
 
+// The per-token arrays the bounds read (GreedyHead's, padded to whole panels).
+struct Head {
+  const int8_t* q;
+  const float *scale, *norm, *err;
+  const int32_t* qsum;
+  int K, V;
+};
+
+#if NANOVLLM_GREEDY_HEAD == 512
 // acc[r][j] = sum over k of xu[r][k] * q[v][k] for the panel's 64 rows v (vector j: rows 16j..16j+15),
 // the panel's int8 weight laid out [K/4][4 vectors][16 rows][4 k].
 template <int R>
@@ -95,32 +116,61 @@ inline void panel_dots(const uint8_t* xu, int K, const int8_t* wp, __m512i (&acc
     for (int j = 0; j < 4; ++j) acc[r][j] = a[r][j];
 }
 
-// Lanes of the panel at v0 that hold vocabulary rows (< V), per vector.
-inline void panel_valid(int V, int v0, __mmask16 (&valid)[4]) {
-  for (int j = 0; j < 4; ++j) {
-    const int left = V - v0 - 16 * j;
-    valid[j] = static_cast<__mmask16>(left >= 16 ? 0xffff : left > 0 ? (1u << left) - 1 : 0);
-  }
-}
-
 // One row's 64 int8 scores of the panel at v0 as bounds on its float32 logits: s - B and s + B
 // (-inf in lanes past V). Both passes call it; each pass's bounds hold on their own (MARGIN
 // covers however the compiler rounds or contracts them), so pass 2 need not reproduce pass 1's bits.
-inline void panel_bounds(const __m512i (&acc)[4], const RowConsts& c, int v0, const __mmask16 (&valid)[4],
-                         const int32_t* qsum, const float* scale, const float* norm, const float* err,
-                         __m512 (&lower)[4], __m512 (&upper)[4]) {
+inline void panel_bounds(const __m512i (&acc)[4], const RowConsts& c, int v0, const Head& h, __m512 (&lower)[4],
+                         __m512 (&upper)[4]) {
   const __m512 c1 = _mm512_set1_ps(c.c1), c2 = _mm512_set1_ps(c.c2), sx = _mm512_set1_ps(c.sx);
   const __m512 none = _mm512_set1_ps(-INFINITY);
   for (int j = 0; j < 4; ++j) {
-    const int v = v0 + 16 * j;
-    // sum xu q = sum x_q q + 128 sum q: the integer dot of the signed values, exact.
-    const __m512i dots = _mm512_sub_epi32(acc[j], _mm512_slli_epi32(_mm512_loadu_si512(qsum + v), 7));
-    const __m512 s = _mm512_mul_ps(_mm512_cvtepi32_ps(dots), _mm512_mul_ps(sx, _mm512_loadu_ps(scale + v)));
+    const int v = v0 + 16 * j, left = h.V - v;
+    const __mmask16 valid = static_cast<__mmask16>(left >= 16 ? 0xffff : left > 0 ? (1u << left) - 1 : 0);
+    // sum xu q = sum x_q q + (XQ + 1) sum q: the integer dot of the signed values, exact.
+    const __m512i dots = _mm512_sub_epi32(acc[j], _mm512_slli_epi32(_mm512_loadu_si512(h.qsum + v), BIAS_SHIFT));
+    const __m512 s = _mm512_mul_ps(_mm512_cvtepi32_ps(dots), _mm512_mul_ps(sx, _mm512_loadu_ps(h.scale + v)));
     const __m512 bound =
-        _mm512_fmadd_ps(c1, _mm512_loadu_ps(norm + v), _mm512_mul_ps(c2, _mm512_loadu_ps(err + v)));
-    lower[j] = _mm512_mask_blend_ps(valid[j], none, _mm512_sub_ps(s, bound));
-    upper[j] = _mm512_mask_blend_ps(valid[j], none, _mm512_add_ps(s, bound));
+        _mm512_fmadd_ps(c1, _mm512_loadu_ps(h.norm + v), _mm512_mul_ps(c2, _mm512_loadu_ps(h.err + v)));
+    lower[j] = _mm512_mask_blend_ps(valid, none, _mm512_sub_ps(s, bound));
+    upper[j] = _mm512_mask_blend_ps(valid, none, _mm512_add_ps(s, bound));
   }
+}
+
+// Pass 1 over panel p for rows [0, rows) of xu: each row's largest s - B into lower_max (kept
+// across panels), and the panel's largest s + B into top[r * top_stride].
+void pass1_panel(const uint8_t* xu, int rows, const RowConsts* rc, const Head& h, int p, float* lower_max,
+                 float* top, int64_t top_stride) {
+  const int8_t* wp = h.q + static_cast<size_t>(p) * CHUNK * h.K;
+  __m512i acc[XROWS][4];
+  __m512 lower[4], upper[4];
+  for (int r0 = 0; r0 < rows; r0 += XROWS) {
+    const int n = std::min(XROWS, rows - r0);
+    const uint8_t* xr = xu + static_cast<size_t>(r0) * h.K;
+    switch (n) {
+      case 6: panel_dots<6>(xr, h.K, wp, acc); break;
+      case 5: panel_dots<5>(xr, h.K, wp, acc); break;
+      case 4: panel_dots<4>(xr, h.K, wp, acc); break;
+      case 3: panel_dots<3>(xr, h.K, wp, acc); break;
+      case 2: panel_dots<2>(xr, h.K, wp, acc); break;
+      default: panel_dots<1>(xr, h.K, wp, acc); break;
+    }
+    for (int i = 0; i < n; ++i) {
+      panel_bounds(acc[i], rc[r0 + i], p * CHUNK, h, lower, upper);
+      const __m512 low = _mm512_max_ps(_mm512_max_ps(lower[0], lower[1]), _mm512_max_ps(lower[2], lower[3]));
+      const __m512 high = _mm512_max_ps(_mm512_max_ps(upper[0], upper[1]), _mm512_max_ps(upper[2], upper[3]));
+      lower_max[r0 + i] = std::max(lower_max[r0 + i], _mm512_reduce_max_ps(low));
+      top[(r0 + i) * top_stride] = _mm512_reduce_max_ps(high);
+    }
+  }
+}
+
+// Pass 2: one row's s + B for the 64 tokens of panel p.
+void panel_upper(const uint8_t* xu, const RowConsts& c, const Head& h, int p, float* up) {
+  __m512i acc[XROWS][4];
+  __m512 lower[4], upper[4];
+  panel_dots<1>(xu, h.K, h.q + static_cast<size_t>(p) * CHUNK * h.K, acc);
+  panel_bounds(acc[0], c, p * CHUNK, h, lower, upper);
+  for (int j = 0; j < 4; ++j) _mm512_storeu_ps(up + 16 * j, upper[j]);
 }
 
 // x . w in float32 (two chains of FMAs, a masked tail).
@@ -137,6 +187,104 @@ float dot(const float* x, const float* w, int K) {
   }
   return _mm512_reduce_add_ps(_mm512_add_ps(a0, a1));
 }
+#else  // AVX2: the panel in four groups of 16 tokens, each two vectors of 8
+inline float max8(__m256 v) {
+  __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+  return _mm_cvtss_f32(_mm_max_ss(m, _mm_shuffle_ps(m, m, 1)));
+}
+
+// acc[r][h] = sum over k of xu[r][k] * q[v][k] for group g's tokens 16g + 8h .. 16g + 8h + 7 of the panel.
+template <int R>
+inline void group_dots(const uint8_t* xu, int K, const int8_t* wp, int g, __m256i (&acc)[XROWS][2]) {
+  __m256i a[R][2];
+  for (int r = 0; r < R; ++r) a[r][0] = a[r][1] = _mm256_setzero_si256();
+  const __m256i ones = _mm256_set1_epi16(1);
+  const int8_t* p = wp + 64 * g;
+  for (int k = 0; k < K; k += 4, p += 4 * CHUNK) {
+    const __m256i w0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+    const __m256i w1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 32));
+    for (int r = 0; r < R; ++r) {
+      int32_t quad;
+      std::memcpy(&quad, xu + static_cast<size_t>(r) * K + k, sizeof quad);
+      const __m256i xb = _mm256_set1_epi32(quad);
+      a[r][0] = _mm256_add_epi32(a[r][0], _mm256_madd_epi16(_mm256_maddubs_epi16(xb, w0), ones));
+      a[r][1] = _mm256_add_epi32(a[r][1], _mm256_madd_epi16(_mm256_maddubs_epi16(xb, w1), ones));
+    }
+  }
+  for (int r = 0; r < R; ++r) acc[r][0] = a[r][0], acc[r][1] = a[r][1];
+}
+
+// panel_bounds's AVX2 form for one group's 16 tokens from v.
+inline void group_bounds(const __m256i (&acc)[2], const RowConsts& c, int v, const Head& h, __m256 (&lower)[2],
+                         __m256 (&upper)[2]) {
+  const __m256 c1 = _mm256_set1_ps(c.c1), c2 = _mm256_set1_ps(c.c2), sx = _mm256_set1_ps(c.sx);
+  const __m256 none = _mm256_set1_ps(-INFINITY);
+  const __m256i lanes = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+  for (int j = 0; j < 2; ++j) {
+    const int u = v + 8 * j;
+    const __m256 valid = _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(h.V - u), lanes));
+    const __m256i dots = _mm256_sub_epi32(
+        acc[j], _mm256_slli_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(h.qsum + u)), BIAS_SHIFT));
+    const __m256 s = _mm256_mul_ps(_mm256_cvtepi32_ps(dots), _mm256_mul_ps(sx, _mm256_loadu_ps(h.scale + u)));
+    const __m256 bound =
+        _mm256_fmadd_ps(c1, _mm256_loadu_ps(h.norm + u), _mm256_mul_ps(c2, _mm256_loadu_ps(h.err + u)));
+    lower[j] = _mm256_blendv_ps(none, _mm256_sub_ps(s, bound), valid);
+    upper[j] = _mm256_blendv_ps(none, _mm256_add_ps(s, bound), valid);
+  }
+}
+
+void pass1_panel(const uint8_t* xu, int rows, const RowConsts* rc, const Head& h, int p, float* lower_max,
+                 float* top, int64_t top_stride) {
+  const int8_t* wp = h.q + static_cast<size_t>(p) * CHUNK * h.K;
+  __m256i acc[XROWS][2];
+  __m256 lower[2], upper[2];
+  for (int r = 0; r < rows; ++r) top[r * top_stride] = -INFINITY;
+  for (int g = 0; g < 4; ++g)
+    for (int r0 = 0; r0 < rows; r0 += XROWS) {
+      const int n = std::min(XROWS, rows - r0);
+      const uint8_t* xr = xu + static_cast<size_t>(r0) * h.K;
+      switch (n) {
+        case 4: group_dots<4>(xr, h.K, wp, g, acc); break;
+        case 3: group_dots<3>(xr, h.K, wp, g, acc); break;
+        case 2: group_dots<2>(xr, h.K, wp, g, acc); break;
+        default: group_dots<1>(xr, h.K, wp, g, acc); break;
+      }
+      for (int i = 0; i < n; ++i) {
+        group_bounds(acc[i], rc[r0 + i], p * CHUNK + 16 * g, h, lower, upper);
+        lower_max[r0 + i] = std::max(lower_max[r0 + i], max8(_mm256_max_ps(lower[0], lower[1])));
+        float& t = top[(r0 + i) * top_stride];
+        t = std::max(t, max8(_mm256_max_ps(upper[0], upper[1])));
+      }
+    }
+}
+
+void panel_upper(const uint8_t* xu, const RowConsts& c, const Head& h, int p, float* up) {
+  const int8_t* wp = h.q + static_cast<size_t>(p) * CHUNK * h.K;
+  __m256i acc[XROWS][2];
+  __m256 lower[2], upper[2];
+  for (int g = 0; g < 4; ++g) {
+    group_dots<1>(xu, h.K, wp, g, acc);
+    group_bounds(acc[0], c, p * CHUNK + 16 * g, h, lower, upper);
+    _mm256_storeu_ps(up + 16 * g, upper[0]);
+    _mm256_storeu_ps(up + 16 * g + 8, upper[1]);
+  }
+}
+
+float dot(const float* x, const float* w, int K) {
+  __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
+  int k = 0;
+  for (; k + 16 <= K; k += 16) {
+    a0 = _mm256_fmadd_ps(_mm256_loadu_ps(x + k), _mm256_loadu_ps(w + k), a0);
+    a1 = _mm256_fmadd_ps(_mm256_loadu_ps(x + k + 8), _mm256_loadu_ps(w + k + 8), a1);
+  }
+  alignas(32) float lanes[8];
+  _mm256_store_ps(lanes, _mm256_add_ps(a0, a1));
+  float sum = ((lanes[0] + lanes[4]) + (lanes[1] + lanes[5])) + ((lanes[2] + lanes[6]) + (lanes[3] + lanes[7]));
+  for (; k < K; ++k) sum += x[k] * w[k];
+  return sum;
+}
+#endif
 #endif
 
 }  // namespace
@@ -156,7 +304,8 @@ int nanovllm_greedy_head_supported() {
 // multiple of 64 with zero rows; per row its scale, sum of q, ||w_v|| and ||w_v - w^_v|| rounded up;
 // max_weight_norm the largest ||w_v||). K a multiple of 4. `candidates`, when not null, gets the
 // number of tokens rechecked in float32. Returns 0, 1 where the float32 logits must decide (a
-// row not finite, or logits near the sampler's clamp), -1 where this build has no VNNI.
+// row not finite, or logits near the sampler's clamp), -1 where this build has neither
+// AVX512-VNNI nor AVX2.
 int nanovllm_greedy_head(const float* x, int64_t x_stride, int rows, int K, const float* w, int V, const int8_t* q,
                          const float* scale, const int32_t* qsum, const float* norm, const float* err,
                          float max_weight_norm, int64_t* out, int64_t* candidates, int num_threads) {
@@ -180,38 +329,14 @@ int nanovllm_greedy_head(const float* x, int64_t x_stride, int rows, int K, cons
   const uint8_t* xu_p = xu.data();
   const RowConsts* rc = consts.data();
   float *top = panel_top.data(), *lmax = lower_max.data();
+  const Head h{q, scale, norm, err, qsum, K, V};
   // Pass 1: every panel's int8 scores for every row: each row's largest s_v - B_v, and per panel
   // its largest s_v + B_v.
 #pragma omp parallel num_threads(num_threads)
   {
     std::vector<float> mine(rows, -INFINITY);
-    __m512i acc[XROWS][4];
-    __m512 lower[4], upper[4];
 #pragma omp for schedule(static)
-    for (int p = 0; p < panels; ++p) {
-      const int8_t* wp = q + static_cast<size_t>(p) * CHUNK * K;
-      __mmask16 valid[4];
-      panel_valid(V, p * CHUNK, valid);
-      for (int r0 = 0; r0 < rows; r0 += XROWS) {
-        const int n = std::min(XROWS, rows - r0);
-        const uint8_t* xr = xu_p + static_cast<size_t>(r0) * K;
-        switch (n) {
-          case 6: panel_dots<6>(xr, K, wp, acc); break;
-          case 5: panel_dots<5>(xr, K, wp, acc); break;
-          case 4: panel_dots<4>(xr, K, wp, acc); break;
-          case 3: panel_dots<3>(xr, K, wp, acc); break;
-          case 2: panel_dots<2>(xr, K, wp, acc); break;
-          default: panel_dots<1>(xr, K, wp, acc); break;
-        }
-        for (int i = 0; i < n; ++i) {
-          panel_bounds(acc[i], rc[r0 + i], p * CHUNK, valid, qsum, scale, norm, err, lower, upper);
-          const __m512 low = _mm512_max_ps(_mm512_max_ps(lower[0], lower[1]), _mm512_max_ps(lower[2], lower[3]));
-          const __m512 high = _mm512_max_ps(_mm512_max_ps(upper[0], upper[1]), _mm512_max_ps(upper[2], upper[3]));
-          mine[r0 + i] = std::max(mine[r0 + i], _mm512_reduce_max_ps(low));
-          top[static_cast<size_t>(r0 + i) * panels + p] = _mm512_reduce_max_ps(high);
-        }
-      }
-    }
+    for (int p = 0; p < panels; ++p) pass1_panel(xu_p, rows, rc, h, p, mine.data(), top + p, panels);
 #pragma omp critical
     for (int r = 0; r < rows; ++r) lmax[r] = std::max(lmax[r], mine[r]);
   }
@@ -225,16 +350,10 @@ int nanovllm_greedy_head(const float* x, int64_t x_stride, int rows, int K, cons
     const float* xr = x + r * x_stride;
     float best = -INFINITY;
     int64_t token = 0;
-    __m512i acc[XROWS][4];
-    __m512 lower[4], upper[4];
     alignas(64) float up[CHUNK];
     for (int p = 0; p < panels; ++p) {
       if (top[static_cast<size_t>(r) * panels + p] < floor) continue;
-      __mmask16 valid[4];
-      panel_valid(V, p * CHUNK, valid);
-      panel_dots<1>(xu_p + static_cast<size_t>(r) * K, K, q + static_cast<size_t>(p) * CHUNK * K, acc);
-      panel_bounds(acc[0], rc[r], p * CHUNK, valid, qsum, scale, norm, err, lower, upper);
-      for (int j = 0; j < 4; ++j) _mm512_store_ps(up + 16 * j, upper[j]);
+      panel_upper(xu_p + static_cast<size_t>(r) * K, rc[r], h, p, up);
       for (int i = 0; i < CHUNK; ++i) {
         if (up[i] < floor) continue;  // past V too (-inf)
         ++total;
