@@ -77,8 +77,8 @@ CPUINFO = "/proc/cpuinfo"
 # NANOVLLM_CPU_ISA builds the kernels for less than this CPU has, as another x86 CPU would build
 # them (its paths run here: to try them, or to compare engines capped alike, benchmarks/
 # vs_vllm_cpu.py --isa-cap): name -> (flags after CXX_FLAGS, the /proc/cpuinfo flags its code needs).
-# The code tests only __AVX512F__, __AVX512BF16__, __AVX512VNNI__ and AMX's macros, so the generic x86-64 levels
-# stand for the CPUs of each class.
+# The code tests only __AVX512F__, __AVX512BF16__, __AVX512VNNI__, __AVX2__ and AMX's macros, so the
+# generic x86-64 levels stand for the CPUs of each class.
 CPU_ISA_ENV = "NANOVLLM_CPU_ISA"
 CPU_ISAS = {
     "native": ((), set()),  # everything this CPU has (AMX where present)
