@@ -19,6 +19,7 @@ from helpers import greedy, hf_greedy, random_prompts
 
 from nanovllm import LLM, SamplingParams
 from nanovllm.kernels.cpu_build import GREEDY_HEAD_CHUNK, GreedyHead
+from nanovllm.layers.logits_processors import LOGIT_LIMIT
 from nanovllm.runner.step_inputs import StepMessage
 
 
@@ -26,7 +27,7 @@ from nanovllm.runner.step_inputs import StepMessage
 def make_head(cpu_kernels):
     if cpu_kernels._greedy_head is None:
         pytest.skip("this CPU's build has neither AVX512-VNNI nor AVX2: no greedy head (the logits path runs)")
-    return cpu_kernels.greedy_head
+    return lambda weight: cpu_kernels.greedy_head(weight, LOGIT_LIMIT)
 
 
 def exact_argmax(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
@@ -111,10 +112,10 @@ def test_rows_it_cannot_prove_are_declined(make_head):
 def test_only_float32_finite_heads_of_whole_quads(cpu_kernels, make_head):
     w = torch.randn(100, 64)
     assert isinstance(make_head(w), GreedyHead)
-    assert cpu_kernels.greedy_head(w.bfloat16()) is None
-    assert cpu_kernels.greedy_head(torch.randn(100, 66)) is None
+    assert cpu_kernels.greedy_head(w.bfloat16(), LOGIT_LIMIT) is None
+    assert cpu_kernels.greedy_head(torch.randn(100, 66), LOGIT_LIMIT) is None
     w[3, 3] = float("inf")
-    assert cpu_kernels.greedy_head(w) is None
+    assert cpu_kernels.greedy_head(w, LOGIT_LIMIT) is None
 
 
 @pytest.mark.parametrize("family", ["qwen3_tiny", "qwen3_tiny_tied", "llama_tiny", "gpt2_tiny"])

@@ -19,6 +19,7 @@ from nanovllm.attention.cpu_backend import CpuPagedBackend
 from nanovllm.kernels import cpu_build
 from nanovllm.layers.activation import silu_and_mul
 from nanovllm.layers.layernorm import add_rms_norm
+from nanovllm.layers.logits_processors import LOGIT_LIMIT
 from reference_attention import ReferenceTorchBackend
 from conftest import build_checkpoint
 from helpers import greedy, hf_greedy, random_prompts
@@ -156,9 +157,9 @@ def test_greedy_head_build_gives_the_exact_argmax(library):
         gen = torch.Generator().manual_seed(vocab + rows)
         w = torch.randn(vocab, width, generator=gen) * 0.05
         x = torch.randn(rows, width, generator=gen)
-        head = kernels.greedy_head(w)
+        head = kernels.greedy_head(w, LOGIT_LIMIT)
         assert head is not None  # every build here has AVX2 at least
         assert torch.equal(head(x), (x.double() @ w.double().T).argmax(1))
         assert int(head.candidates) <= rows * max(8, vocab // 20)  # the bound still prunes at 7 bits
     tied = torch.cat([w, w])  # exact ties: the first index
-    assert torch.equal(kernels.greedy_head(tied)(x), (x.double() @ w.double().T).argmax(1))
+    assert torch.equal(kernels.greedy_head(tied, LOGIT_LIMIT)(x), (x.double() @ w.double().T).argmax(1))

@@ -222,8 +222,9 @@ class GreedyHead:
     int8 values, ||w_v|| and ||w_v - w^_v|| (upper bounds: float32's rounding error added). The
     plain weight stays (the recheck reads it, other steps multiply it)."""
 
-    def __init__(self, fn, weight: torch.Tensor):
+    def __init__(self, fn, weight: torch.Tensor, limit: float):
         self._fn = fn
+        self.limit = limit  # the sampler's clamp (layers/logits_processors.py LOGIT_LIMIT)
         self.weight = weight.detach()
         v, k = self.weight.shape
         self.vocab, self.width = v, k
@@ -268,7 +269,7 @@ class GreedyHead:
         out = torch.empty(rows, dtype=torch.int64)
         rc = self._fn(x.data_ptr(), x.stride(0), rows, self.width, self.weight.data_ptr(), self.vocab,
                       self.packed.data_ptr(), self.scale.data_ptr(), self.qsum.data_ptr(), self.norm.data_ptr(),
-                      self.err.data_ptr(), self.max_norm, out.data_ptr(), self.candidates.data_ptr(),
+                      self.err.data_ptr(), self.max_norm, self.limit, out.data_ptr(), self.candidates.data_ptr(),
                       torch.get_num_threads())
         assert rc in (0, 1), f"nanovllm_greedy_head returned {rc}"
         return out if rc == 0 else None
@@ -316,7 +317,8 @@ class FusedKernels:
         self.greedy_vectorised = bool(library.nanovllm_greedy_vectorised())
         self._greedy_head = library.nanovllm_greedy_head if library.nanovllm_greedy_head_supported() else None
         if self._greedy_head is not None:
-            self._greedy_head.argtypes = [ptr, i64, i32, i32, ptr, i32, ptr, ptr, ptr, ptr, ptr, f32, ptr, ptr, i32]
+            self._greedy_head.argtypes = [ptr, i64, i32, i32, ptr, i32, ptr, ptr, ptr, ptr, ptr, f32, f32, ptr, ptr,
+                                          i32]
             self._greedy_head.restype = i32
 
     def greedy_tokens(self, logits: torch.Tensor, limit: float) -> torch.Tensor:
@@ -330,12 +332,13 @@ class FusedKernels:
         assert rc == 0, f"nanovllm_greedy_tokens returned {rc}"
         return out
 
-    def greedy_head(self, weight: torch.Tensor) -> GreedyHead | None:
-        """`weight` (an LM head's) in the int8 form of the greedy head, or None where this build has
-        neither AVX512-VNNI nor AVX2, or the head is not float32, finite, with a width a multiple of 4."""
+    def greedy_head(self, weight: torch.Tensor, limit: float) -> GreedyHead | None:
+        """`weight` (an LM head's) in the int8 form of the greedy head, declining rows whose logits
+        could near `limit` (the sampler's clamp); None where this build has neither AVX512-VNNI nor
+        AVX2, or the head is not float32, finite, with a width a multiple of 4."""
         if self._greedy_head is None or not GreedyHead.takes(weight):
             return None
-        return GreedyHead(self._greedy_head, weight)
+        return GreedyHead(self._greedy_head, weight, limit)
 
     def few_rows_linear(self, dtype: torch.dtype) -> FewRowsLinear | None:
         """The few-row product for weights of `dtype`, or None where this CPU's build has none

@@ -18,7 +18,7 @@
 // Every norm is an upper bound (a row's computed in double, the head's widened by float32's
 // worst error, cpu_build.py GreedyHead), and B_v is widened by MARGIN, so the float32
 // arithmetic of the bound and the comparisons can only let more tokens through. Rows that are not
-// finite, or whose logits could reach 1e29 (the sampler clamps at 1e30), return 1: the caller then
+// finite, or whose logits could reach a tenth of the sampler's clamp (`limit`), return 1: the caller then
 // takes the float32 logits' path.
 #include <vector>
 
@@ -35,7 +35,6 @@ namespace {
 #ifdef NANOVLLM_GREEDY_HEAD
 constexpr int CHUNK = 64;  // vocabulary rows a panel (GreedyHead packs the int8 weight per panel)
 constexpr double MARGIN = 1.0 + 1.0 / 64;  // well above float32's roundings of the bound and of s +- B
-constexpr double LOGIT_BOUND = 1e29;
 #if NANOVLLM_GREEDY_HEAD == 512
 constexpr int XQ = 127;  // x rounded to [-XQ, XQ], stored + XQ + 1 as unsigned bytes
 constexpr int BIAS_SHIFT = 7;  // log2(XQ + 1)
@@ -57,8 +56,8 @@ float round_up(double v) {
 }
 
 // xu = round(x / sx) + XQ + 1 (unsigned bytes, the products' first operand), sx = max|x| / XQ.
-// False when x is not finite or its logits could pass LOGIT_BOUND.
-bool quantize_row(const float* x, int K, float max_weight_norm, uint8_t* xu, RowConsts& c) {
+// False when x is not finite or its logits could reach a tenth of `limit` (the sampler's clamp).
+bool quantize_row(const float* x, int K, float max_weight_norm, float limit, uint8_t* xu, RowConsts& c) {
   float maxabs = 0.0f;
   for (int k = 0; k < K; ++k) {
     if (!std::isfinite(x[k])) return false;
@@ -75,7 +74,7 @@ bool quantize_row(const float* x, int K, float max_weight_norm, uint8_t* xu, Row
     n2 += static_cast<double>(x[k]) * x[k];
   }
   const double norm = std::sqrt(n2);
-  if (norm * max_weight_norm >= LOGIT_BOUND) return false;
+  if (norm * max_weight_norm >= limit / 10.0) return false;
   const double slack = (K + 64) * 0x1p-20;  // > 2 (K + 8) u: float32's roundings, relative to ||x|| ||w_v||
   c.sx = sx;
   c.c1 = round_up((std::sqrt(d2) + slack * norm) * MARGIN);
@@ -302,19 +301,18 @@ int nanovllm_greedy_head_supported() {
 // out[r] = argmax_v x[r] . w[v] for rows x [rows, K] (row stride x_stride) and the head w [V, K]
 // float32, through its int8 form (GreedyHead: q packed per 64 rows as [K/4][4][16][4], V padded to a
 // multiple of 64 with zero rows; per row its scale, sum of q, ||w_v|| and ||w_v - w^_v|| rounded up;
-// max_weight_norm the largest ||w_v||). K a multiple of 4. `candidates`, when not null, gets the
-// number of tokens rechecked in float32. Returns 0, 1 where the float32 logits must decide (a
+// max_weight_norm the largest ||w_v||; limit the sampler's clamp, LOGIT_LIMIT). K a multiple of 4.
+// `candidates`, when not null, gets the number of tokens rechecked in float32. Returns 0, 1 where the float32 logits must decide (a
 // row not finite, or logits near the sampler's clamp), -1 where this build has neither
 // AVX512-VNNI nor AVX2.
 int nanovllm_greedy_head(const float* x, int64_t x_stride, int rows, int K, const float* w, int V, const int8_t* q,
                          const float* scale, const int32_t* qsum, const float* norm, const float* err,
-                         float max_weight_norm, int64_t* out, int64_t* candidates, int num_threads) {
+                         float max_weight_norm, float limit, int64_t* out, int64_t* candidates, int num_threads) {
 #ifndef NANOVLLM_GREEDY_HEAD
   (void)x, (void)x_stride, (void)rows, (void)K, (void)w, (void)V, (void)q, (void)scale, (void)qsum, (void)norm;
-  (void)err, (void)max_weight_norm, (void)out, (void)candidates, (void)num_threads;
+  (void)err, (void)max_weight_norm, (void)limit, (void)out, (void)candidates, (void)num_threads;
   return -1;
 #else
-  using namespace nanovllm_cpu;
   const int panels = (V + CHUNK - 1) / CHUNK;
   thread_local std::vector<uint8_t> xu;  // scratch kept across calls
   thread_local std::vector<RowConsts> consts;
@@ -324,7 +322,7 @@ int nanovllm_greedy_head(const float* x, int64_t x_stride, int rows, int K, cons
   panel_top.resize(static_cast<size_t>(rows) * panels);
   lower_max.assign(rows, -INFINITY);
   for (int r = 0; r < rows; ++r)
-    if (!quantize_row(x + r * x_stride, K, max_weight_norm, xu.data() + static_cast<size_t>(r) * K, consts[r]))
+    if (!quantize_row(x + r * x_stride, K, max_weight_norm, limit, xu.data() + static_cast<size_t>(r) * K, consts[r]))
       return 1;
   const uint8_t* xu_p = xu.data();
   const RowConsts* rc = consts.data();

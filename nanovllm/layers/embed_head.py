@@ -13,6 +13,7 @@ from torch import nn
 
 from nanovllm.kernels.cpu_build import AMX_HEAD_MIN_ROWS
 from nanovllm.layers.linear import divide, linear, shard
+from nanovllm.layers.logits_processors import LOGIT_LIMIT
 from nanovllm.utils.loader import copy_checked
 from nanovllm.utils.parallel import tp_rank, tp_size
 
@@ -56,7 +57,7 @@ class ParallelLMHead(VocabParallelEmbedding):
         if self.weight.dtype == torch.float32:  # bf16 heads stay on oneDNN (kernels/cpu_build.py AMX_HEAD_MIN_ROWS)
             self.amx = kernels.amx_linear(self.weight, min_rows=AMX_HEAD_MIN_ROWS)
             if self.tp_size == 1:
-                self.greedy = kernels.greedy_head(self.weight)
+                self.greedy = kernels.greedy_head(self.weight, LOGIT_LIMIT)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor | None:
         """x: [num_rows, hidden] -> logits [num_rows, vocab] on rank 0 (None on the others)."""

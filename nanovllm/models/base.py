@@ -38,11 +38,16 @@ class CausalLM(nn.Module):
         epsilons=("rms_norm_eps",),
         heads=("hidden_size", "num_attention_heads", "num_key_value_heads"))
 
+    @property
+    def greedy_head(self):
+        """The LM head's greedy tokens without every logit (layers/embed_head.py ParallelLMHead.greedy),
+        or None. A family whose compute_logits does more than its lm_head overrides this (None)."""
+        return getattr(getattr(self, "lm_head", None), "greedy", None)
+
     def greedy_tokens(self, hidden_states: torch.Tensor) -> torch.Tensor | None:
-        """Per row, the argmax of compute_logits(hidden_states) where the LM head finds it without
-        every logit (layers/embed_head.py ParallelLMHead.greedy); None where it cannot (the caller
-        computes the logits). A family whose compute_logits does more than its lm_head overrides this."""
-        greedy = getattr(getattr(self, "lm_head", None), "greedy", None)
+        """Per row, the argmax of compute_logits(hidden_states) where the greedy head finds it; None
+        where it cannot (the caller computes the logits)."""
+        greedy = self.greedy_head
         return None if greedy is None else greedy(hidden_states)
 
     @classmethod

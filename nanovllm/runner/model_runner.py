@@ -376,7 +376,9 @@ class ModelRunner:
                swap_in: BlockCopies = NO_COPIES) -> PendingTokens:
         """One step on this rank alone, returning before its tokens reach the host (async
         scheduling): placeholder tokens among its inputs are read from the previous launch's."""
-        argmax_only = self.rank == 0 and all(seq.sampling_params.argmax_only for seq in seqs)
+        # Only where the model has a greedy head: elsewhere the flag would change nothing (no pass over seqs)
+        argmax_only = (self.rank == 0 and self.model.greedy_head is not None
+                       and all(seq.sampling_params.argmax_only for seq in seqs))
         return self.sample_pending(seqs, self.forward(StepMessage.of(seqs, is_prefill, swap_out, swap_in,
                                                                      argmax_only=argmax_only)))
 
