@@ -264,14 +264,8 @@ class SamplingParams:
     @property
     def needs_only_temperature_and_seed(self) -> bool:
         """True when its temperature and seed are all it needs: no processor, no logprobs (the
-        Triton sampler's fast path, which draws a seeded row's noise in the kernel)."""
+        race kernels' fast path, which draw a seeded row's noise in the kernel, and the CPU head's draw)."""
         return not self.processors and self.logprobs is None
-
-    @property
-    def argmax_only(self) -> bool:
-        """Greedy with nothing else to do: its token is the argmax of the raw logits (no processor,
-        no logprobs), which a step may find without them (runner/model_runner.py, a greedy head)."""
-        return self.greedy and self.needs_only_temperature_and_seed
 
     @property
     def reads_output_tokens(self) -> bool:

@@ -1,7 +1,8 @@
 """Nothing compiles inside generate() on the CPU path, whatever the batch brings.
 
-Start-up builds (or loads) the C++ kernel library and, with compile_mode "on", compiles the
-small layer functions (utils/compile.py); after that, generate() calls with batch sizes, prompt
+Start-up builds (or loads) the C++ kernel library and, with compile_mode "on" and the torch layer
+functions (fused_kernels="torch": the CPU's own kernels and sampler race compile nothing), compiles
+the small layer functions (utils/compile.py); after that, generate() calls with batch sizes, prompt
 lengths, mixed steps and sampling options start-up never saw must build nothing: dynamo's
 counters stay where start-up left them and the kernel library is never built again. With the
 compiled functions the greedy tokens equal the eager engine's. (The Triton path's own check,
@@ -46,7 +47,8 @@ def run_calls(llm: LLM) -> list[list[int]]:
 
 @pytest.mark.parametrize("compile_mode", ["off", "on"])
 def test_generate_compiles_and_builds_nothing_after_start_up(qwen3_tiny, compile_mode, monkeypatch):
-    with LLM(qwen3_tiny, compile_mode=compile_mode, **ENGINE) as llm:
+    fused = "torch" if compile_mode == "on" else "auto"
+    with LLM(qwen3_tiny, compile_mode=compile_mode, fused_kernels=fused, **ENGINE) as llm:
         before = dynamo_counts()
         if compile_mode == "on":
             assert before.get("stats", {}).get("unique_graphs", 0) > 0, "start-up compiled nothing: the test tests nothing"
@@ -63,6 +65,6 @@ def test_compiled_layers_keep_the_eager_greedy_tokens(qwen3_tiny):
     greedy = SamplingParams(temperature=0.0, max_tokens=11, ignore_eos=True)
     tokens = {}
     for mode in ("off", "on"):
-        with LLM(qwen3_tiny, compile_mode=mode, **ENGINE) as llm:
+        with LLM(qwen3_tiny, compile_mode=mode, fused_kernels="torch" if mode == "on" else "auto", **ENGINE) as llm:
             tokens[mode] = [o["token_ids"] for o in llm.generate(PROMPTS, greedy, use_tqdm=False)]
     assert tokens["on"] == tokens["off"]

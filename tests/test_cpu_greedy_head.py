@@ -125,8 +125,8 @@ def test_engine_greedy_steps_take_the_head_and_give_hf_tokens(request, make_head
     model = llm.model_runner.model
     assert model.lm_head.greedy is not None
     calls = []
-    original = model.greedy_tokens
-    model.greedy_tokens = lambda hidden: calls.append(hidden.size(0)) or original(hidden)
+    original = model.head_tokens
+    model.head_tokens = lambda hidden, draw=None: calls.append(hidden.size(0)) or original(hidden, draw)
     prompts = random_prompts(200, [5, 17, 33, 9], seed=6)
     out = llm.generate(prompts, greedy(12), use_tqdm=False)
     assert [o["token_ids"] for o in out] == hf_greedy(path, prompts, 12)
@@ -134,21 +134,21 @@ def test_engine_greedy_steps_take_the_head_and_give_hf_tokens(request, make_head
 
 
 def test_steps_needing_logits_compute_them(qwen3_tiny, make_head):
-    """A step with logprobs, a sampled row or a processor (logit_bias) never takes the head; the
-    greedy rows among them still get HF's tokens."""
+    """A step with logprobs, a sampled row with top_p or a processor (logit_bias) never takes the
+    head; the greedy rows among them still get HF's tokens."""
     llm = LLM(qwen3_tiny, dtype="float32")
     model = llm.model_runner.model
     calls = []
-    original = model.greedy_tokens
-    model.greedy_tokens = lambda hidden: calls.append(hidden.size(0)) or original(hidden)
+    original = model.head_tokens
+    model.head_tokens = lambda hidden, draw=None: calls.append(hidden.size(0)) or original(hidden, draw)
     prompts = random_prompts(200, [7, 11], seed=7)
     expected = hf_greedy(qwen3_tiny, prompts[:1], 8)
-    for other in (greedy(8, logprobs=2), SamplingParams(temperature=0.8, max_tokens=8, seed=1, ignore_eos=True),
+    for other in (greedy(8, logprobs=2), SamplingParams(temperature=0.8, top_p=0.9, max_tokens=8, seed=1, ignore_eos=True),
                   greedy(8, logit_bias={3: 0.5})):
         out = llm.generate(prompts, [greedy(8), other], use_tqdm=False)
         assert out[0]["token_ids"] == expected[0]
     assert calls == []
-    assert not StepMessage.of([], False).argmax_only  # callers opt in; speculative steps never do
+    assert StepMessage.of([], False).head_draw is None  # callers opt in; speculative steps never do
 
 
 def test_head_norms_bound_the_exact_ones(make_head):

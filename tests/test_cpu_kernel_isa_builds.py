@@ -20,6 +20,7 @@ from nanovllm.kernels import cpu_build
 from nanovllm.layers.activation import silu_and_mul
 from nanovllm.layers.layernorm import add_rms_norm
 from nanovllm.layers.logits_processors import LOGIT_LIMIT
+from nanovllm.runner.step_inputs import HeadDraw
 from reference_attention import ReferenceTorchBackend
 from conftest import build_checkpoint
 from helpers import greedy, hf_greedy, random_prompts
@@ -163,3 +164,18 @@ def test_greedy_head_build_gives_the_exact_argmax(library):
         assert int(head.candidates) <= rows * max(8, vocab // 20)  # the bound still prunes at 7 bits
     tied = torch.cat([w, w])  # exact ties: the first index
     assert torch.equal(kernels.greedy_head(tied, LOGIT_LIMIT)(x), (x.double() @ w.double().T).argmax(1))
+
+
+def test_sampled_head_build_draws_the_races_token(library):
+    """Sampled rows through this build's form of the head (the AVX2 one on the avx2 build) draw the
+    token its race draws from the float32 logits (tests/test_cpu_race.py on the native build)."""
+    kernels = cpu_build.FusedKernels(library)
+    gen = torch.Generator().manual_seed(12)
+    w = torch.randn(4097, 260, generator=gen) * 0.05
+    x = torch.randn(70, 260, generator=gen)
+    temperatures = [(0.0, 0.05, 1.0, 3.0)[r % 4] for r in range(70)]
+    keys, counters = list(range(5, 75)), [r // 3 for r in range(70)]
+    tokens = kernels.greedy_head(w, LOGIT_LIMIT)(x, HeadDraw(temperatures, keys, counters))
+    expected = kernels.race_tokens(x @ w.T, torch.tensor(temperatures), torch.tensor(keys), torch.tensor(counters),
+                                   LOGIT_LIMIT)
+    assert torch.equal(tokens, expected)

@@ -140,7 +140,10 @@ def test_compiled_layers_keep_greedy_parity(qwen3_tiny):
     from nanovllm import LLM
 
     before = counters["stats"]["unique_graphs"]
-    llm = LLM(qwen3_tiny, device="cpu", kvcache_block_size=16, num_kvcache_blocks=64, compile_mode="on")
+    # fused_kernels="torch": the layers' compilable functions, as CUDA without Triton kernels (the CPU's
+    # own kernels and sampler race would leave nothing to compile)
+    llm = LLM(qwen3_tiny, device="cpu", kvcache_block_size=16, num_kvcache_blocks=64, compile_mode="on",
+              fused_kernels="torch")
     prompts = random_prompts(200, [5, 17, 33], seed=50)
     outputs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True), use_tqdm=False)
     llm.exit()

@@ -43,7 +43,7 @@ HEADERS = (Path(__file__).with_name("cpu_kernels.h"),)
 # -march=native: AVX-512/AVX2 as this CPU has them (the library is cached per CPU flags).
 # -fopenmp: the (sequence, KV head, query tile) loop runs on torch's OpenMP pool.
 CXX_FLAGS = ("-O3", "-march=native", "-fopenmp", "-std=c++17", "-shared", "-fPIC")
-ABI_VERSION = 6  # nanovllm_paged_attention_abi() of a library this module can call
+ABI_VERSION = 7  # nanovllm_paged_attention_abi() of a library this module can call
 BUILD_TIMEOUT_S = 120  # a build takes ~1 s alone; a loaded machine may stretch it
 DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 # The most rows of x the few-row product takes per dtype (cpu_linear.cpp's MAX_ROWS). Against
@@ -216,7 +216,7 @@ class AmxProduct:
 class GreedyHead:
     """A float32 LM head's greedy tokens (cpu_greedy_head.cpp): argmax_v x . w_v per row, found by
     int8 scores with a proven bound and a float32 recheck of the few tokens the bound leaves, not by
-    every logit in float32. Holds the head's int8 form, made once: each vocabulary row scaled by
+    every logit in float32; with a HeadDraw, sampled rows' tokens the same way (the race's). Holds the head's int8 form, made once: each vocabulary row scaled by
     max|w_v| / 127 and rounded, packed per GREEDY_HEAD_CHUNK rows as [K/4][4][16][4] (what VNNI's
     dot products read), the vocabulary padded with zero rows; per row its scale, the sum of its
     int8 values, ||w_v|| and ||w_v - w^_v|| (upper bounds: float32's rounding error added). The
@@ -258,8 +258,11 @@ class GreedyHead:
         return (weight.dim() == 2 and weight.dtype == torch.float32 and weight.is_contiguous()
                 and weight.size(1) % 4 == 0 and bool(torch.isfinite(weight).all()))
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor | None:
-        """[rows] int64 greedy tokens of float32 rows x [rows, K]; None where the float32 logits must
+    def __call__(self, x: torch.Tensor, draw=None) -> torch.Tensor | None:
+        """[rows] int64 tokens of float32 rows x [rows, K]: the greedy tokens, or with `draw` (a
+        runner/step_inputs.py HeadDraw: temperatures, keys, counters, one per row) each
+        row's token as FusedKernels.race_tokens would draw it from the row's float32 logits (its
+        temperature, 0 = greedy, and noise key and counter). None where the float32 logits must
         decide (rows not float32, a row not finite, or logits near the sampler's clamp)."""
         if x.dtype != torch.float32:
             return None
@@ -267,12 +270,20 @@ class GreedyHead:
             x = x.contiguous()
         rows = x.size(0)
         out = torch.empty(rows, dtype=torch.int64)
+        temperatures = keys = counters = None
+        if draw is not None and draw.keys:  # else every row is greedy
+            temperatures = torch.tensor(draw.temperatures, dtype=torch.float32)
+            keys, counters = torch.tensor([draw.keys, draw.counters], dtype=torch.int64)
         rc = self._fn(x.data_ptr(), x.stride(0), rows, self.width, self.weight.data_ptr(), self.vocab,
                       self.packed.data_ptr(), self.scale.data_ptr(), self.qsum.data_ptr(), self.norm.data_ptr(),
-                      self.err.data_ptr(), self.max_norm, self.limit, out.data_ptr(), self.candidates.data_ptr(),
-                      torch.get_num_threads())
+                      self.err.data_ptr(), self.max_norm, self.limit, _pointer(temperatures), _pointer(keys),
+                      _pointer(counters), out.data_ptr(), self.candidates.data_ptr(), torch.get_num_threads())
         assert rc in (0, 1), f"nanovllm_greedy_head returned {rc}"
         return out if rc == 0 else None
+
+
+def _pointer(t: torch.Tensor | None) -> int | None:
+    return None if t is None else t.data_ptr()
 
 
 def _round_up(t: torch.Tensor) -> torch.Tensor:
@@ -315,10 +326,13 @@ class FusedKernels:
         self._greedy_tokens.argtypes = [i32, ptr, i64, i32, i32, f32, ptr, i32]
         self._greedy_tokens.restype = i32
         self.greedy_vectorised = bool(library.nanovllm_greedy_vectorised())
+        self._race_tokens = library.nanovllm_race_tokens
+        self._race_tokens.argtypes = [i32, ptr, i64, i32, i32, ptr, ptr, ptr, f32, ptr, i32]
+        self._race_tokens.restype = i32
         self._greedy_head = library.nanovllm_greedy_head if library.nanovllm_greedy_head_supported() else None
         if self._greedy_head is not None:
             self._greedy_head.argtypes = [ptr, i64, i32, i32, ptr, i32, ptr, ptr, ptr, ptr, ptr, f32, f32, ptr, ptr,
-                                          i32]
+                                          ptr, ptr, ptr, i32]
             self._greedy_head.restype = i32
 
     def greedy_tokens(self, logits: torch.Tensor, limit: float) -> torch.Tensor:
@@ -330,6 +344,21 @@ class FusedKernels:
         rc = self._greedy_tokens(DTYPE_CODES[logits.dtype], logits.data_ptr(), logits.stride(0), rows, vocab, limit,
                                  out.data_ptr(), torch.get_num_threads())
         assert rc == 0, f"nanovllm_greedy_tokens returned {rc}"
+        return out
+
+    def race_tokens(self, logits: torch.Tensor, temperatures: torch.Tensor, keys: torch.Tensor, counters: torch.Tensor,
+                    limit: float) -> torch.Tensor:
+        """[rows] int64: each row's token from finite_logits(logits) (as greedy_tokens): the argmax
+        where its temperature is 0, else drawn from softmax(logits / T) by the Gumbel-max race with
+        the noise of its key and counter (cpu_kernels.h gumbel64; runner/sampling_inputs.py
+        philox_keys). logits [rows, vocab] with unit stride along a row; temperatures [rows]
+        float32, keys and counters [rows] int64, contiguous."""
+        rows, vocab = logits.shape
+        out = torch.empty(rows, dtype=torch.int64)
+        rc = self._race_tokens(DTYPE_CODES[logits.dtype], logits.data_ptr(), logits.stride(0), rows, vocab,
+                               temperatures.data_ptr(), keys.data_ptr(), counters.data_ptr(), limit, out.data_ptr(),
+                               torch.get_num_threads())
+        assert rc == 0, f"nanovllm_race_tokens returned {rc}"
         return out
 
     def greedy_head(self, weight: torch.Tensor, limit: float) -> GreedyHead | None:

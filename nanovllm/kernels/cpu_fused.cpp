@@ -13,6 +13,7 @@
 #include <vector>
 
 #include "cpu_kernels.h"
+#pragma GCC diagnostic ignored "-Wpsabi"  // 16-lane vectors in inline functions (cpu_kernels.h)
 
 namespace {
 
@@ -258,6 +259,53 @@ void greedy_rows(const void* logits_, int64_t stride, int rows, int vocab, float
   }
 }
 
+// layers/sampler.py's draw on the CPU: each row's token, the argmax of its finite logits (as
+// greedy_rows) where its temperature is 0, else argmax_v fma(l_v, 1 / T, g_v) with g_v the row's
+// Gumbel noise (gumbel64: keys and counters as the Triton race's), the first index of the largest.
+// 64 tokens at a time, each of 16 lanes keeping its first largest and its index.
+template <typename T>
+void race_rows(const void* logits_, int64_t stride, int rows, int vocab, const float* temperatures,
+               const int64_t* keys, const int64_t* counters, float limit, int64_t* out, int num_threads) {
+  const auto* logits = static_cast<const typename T::storage*>(logits_);
+#pragma omp parallel for schedule(dynamic, 1) num_threads(threads_for(static_cast<int64_t>(rows) * vocab * 8, num_threads))
+  for (int r = 0; r < rows; ++r) {
+    const typename T::storage* row = logits + r * stride;
+    const bool sampled = temperatures[r] > 0.0f;
+    const float inv = sampled ? 1.0f / temperatures[r] : 1.0f;
+    const NoiseKey key = noise_key(keys[r], counters[r]);
+    f32x16 lane_best = f32x16{} - INFINITY;
+    i32x16 lane_index = {}, index = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+    alignas(64) float chunk[NOISE_TOKENS], g[NOISE_TOKENS];
+    for (int v = 0; v < vocab; v += NOISE_TOKENS) {
+      const int n = std::min(NOISE_TOKENS, vocab - v);
+      for (int i = 0; i < n; ++i) {
+        const float x = load<T>(row + v + i);
+        chunk[i] = std::isnan(x) ? -limit : std::min(std::max(x, -limit), limit);
+      }
+      for (int i = n; i < NOISE_TOKENS; ++i) chunk[i] = -INFINITY;
+      if (sampled) {
+        gumbel64(key, v, g);
+        for (int i = 0; i < NOISE_TOKENS; ++i) chunk[i] = std::fma(chunk[i], inv, g[i]);  // -inf stays -inf
+      }
+      for (int j = 0; j < NOISE_TOKENS; j += 16, index += 16) {
+        f32x16 z;
+        std::memcpy(&z, chunk + j, sizeof z);
+        const i32x16 larger = z > lane_best;
+        lane_best = larger ? z : lane_best;
+        lane_index = larger ? index : lane_index;
+      }
+    }
+    float best = -INFINITY;
+    int64_t best_index = 0;
+    for (int i = 0; i < 16; ++i)
+      if (lane_best[i] > best || (lane_best[i] == best && lane_index[i] < best_index)) {
+        best = lane_best[i];
+        best_index = lane_index[i];
+      }
+    out[r] = best_index;
+  }
+}
+
 template <template <typename> class F, typename... Args>
 int by_dtype(int dtype, Args... args) {
   switch (dtype) {
@@ -272,6 +320,7 @@ template <typename T> struct RmsNorm { template <typename... A> static void run(
 template <typename T> struct SiluAndMul { template <typename... A> static void run(A... a) { silu_and_mul_rows<T>(a...); } };
 template <typename T> struct QkNormRope { template <typename... A> static void run(A... a) { qk_norm_rope_rows<T>(a...); } };
 template <typename T> struct Greedy { template <typename... A> static void run(A... a) { greedy_rows<T>(a...); } };
+template <typename T> struct Race { template <typename... A> static void run(A... a) { race_rows<T>(a...); } };
 
 }  // namespace
 
@@ -308,6 +357,12 @@ int nanovllm_greedy_vectorised() {
 #else
   return 0;
 #endif
+}
+
+// Each row's token by race_rows (temperatures [rows] float32, 0 = greedy; keys, counters [rows] int64).
+int nanovllm_race_tokens(int dtype, const void* logits, int64_t stride, int rows, int vocab, const float* temperatures,
+                         const int64_t* keys, const int64_t* counters, float limit, int64_t* out, int num_threads) {
+  return by_dtype<Race>(dtype, logits, stride, rows, vocab, temperatures, keys, counters, limit, out, num_threads);
 }
 
 int nanovllm_greedy_tokens(int dtype, const void* logits, int64_t stride, int rows, int vocab, float limit,

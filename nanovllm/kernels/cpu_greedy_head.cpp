@@ -15,6 +15,10 @@
 // every logit (in the recheck's order) would give, for a few dozen row products a row (random
 // weights: ~10 of 32,000) instead of the vocabulary's.
 //
+// A sampled row (temperature T > 0) draws the token cpu_fused.cpp's race would draw from its float32
+// logits, argmax_v fma(r_v, 1 / T, g_v) with g_v its Gumbel noise (cpu_kernels.h gumbel64): the same
+// two passes on bounds moved to those values (race_bounds), the noise computed for every token.
+//
 // Every norm is an upper bound (a row's computed in double, the head's widened by float32's
 // worst error, cpu_build.py GreedyHead), and B_v is widened by MARGIN, so the float32
 // arithmetic of the bound and the comparisons can only let more tokens through. Rows that are not
@@ -23,6 +27,7 @@
 #include <vector>
 
 #include "cpu_kernels.h"
+#pragma GCC diagnostic ignored "-Wpsabi"  // 16-lane vectors in inline functions (cpu_kernels.h)
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
 #define NANOVLLM_GREEDY_HEAD 512
@@ -34,6 +39,7 @@ namespace {
 
 #ifdef NANOVLLM_GREEDY_HEAD
 constexpr int CHUNK = 64;  // vocabulary rows a panel (GreedyHead packs the int8 weight per panel)
+static_assert(CHUNK == nanovllm_cpu::NOISE_TOKENS, "a panel's noise is one gumbel64");
 constexpr double MARGIN = 1.0 + 1.0 / 64;  // well above float32's roundings of the bound and of s +- B
 #if NANOVLLM_GREEDY_HEAD == 512
 constexpr int XQ = 127;  // x rounded to [-XQ, XQ], stored + XQ + 1 as unsigned bytes
@@ -45,9 +51,13 @@ constexpr int BIAS_SHIFT = 6;
 constexpr int XROWS = 4;  // rows of x a pass over a group of 16 tokens (4 x 2 accumulators of 16 registers)
 #endif
 
-// A row's constants: its int8 scale, and the two factors of B_v (c1 * ||w_v|| + c2 * ||w_v - w^_v||).
+// A row's constants: its int8 scale, the two factors of B_v (c1 * ||w_v|| + c2 * ||w_v - w^_v||)
+// and, for a sampled row, 1 / T and its noise's key.
 struct RowConsts {
   float sx, c1, c2;
+  bool sampled;
+  float inv;
+  nanovllm_cpu::NoiseKey key;
 };
 
 float round_up(double v) {
@@ -57,6 +67,7 @@ float round_up(double v) {
 
 // xu = round(x / sx) + XQ + 1 (unsigned bytes, the products' first operand), sx = max|x| / XQ.
 // False when x is not finite or its logits could reach a tenth of `limit` (the sampler's clamp).
+// (c.inv is set on entry: a sampled row's values are its logits times inv.)
 bool quantize_row(const float* x, int K, float max_weight_norm, float limit, uint8_t* xu, RowConsts& c) {
   float maxabs = 0.0f;
   for (int k = 0; k < K; ++k) {
@@ -74,12 +85,32 @@ bool quantize_row(const float* x, int K, float max_weight_norm, float limit, uin
     n2 += static_cast<double>(x[k]) * x[k];
   }
   const double norm = std::sqrt(n2);
-  if (norm * max_weight_norm >= limit / 10.0) return false;
+  if (norm * max_weight_norm * std::max(1.0f, c.inv) >= limit / 10.0) return false;
   const double slack = (K + 64) * 0x1p-20;  // > 2 (K + 8) u: float32's roundings, relative to ||x|| ||w_v||
   c.sx = sx;
   c.c1 = round_up((std::sqrt(d2) + slack * norm) * MARGIN);
   c.c2 = round_up(std::sqrt(h2) * MARGIN);
   return true;
+}
+
+// A sampled row draws argmax_v z_v, z_v = fma(r_v, inv, g_v) (r_v its float32 logit as the recheck
+// computes it, g_v its noise: cpu_kernels.h gumbel64), so its bounds move to z: lo <= r_v <= hi gives
+// lo inv + g_v - e <= z_v <= hi inv + g_v + e, where e is well above the roundings of z_v and of these
+// sums (each under 2^-23 of |r_v inv| + |g_v|, and |g_v| < NOISE_MAX_ABS). Lanes past V stay -inf.
+// `noise`: the 16 tokens' g_v.
+inline nanovllm_cpu::f32x16 abs16(nanovllm_cpu::f32x16 x) {
+  return (nanovllm_cpu::f32x16)((nanovllm_cpu::i32x16)x & 0x7fffffff);
+}
+
+inline void race_bounds(nanovllm_cpu::f32x16& lo, nanovllm_cpu::f32x16& hi, const RowConsts& c, const float* noise) {
+  using nanovllm_cpu::f32x16;
+  f32x16 g;
+  std::memcpy(&g, noise, sizeof g);
+  const f32x16 a_lo = lo * c.inv, a_hi = hi * c.inv;
+  const f32x16 e = (abs16(a_lo) + abs16(a_hi) + 2 * nanovllm_cpu::NOISE_MAX_ABS) * 0x1p-21f;
+  const nanovllm_cpu::i32x16 valid = hi > -INFINITY;
+  lo = valid ? a_lo + g - e : lo;
+  hi = valid ? a_hi + g + e : hi;
 }
 
 // The per-token arrays the bounds read (GreedyHead's, padded to whole panels).
@@ -155,6 +186,13 @@ void pass1_panel(const uint8_t* xu, int rows, const RowConsts* rc, const Head& h
     }
     for (int i = 0; i < n; ++i) {
       panel_bounds(acc[i], rc[r0 + i], p * CHUNK, h, lower, upper);
+      if (rc[r0 + i].sampled) {
+        alignas(64) float noise[CHUNK];
+        nanovllm_cpu::gumbel64(rc[r0 + i].key, p * CHUNK, noise);
+        for (int j = 0; j < 4; ++j)
+          race_bounds(reinterpret_cast<nanovllm_cpu::f32x16&>(lower[j]), reinterpret_cast<nanovllm_cpu::f32x16&>(upper[j]),
+                      rc[r0 + i], noise + 16 * j);
+      }
       const __m512 low = _mm512_max_ps(_mm512_max_ps(lower[0], lower[1]), _mm512_max_ps(lower[2], lower[3]));
       const __m512 high = _mm512_max_ps(_mm512_max_ps(upper[0], upper[1]), _mm512_max_ps(upper[2], upper[3]));
       lower_max[r0 + i] = std::max(lower_max[r0 + i], _mm512_reduce_max_ps(low));
@@ -163,13 +201,20 @@ void pass1_panel(const uint8_t* xu, int rows, const RowConsts* rc, const Head& h
   }
 }
 
-// Pass 2: one row's s + B for the 64 tokens of panel p.
-void panel_upper(const uint8_t* xu, const RowConsts& c, const Head& h, int p, float* up) {
+// Pass 2: one row's upper bounds for the 64 tokens of panel p (s + B, or for a sampled row its
+// race_bounds, with the noise into g).
+void panel_upper(const uint8_t* xu, const RowConsts& c, const Head& h, int p, float* up, float* g) {
   __m512i acc[XROWS][4];
   __m512 lower[4], upper[4];
   panel_dots<1>(xu, h.K, h.q + static_cast<size_t>(p) * CHUNK * h.K, acc);
   panel_bounds(acc[0], c, p * CHUNK, h, lower, upper);
-  for (int j = 0; j < 4; ++j) _mm512_storeu_ps(up + 16 * j, upper[j]);
+  if (c.sampled) nanovllm_cpu::gumbel64(c.key, p * CHUNK, g);
+  for (int j = 0; j < 4; ++j) {
+    if (c.sampled)
+      race_bounds(reinterpret_cast<nanovllm_cpu::f32x16&>(lower[j]), reinterpret_cast<nanovllm_cpu::f32x16&>(upper[j]),
+                  c, g + 16 * j);
+    _mm512_storeu_ps(up + 16 * j, upper[j]);
+  }
 }
 
 // x . w in float32 (two chains of FMAs, a masked tail).
@@ -233,12 +278,27 @@ inline void group_bounds(const __m256i (&acc)[2], const RowConsts& c, int v, con
   }
 }
 
+// race_bounds on one group's two vectors of 8 (`noise`: the group's 16 g_v).
+inline void race_group(__m256 (&lower)[2], __m256 (&upper)[2], const RowConsts& c, const float* noise) {
+  nanovllm_cpu::f32x16 lo, hi;
+  std::memcpy(&lo, lower, sizeof lo);
+  std::memcpy(&hi, upper, sizeof hi);
+  race_bounds(lo, hi, c, noise);
+  std::memcpy(lower, &lo, sizeof lo);
+  std::memcpy(upper, &hi, sizeof hi);
+}
+
 void pass1_panel(const uint8_t* xu, int rows, const RowConsts* rc, const Head& h, int p, float* lower_max,
                  float* top, int64_t top_stride) {
   const int8_t* wp = h.q + static_cast<size_t>(p) * CHUNK * h.K;
   __m256i acc[XROWS][2];
   __m256 lower[2], upper[2];
-  for (int r = 0; r < rows; ++r) top[r * top_stride] = -INFINITY;
+  thread_local std::vector<float> noise;  // the sampled rows' g_v for the panel's 64 tokens
+  noise.resize(static_cast<size_t>(rows) * CHUNK);
+  for (int r = 0; r < rows; ++r) {
+    top[r * top_stride] = -INFINITY;
+    if (rc[r].sampled) nanovllm_cpu::gumbel64(rc[r].key, p * CHUNK, noise.data() + static_cast<size_t>(r) * CHUNK);
+  }
   for (int g = 0; g < 4; ++g)
     for (int r0 = 0; r0 < rows; r0 += XROWS) {
       const int n = std::min(XROWS, rows - r0);
@@ -251,6 +311,8 @@ void pass1_panel(const uint8_t* xu, int rows, const RowConsts* rc, const Head& h
       }
       for (int i = 0; i < n; ++i) {
         group_bounds(acc[i], rc[r0 + i], p * CHUNK + 16 * g, h, lower, upper);
+        if (rc[r0 + i].sampled)
+          race_group(lower, upper, rc[r0 + i], noise.data() + static_cast<size_t>(r0 + i) * CHUNK + 16 * g);
         lower_max[r0 + i] = std::max(lower_max[r0 + i], max8(_mm256_max_ps(lower[0], lower[1])));
         float& t = top[(r0 + i) * top_stride];
         t = std::max(t, max8(_mm256_max_ps(upper[0], upper[1])));
@@ -258,13 +320,15 @@ void pass1_panel(const uint8_t* xu, int rows, const RowConsts* rc, const Head& h
     }
 }
 
-void panel_upper(const uint8_t* xu, const RowConsts& c, const Head& h, int p, float* up) {
+void panel_upper(const uint8_t* xu, const RowConsts& c, const Head& h, int p, float* up, float* noise) {
   const int8_t* wp = h.q + static_cast<size_t>(p) * CHUNK * h.K;
   __m256i acc[XROWS][2];
   __m256 lower[2], upper[2];
+  if (c.sampled) nanovllm_cpu::gumbel64(c.key, p * CHUNK, noise);
   for (int g = 0; g < 4; ++g) {
     group_dots<1>(xu, h.K, wp, g, acc);
     group_bounds(acc[0], c, p * CHUNK + 16 * g, h, lower, upper);
+    if (c.sampled) race_group(lower, upper, c, noise + 16 * g);
     _mm256_storeu_ps(up + 16 * g, upper[0]);
     _mm256_storeu_ps(up + 16 * g + 8, upper[1]);
   }
@@ -299,6 +363,8 @@ int nanovllm_greedy_head_supported() {
 }
 
 // out[r] = argmax_v x[r] . w[v] for rows x [rows, K] (row stride x_stride) and the head w [V, K]
+// (with `temperatures` [rows], where not null: for a row with T > 0, race_rows's token of those
+// logits, keyed by keys[r] and counters[r])
 // float32, through its int8 form (GreedyHead: q packed per 64 rows as [K/4][4][16][4], V padded to a
 // multiple of 64 with zero rows; per row its scale, sum of q, ||w_v|| and ||w_v - w^_v|| rounded up;
 // max_weight_norm the largest ||w_v||; limit the sampler's clamp, LOGIT_LIMIT). K a multiple of 4.
@@ -307,10 +373,12 @@ int nanovllm_greedy_head_supported() {
 // AVX512-VNNI nor AVX2.
 int nanovllm_greedy_head(const float* x, int64_t x_stride, int rows, int K, const float* w, int V, const int8_t* q,
                          const float* scale, const int32_t* qsum, const float* norm, const float* err,
-                         float max_weight_norm, float limit, int64_t* out, int64_t* candidates, int num_threads) {
+                         float max_weight_norm, float limit, const float* temperatures, const int64_t* keys,
+                         const int64_t* counters, int64_t* out, int64_t* candidates, int num_threads) {
 #ifndef NANOVLLM_GREEDY_HEAD
   (void)x, (void)x_stride, (void)rows, (void)K, (void)w, (void)V, (void)q, (void)scale, (void)qsum, (void)norm;
-  (void)err, (void)max_weight_norm, (void)limit, (void)out, (void)candidates, (void)num_threads;
+  (void)err, (void)max_weight_norm, (void)limit, (void)temperatures, (void)keys, (void)counters, (void)out;
+  (void)candidates, (void)num_threads;
   return -1;
 #else
   const int panels = (V + CHUNK - 1) / CHUNK;
@@ -321,9 +389,14 @@ int nanovllm_greedy_head(const float* x, int64_t x_stride, int rows, int K, cons
   consts.resize(rows);
   panel_top.resize(static_cast<size_t>(rows) * panels);
   lower_max.assign(rows, -INFINITY);
-  for (int r = 0; r < rows; ++r)
-    if (!quantize_row(x + r * x_stride, K, max_weight_norm, limit, xu.data() + static_cast<size_t>(r) * K, consts[r]))
+  for (int r = 0; r < rows; ++r) {
+    RowConsts& c = consts[r];
+    c.sampled = temperatures && temperatures[r] > 0.0f;
+    c.inv = c.sampled ? 1.0f / temperatures[r] : 1.0f;  // as cpu_fused.cpp race_rows
+    c.key = c.sampled ? nanovllm_cpu::noise_key(keys[r], counters[r]) : nanovllm_cpu::NoiseKey{0, 0};
+    if (!quantize_row(x + r * x_stride, K, max_weight_norm, limit, xu.data() + static_cast<size_t>(r) * K, c))
       return 1;
+  }
   const uint8_t* xu_p = xu.data();
   const RowConsts* rc = consts.data();
   float *top = panel_top.data(), *lmax = lower_max.data();
@@ -348,17 +421,18 @@ int nanovllm_greedy_head(const float* x, int64_t x_stride, int rows, int K, cons
     const float* xr = x + r * x_stride;
     float best = -INFINITY;
     int64_t token = 0;
-    alignas(64) float up[CHUNK];
+    alignas(64) float up[CHUNK], noise[CHUNK];
     for (int p = 0; p < panels; ++p) {
       if (top[static_cast<size_t>(r) * panels + p] < floor) continue;
-      panel_upper(xu_p + static_cast<size_t>(r) * K, rc[r], h, p, up);
+      panel_upper(xu_p + static_cast<size_t>(r) * K, rc[r], h, p, up, noise);
       for (int i = 0; i < CHUNK; ++i) {
         if (up[i] < floor) continue;  // past V too (-inf)
         ++total;
         const int v = p * CHUNK + i;
         const float logit = dot(xr, w + static_cast<int64_t>(v) * K, K);
-        if (logit > best) {  // ascending v and a strict >: the first of equal logits, as torch.argmax
-          best = logit;
+        const float z = rc[r].sampled ? std::fma(logit, rc[r].inv, noise[i]) : logit;  // as race_rows
+        if (z > best) {  // ascending v and a strict >: the first of the largest, as torch.argmax
+          best = z;
           token = v;
         }
       }

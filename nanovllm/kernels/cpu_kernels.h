@@ -299,6 +299,87 @@ inline __m512 sum16(const __m512* v) {
 
 }  // namespace nanovllm_cpu
 
+// The sampler's noise on the CPU: cpu_fused.cpp's race over logits and cpu_greedy_head.cpp's
+// sampled rows call the same (not inlined) function, so a row draws the same token either way.
+// Token v of a row keyed (key, counter) (runner/sampling_inputs.py philox_keys: a seeded row's seed
+// and token index, else a key drawn per step and the row) gets g_v = -log(-log(w_v)), Gumbel noise,
+// with w_v = (2 m + 1) 2^-24 and m the top 23 bits of a 32-bit hash of v under the row's two 32-bit
+// keys (lowbias32, twice). w_v lies in (0, 1) exactly, so g_v is finite, in [-2.9, 16.7]; and
+// argmax_v (l_v / T + g_v) is v with probability softmax(l / T)_v (the Gumbel-max trick: the Triton
+// sampler's exponential race in log space, with a cheaper hash than its Philox).
+// Written with GCC's vector extensions: 16 lanes, whatever vector width the build has (the
+// 64-byte vectors these inline functions pass need no ABI across builds: -Wpsabi's note is moot).
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wpsabi"
+namespace nanovllm_cpu {
+
+typedef float f32x16 __attribute__((vector_size(64)));
+typedef int32_t i32x16 __attribute__((vector_size(64)));
+typedef uint32_t u32x16 __attribute__((vector_size(64)));
+
+constexpr float NOISE_MAX_ABS = 17.0f;  // |g_v| is below this
+
+struct NoiseKey {
+  uint32_t k0, k1;
+};
+
+inline uint64_t splitmix64(uint64_t z) {
+  z += 0x9e3779b97f4a7c15ull;
+  z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+  z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+  return z ^ (z >> 31);
+}
+
+inline NoiseKey noise_key(int64_t key, int64_t counter) {
+  const uint64_t s = splitmix64(static_cast<uint64_t>(key) ^ splitmix64(static_cast<uint64_t>(counter)));
+  return {static_cast<uint32_t>(s), static_cast<uint32_t>(s >> 32)};
+}
+
+inline u32x16 lowbias32(u32x16 x) {
+  x ^= x >> 16;
+  x *= 0x7feb352du;
+  x ^= x >> 15;
+  x *= 0x846ca68bu;
+  return x ^ (x >> 16);
+}
+
+// log(x) for normal x > 0: x = 2^e m with m in [sqrt(1/2), sqrt(2)), log(m) = f + f^2 P(f) with
+// f = m - 1 and P of degree 6 fitted by least squares at Chebyshev nodes (|error| < 5e-8 before
+// rounding; no division).
+inline f32x16 log_positive(f32x16 x) {
+  const i32x16 bits = (i32x16)x;  // a vector cast: the same bits
+  i32x16 e = (bits >> 23) - 127;
+  f32x16 m = (f32x16)((bits & 0x7fffff) | 0x3f800000);
+  const i32x16 big = m > 1.41421356f;  // -1 in the lanes where m is halved
+  m = big ? m * 0.5f : m;
+  e -= big;
+  const f32x16 f = m - 1.0f;
+  f32x16 p = f * -0.097315522252516f + 0.16239617584151525f;
+  for (const float c : {-0.17389141343906622f, 0.199029355732184f, -0.2495676805010601f, 0.33334727199967495f,
+                        -0.5000070577831116f})
+    p = p * f + c;
+  return __builtin_convertvector(e, f32x16) * 0.693147180559945f + (f + f * f * p);
+}
+
+constexpr int NOISE_TOKENS = 64;  // tokens a call of gumbel64: four independent chains of 16 lanes
+
+// g[i] = g_v of the token v = v0 + i, i < 64 (lanes past the vocabulary are the caller's to ignore).
+__attribute__((noinline)) inline void gumbel64(NoiseKey key, int v0, float* g) {
+  const u32x16 lanes = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+  f32x16 w[4];
+  for (int j = 0; j < 4; ++j) {
+    const u32x16 x = lowbias32(lowbias32((lanes + static_cast<uint32_t>(v0 + 16 * j)) ^ key.k0) ^ key.k1);
+    const i32x16 odd = (i32x16)((x >> 9) << 1 | 1u);  // an odd integer below 2^24
+    w[j] = __builtin_convertvector(odd, f32x16) * 0x1p-24f;  // exact
+  }
+  for (int j = 0; j < 4; ++j) w[j] = -log_positive(w[j]);  // Exp(1)
+  for (int j = 0; j < 4; ++j) w[j] = -log_positive(w[j]);  // Gumbel
+  std::memcpy(g, w, sizeof w);
+}
+
+}  // namespace nanovllm_cpu
+#pragma GCC diagnostic pop
+
 // The library's C entry points that one kernel calls from another (cpu_decode_layers.cpp), declared
 // once here so that their definitions, which include this header, are checked against them.
 extern "C" {

@@ -937,7 +937,7 @@ void run(const void* q, void* out, const void* k_cache, const void* v_cache, con
 extern "C" {
 
 // The ABI version Python checks after loading, so a stale cached library is never called.
-int nanovllm_paged_attention_abi() { return 6; }
+int nanovllm_paged_attention_abi() { return 7; }
 
 // Whether bfloat16 prefill items run on AMX tiles (cpu_amx_attention.cpp): enable 0 turns it off,
 // 1 on where the CPU and build have AMX, -1 leaves it as it is. Returns the setting now (1 on, 0 off).

@@ -47,10 +47,10 @@ class ParallelLMHead(VocabParallelEmbedding):
     packed_weight: torch.Tensor | None = None  # set on CPU after loading (utils/cpu.py pack_linear_weights)
     few_rows: Callable | None = None  # the CPU's few-row product (layers/linear.py linear()), set by enable_cpu
     amx: Callable | None = None  # the weight packed for the CPU's AMX product (layers/linear.py linear())
-    # Float32 rows -> their greedy tokens, without every logit (kernels/cpu_build.py GreedyHead), set
-    # by enable_cpu for a float32 head on one rank where the CPU has AVX512-VNNI or AVX2; returns None
-    # where the logits must decide.
-    greedy: Callable[[torch.Tensor], torch.Tensor | None] | None = None
+    # Float32 rows (and a HeadDraw, or None: greedy) -> their tokens, without every logit
+    # (kernels/cpu_build.py GreedyHead), set by enable_cpu for a float32 head on one rank where the
+    # CPU has AVX512-VNNI or AVX2; returns None where the logits must decide.
+    greedy: Callable[..., torch.Tensor | None] | None = None
 
     def enable_cpu(self, kernels) -> None:
         self.few_rows = kernels.few_rows_linear(self.weight.dtype)

@@ -4,17 +4,21 @@ Split in two (as mini-sglang): `prepare_sampling` (runner/sampling_inputs.py) ga
 row's parameters on the host into `SamplingTensors`, the batch's pipeline of logits processors
 (layers/logits_processors.py: bias, bans, penalties, then temperature, then min_p, top_k, top_p),
 and `Sampler` does the work on the device and never sees a sequence. Greedy rows (temperature 0)
-take the argmax of the adjusted logits and never see the random draw: on the CPU an inverse
-transform of one uniform per row (`draw`), elsewhere an exponential race over the vocabulary. A
-row with a seed draws from its own generator, so its tokens do not depend on what else is in the batch.
+take the argmax of the adjusted logits and never see the random draw: a race over the
+vocabulary (below), or where no race kernel is enabled, on the CPU an inverse transform of one
+uniform per row (`draw`), elsewhere torch's exponential race. A row with a seed draws from its own
+noise (a race kernel's keys) or generator, so its tokens do not depend on what else is in the batch.
 Logprobs are the model's raw log-softmax, before any of that processing.
 
 With Triton kernels chosen (`enable_triton`, by the model runner) the draw is
 kernels/sampling.py's race, its noise Philox keyed per row (SamplingTensors.philox: a seeded row's
 seed and the index of the token it draws, so its stream is its own; for the others a fresh key per
-step). A batch that needs nothing but temperatures is one kernel over the logits as the LM head
-wrote them; otherwise the pipeline runs in torch first and the same kernel races its
-result, so a seeded row draws the same token on either path.
+step). On the CPU with its kernels built (`enable_cpu`) the race is kernels/cpu_fused.cpp's, the
+same keys driving a cheaper hash (cpu_kernels.h gumbel64), and a float32 LM head may draw the
+same tokens without the logits (kernels/cpu_build.py GreedyHead, ModelRunner.forward). A batch
+that needs nothing but temperatures is one kernel over the logits as the LM head wrote them;
+otherwise the pipeline runs in torch first and the same kernel races its result, so a seeded
+row draws the same token on either path.
 
 No NaN or infinity reaches a draw or a logprob: SamplingParams bounds every parameter (a
 temperature below 1e-5 is greedy, penalties in range), and the logits go through `finite_logits`
@@ -22,6 +26,7 @@ before any processing, so a model that emits inf or NaN in a row still yields a 
 vocabulary and finite logprobs. (The Triton race alone over raw logits, the temperature-only
 fast path, is not guarded: its argmax returns an index of the row whatever the values.)
 """
+import functools
 from typing import Callable, NamedTuple
 
 import torch
@@ -88,6 +93,15 @@ def draw(weights: torch.Tensor, t: SamplingTensors) -> torch.Tensor:
     return (weights / noise.clamp_min(torch.finfo(noise.dtype).tiny)).argmax(dim=-1)
 
 
+def cpu_race(kernels, logits: torch.Tensor, temperatures: torch.Tensor, seeds: torch.Tensor,
+             counters: torch.Tensor) -> torch.Tensor:
+    """The CPU's race (FusedKernels.race_tokens) with the Triton race's signature."""
+    if logits.stride(-1) != 1:
+        logits = logits.contiguous()
+    return kernels.race_tokens(logits, temperatures.contiguous(), seeds.contiguous(), counters.contiguous(),
+                               LOGIT_LIMIT)
+
+
 class Sampler(nn.Module):
 
     def __init__(self) -> None:
@@ -101,13 +115,16 @@ class Sampler(nn.Module):
 
     def enable_cpu(self, kernels) -> None:
         """Greedy steps with nothing but argmax to do (no processor, no logprobs) take the CPU's
-        one-pass argmax of the finite logits (kernels/cpu_fused.cpp) where it is vectorised."""
+        one-pass argmax of the finite logits (kernels/cpu_fused.cpp) where it is vectorised; every
+        other step the CPU's race (kernels/cpu_fused.cpp race_rows)."""
         if kernels.greedy_vectorised:
             self.greedy_kernel = kernels.greedy_tokens
+        self.race_kernel = functools.partial(cpu_race, kernels)
 
     @property
     def uses_philox(self) -> bool:
-        """Whether SamplingTensors must carry Philox keys (prepare_sampling's `philox`)."""
+        """Whether SamplingTensors must carry Philox keys (prepare_sampling's `philox`; the CPU's
+        race takes the same keys)."""
         return self.race_kernel is not None
 
     def forward(self, logits: torch.Tensor, t: SamplingTensors) -> SamplerOutput:
@@ -118,10 +135,10 @@ class Sampler(nn.Module):
         """The tokens left on the device ([batch] int64, no host sync) and each row's logprobs
         (which do sync, for the rows that asked; None for the others)."""
         # logits: [batch, vocab]
-        if self.race_kernel is not None:
-            return self._draw_triton(logits, t)
         if self.greedy_kernel is not None and t.all_greedy and t.needs_only_temperature and logits.stride(-1) == 1:
             return self.greedy_kernel(logits, LOGIT_LIMIT), [None] * logits.size(0)
+        if self.race_kernel is not None:
+            return self._draw_race(logits, t)
         raw_logits = finite_logits(logits)
         adjusted = t.adjust(raw_logits)
         tokens = adjusted.argmax(dim=-1)
@@ -129,7 +146,7 @@ class Sampler(nn.Module):
             tokens = torch.where(t.temperatures > 0, self._race(t.filter(adjusted, scale_by_temperature), t), tokens)
         return tokens, self._logprobs(raw_logits, tokens, t.num_logprobs)
 
-    def _draw_triton(self, logits: torch.Tensor, t: SamplingTensors) -> tuple[torch.Tensor, list]:
+    def _draw_race(self, logits: torch.Tensor, t: SamplingTensors) -> tuple[torch.Tensor, list]:
         seeds, counters = t.philox
         if t.needs_only_temperature:  # the common case: one pass over the logits in their own dtype
             return self.race_kernel(logits, t.temperatures, seeds, counters), [None] * logits.size(0)

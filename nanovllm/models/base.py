@@ -44,11 +44,12 @@ class CausalLM(nn.Module):
         or None. A family whose compute_logits does more than its lm_head overrides this (None)."""
         return getattr(getattr(self, "lm_head", None), "greedy", None)
 
-    def greedy_tokens(self, hidden_states: torch.Tensor) -> torch.Tensor | None:
-        """Per row, the argmax of compute_logits(hidden_states) where the greedy head finds it; None
-        where it cannot (the caller computes the logits)."""
+    def head_tokens(self, hidden_states: torch.Tensor, draw=None) -> torch.Tensor | None:
+        """Per row, the token the sampler would take from compute_logits(hidden_states) (the argmax,
+        or with `draw`, a runner/step_inputs.py HeadDraw, each row's temperature race) where the
+        greedy head finds it; None where it cannot (the caller computes the logits)."""
         greedy = self.greedy_head
-        return None if greedy is None else greedy(hidden_states)
+        return None if greedy is None else greedy(hidden_states, draw)
 
     @classmethod
     def check_raw_config(cls, raw: dict) -> None:

@@ -42,7 +42,7 @@ from nanovllm.runner.pending_tokens import PendingTokens, fill_placeholders
 from nanovllm.runner.prompt_logprobs import PromptLogprobs, compute_prompt_logprobs
 from nanovllm.runner.protocol import RunnerOutput
 from nanovllm.runner.sampling_inputs import prepare_sampling
-from nanovllm.runner.step_inputs import StepInputs, StepMessage, prefill_inputs
+from nanovllm.runner.step_inputs import HeadDraw, StepInputs, StepMessage, prefill_inputs
 from nanovllm.sampling_params import SamplingParams
 from nanovllm.utils import cpu
 from nanovllm.utils.compile import compiling
@@ -121,7 +121,7 @@ class StepLogits(NamedTuple):
     sample_indices: list[int]  # the sequences the rows belong to (index into the step's sequences)
     # Per sequence of the step, the prompt logprobs its rows scored (rank 0); None when none asked.
     prompt_logprobs: list[PromptLogprobs | None] | None = None
-    # The sampled rows' tokens already chosen (a greedy head's argmax, StepMessage.argmax_only): no logits.
+    # The sampled rows' tokens already chosen (the LM head's, StepMessage.head_draw): no logits.
     tokens: torch.Tensor | None = None
 
 
@@ -376,11 +376,13 @@ class ModelRunner:
                swap_in: BlockCopies = NO_COPIES) -> PendingTokens:
         """One step on this rank alone, returning before its tokens reach the host (async
         scheduling): placeholder tokens among its inputs are read from the previous launch's."""
-        # Only where the model has a greedy head: elsewhere the flag would change nothing (no pass over seqs)
-        argmax_only = (self.rank == 0 and self.model.greedy_head is not None
-                       and all(seq.sampling_params.argmax_only for seq in seqs))
+        # Only where the model has a greedy head: elsewhere it would change nothing (no pass over seqs)
+        head_draw = None
+        if (self.rank == 0 and self.model.greedy_head is not None
+                and all(seq.sampling_params.needs_only_temperature_and_seed for seq in seqs)):
+            head_draw = HeadDraw.of(seqs)
         return self.sample_pending(seqs, self.forward(StepMessage.of(seqs, is_prefill, swap_out, swap_in,
-                                                                     argmax_only=argmax_only)))
+                                                                     head_draw=head_draw)))
 
     @torch.inference_mode()
     def forward(self, step: StepMessage) -> StepLogits:
@@ -400,8 +402,11 @@ class ModelRunner:
                 return StepLogits(None, [], prompt)
             if inputs.keep_rows is None:
                 hidden_states = hidden_states[inputs.sample_rows]
-            if step.argmax_only:  # the tokens without the logits where the model's head can (else None)
-                tokens = self.model.greedy_tokens(hidden_states)
+            if step.head_draw is not None:  # the tokens without the logits where the model's head can (else None)
+                draw = step.head_draw
+                if len(inputs.sample_indices) != step.num_seqs:
+                    draw = draw.rows(inputs.sample_indices)
+                tokens = self.model.head_tokens(hidden_states, draw)
                 if tokens is not None:
                     return StepLogits(None, inputs.sample_indices, prompt, tokens)
             logits = self.model.compute_logits(hidden_states)  # None on ranks > 0

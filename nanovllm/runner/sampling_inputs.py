@@ -4,8 +4,8 @@ The host side of sampling (as mini-sglang's `prepare`): the batch's pipeline of 
 processors (layers/logits_processors.py), built from the rows' parameters and tokens only when
 some row needs one (the common temperature-only case is one copy), with the tokens min_tokens
 forbids as engine/stop_checker.py decides them; and each seeded row's own generator (made on the
-sampling device at its first use), or with `philox` (the Triton sampler) each row's Philox key
-and counter instead. The device side is
+sampling device at its first use), or with `philox` (a race kernel: Triton's, or the CPU's) each
+row's noise key and counter instead. The device side is
 `layers/sampler.py`, which knows nothing of sequences.
 """
 import torch
@@ -18,7 +18,8 @@ INT64_SPAN = 1 << 64  # seeds run over int64 and uint64 (SamplingParams); a key 
 
 
 def philox_keys(seqs: list[Sequence]) -> list[list[int]]:
-    """[keys, counters] for the Triton sampler's Philox noise, one entry per row. A seeded row that
+    """[keys, counters] for a race kernel's noise (Triton's Philox, the CPU's hash; and the CPU head's
+    draw, runner/step_inputs.py HeadDraw), one entry per row. A seeded row that
     samples: its seed (as int64 bits) and the index of the token it draws, so its noise depends on
     nothing else (not the batch, nor a preemption that recomputes it). Every other row: one key
     drawn per step from torch's default generator (torch.manual_seed makes runs repeat), and its
@@ -48,7 +49,7 @@ def prepare_sampling(seqs: list[Sequence], vocab_size: int, eos: int, device: to
 
     temperatures = [p.temperature for p in params]  # 0 for greedy (SamplingParams stores it so)
     keys = column(philox_keys(seqs), torch.int64) if philox else None  # [2, batch]
-    # The common case, one small copy (two with Philox keys), and the Triton sampler's single pass.
+    # The common case, one small copy (two with race keys), and the race kernel's single pass.
     if all(p.needs_only_temperature_and_seed if philox else p.needs_only_temperature for p in params):
         return SamplingTensors(column(temperatures, torch.float32), all_greedy=not any(temperatures), philox=keys)
     before, after = SamplingTensors.pipeline(RowsView(seqs, params, lambda seq: banned_token_ids(seq, eos), column,

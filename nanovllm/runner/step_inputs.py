@@ -18,8 +18,27 @@ import torch
 from nanovllm.engine.block_manager import NO_COPIES, BlockCopies
 from nanovllm.engine.sequence import Sequence
 from nanovllm.runner.prompt_logprobs import PromptTargets, prompt_targets
+from nanovllm.runner.sampling_inputs import philox_keys
 from nanovllm.utils.context import AttentionMetadata
 from nanovllm.utils.math_utils import cdiv
+
+
+class HeadDraw(NamedTuple):
+    """How each sequence of a step draws its token where the LM head may choose it without the
+    logits (every sequence needs only its temperature and seed: ModelRunner.launch): its temperature
+    (0 = greedy) and, unless all are greedy, its noise's key and counter (sampling_inputs.philox_keys,
+    as the sampler's race would take them)."""
+    temperatures: list[float]
+    keys: list[int]  # empty when every temperature is 0
+    counters: list[int]
+
+    @classmethod
+    def of(cls, seqs: list[Sequence]) -> "HeadDraw":
+        temperatures = [seq.sampling_params.temperature for seq in seqs]
+        return cls(temperatures, *philox_keys(seqs)) if any(temperatures) else cls(temperatures, [], [])
+
+    def rows(self, indices: list[int]) -> "HeadDraw":
+        return HeadDraw(*([column[i] for i in indices] if column else column for column in self))
 
 
 class StepMessage(NamedTuple):
@@ -37,14 +56,14 @@ class StepMessage(NamedTuple):
     # Prompt logprobs: per sequence, the prompt tokens its rows score in this step, or None
     # (runner/prompt_logprobs.py); empty when no sequence of the step scores any.
     prompt_targets: list[PromptTargets | None] | tuple[()] = ()
-    # Whether the step may leave argmax tokens instead of logits (every sequence argmax_only, and
-    # the caller samples through ModelRunner.sample_pending): StepLogits.tokens.
-    argmax_only: bool = False
+    # Set where the step may leave its tokens instead of logits (the LM head chooses them:
+    # StepLogits.tokens; the caller samples through ModelRunner.sample_pending); None: logits.
+    head_draw: HeadDraw | None = None
 
     @classmethod
     def of(cls, seqs: list[Sequence], is_prefill: bool, swap_out: BlockCopies = NO_COPIES,
            swap_in: BlockCopies = NO_COPIES, proposals: list[list[int]] | None = None,
-           argmax_only: bool = False) -> "StepMessage":
+           head_draw: HeadDraw | None = None) -> "StepMessage":
         """The message of a scheduled batch: each sequence's num_scheduled_tokens new tokens from
         num_computed_tokens on (a prefill chunk, or a decode step's one newest token). A prefill
         step may hold decode rows too (a mixed batch): one new token over the cached rest. With
@@ -53,7 +72,7 @@ class StepMessage(NamedTuple):
         tables = [seq.block_table for seq in seqs]
         if not is_prefill:  # one new token each, the newest: its context is the whole sequence
             return cls(False, [seq.last_token for seq in seqs], [n - 1 for n in lengths], lengths, lengths, tables,
-                       swap_out, swap_in, argmax_only=argmax_only)
+                       swap_out, swap_in, head_draw=head_draw)
         token_ids, starts, ends, targets = [], [], [], []
         for i, seq in enumerate(seqs):
             start, end = seq.num_computed_tokens, seq.num_computed_tokens + seq.num_scheduled_tokens
@@ -69,7 +88,7 @@ class StepMessage(NamedTuple):
         if not any(targets):
             targets = ()
         return cls(True, token_ids, starts, ends, lengths, tables, swap_out, swap_in, num_proposed, targets,
-                   argmax_only and not proposals and not targets)
+                   None if proposals or targets else head_draw)
 
     @property
     def num_seqs(self) -> int:
