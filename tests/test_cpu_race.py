@@ -123,11 +123,17 @@ def count_head_calls(model) -> list[int]:
     return calls
 
 
-def test_seeded_requests_draw_the_same_tokens_with_and_without_the_head(qwen3_tiny, make_head):
-    llm = LLM(qwen3_tiny, dtype="float32")
+# Whole prompts in one step; and chunked prefills beside decode rows (steps where some sequences do
+# not sample yet: the head draws for the rows that do, HeadDraw.rows).
+ENGINES = {"whole": {}, "chunked": {"max_num_batched_tokens": 48, "kvcache_block_size": 16}}
+
+
+@pytest.mark.parametrize("engine", list(ENGINES))
+def test_seeded_requests_draw_the_same_tokens_with_and_without_the_head(qwen3_tiny, make_head, engine):
+    llm = LLM(qwen3_tiny, dtype="float32", **ENGINES[engine])
     model = llm.model_runner.model
     calls = count_head_calls(model)
-    prompts = random_prompts(200, [5, 17, 9, 30], seed=9)
+    prompts = random_prompts(200, [5, 17, 9, 70], seed=9)
     params = [SamplingParams(temperature=t, seed=s, max_tokens=12, ignore_eos=True)
               for t, s in ((0.7, 1), (1.0, 2), (1.6, 3), (0.3, 2**63))]
     with_head = [o["token_ids"] for o in llm.generate(prompts, params, use_tqdm=False)]
