@@ -222,41 +222,29 @@ class GreedyHead:
     int8 values, ||w_v|| and ||w_v - w^_v|| (upper bounds: float32's rounding error added). The
     plain weight stays (the recheck reads it, other steps multiply it)."""
 
-    def __init__(self, fn, weight: torch.Tensor, limit: float):
+    def __init__(self, fn, pack, weight: torch.Tensor, limit: float):
         self._fn = fn
         self.limit = limit  # the sampler's clamp (layers/logits_processors.py LOGIT_LIMIT)
         self.weight = weight.detach()
         v, k = self.weight.shape
         self.vocab, self.width = v, k
         padded = -(-v // GREEDY_HEAD_CHUNK) * GREEDY_HEAD_CHUNK
-        q = torch.zeros(padded, k, dtype=torch.int8)
+        self.packed = torch.zeros(padded // GREEDY_HEAD_CHUNK, k // 4, 4, 16, 4, dtype=torch.int8)
         self.scale, self.norm, self.err = (torch.zeros(padded) for _ in range(3))
         self.qsum = torch.zeros(padded, dtype=torch.int32)
-        # Norms in float32, widened by float32's worst relative error over k terms (and the
-        # rounding of scale * q inside the difference), then rounded up once more: upper bounds.
+        # Norms widened by float32's worst relative error over k terms (and the rounding of scale *
+        # q inside the difference): upper bounds, whatever order the kernel's sums take.
         widen = 1 + (k + 8) * 2.0 ** -23
-        for start in range(0, v, 16384):  # a slice at a time: the temporaries stay small
-            w = self.weight[start:start + 16384]
-            scale = w.abs().amax(1) / 127
-            scale = torch.where(scale > 0, scale, torch.ones_like(scale))
-            rows = torch.round(w / scale[:, None]).clamp_(-127, 127)
-            end = start + w.size(0)
-            q[start:end] = rows.to(torch.int8)
-            self.scale[start:end] = scale
-            self.qsum[start:end] = rows.sum(1).to(torch.int32)
-            norm = w.norm(dim=1)
-            # + what rounding scale * q to float32 may hide: at most 2^-24 max|w| an element
-            err = (w - scale[:, None] * rows).norm(dim=1) + norm * (k ** 0.5 * 2.0 ** -22)
-            self.norm[start:end] = _round_up(norm * widen)
-            self.err[start:end] = _round_up(err * widen)
+        rc = pack(self.weight.data_ptr(), v, k, widen, self.packed.data_ptr(), self.scale.data_ptr(),
+                  self.qsum.data_ptr(), self.norm.data_ptr(), self.err.data_ptr(), torch.get_num_threads())
+        assert rc == 0, f"nanovllm_greedy_head_pack returned {rc}"
         self.max_norm = float(self.norm.max())
-        self.packed = q.view(padded // GREEDY_HEAD_CHUNK, 4, 16, k // 4, 4).permute(0, 3, 1, 2, 4).contiguous()
         self.candidates = torch.zeros((), dtype=torch.int64)  # tokens rechecked by the latest call (for tests)
 
     @staticmethod
     def takes(weight: torch.Tensor) -> bool:
         return (weight.dim() == 2 and weight.dtype == torch.float32 and weight.is_contiguous()
-                and weight.size(1) % 4 == 0 and bool(torch.isfinite(weight).all()))
+                and weight.size(1) % 4 == 0 and bool(torch.isfinite(weight.sum())))  # NaN or inf anywhere: not finite
 
     def __call__(self, x: torch.Tensor, draw=None) -> torch.Tensor | None:
         """[rows] int64 tokens of float32 rows x [rows, K]: the greedy tokens, or with `draw` (a
@@ -284,12 +272,6 @@ class GreedyHead:
 
 def _pointer(t: torch.Tensor | None) -> int | None:
     return None if t is None else t.data_ptr()
-
-
-def _round_up(t: torch.Tensor) -> torch.Tensor:
-    """The next float32 above each value of float32 `t` (a bound computed in float32, made safe
-    against the rounding of its last operation)."""
-    return torch.nextafter(t, torch.tensor(float("inf")))
 
 
 class FusedKernels:
@@ -334,6 +316,9 @@ class FusedKernels:
             self._greedy_head.argtypes = [ptr, i64, i32, i32, ptr, i32, ptr, ptr, ptr, ptr, ptr, f32, f32, ptr, ptr,
                                           ptr, ptr, ptr, i32]
             self._greedy_head.restype = i32
+            self._greedy_head_pack = library.nanovllm_greedy_head_pack
+            self._greedy_head_pack.argtypes = [ptr, i32, i32, ctypes.c_double, ptr, ptr, ptr, ptr, ptr, i32]
+            self._greedy_head_pack.restype = i32
 
     def greedy_tokens(self, logits: torch.Tensor, limit: float) -> torch.Tensor:
         """[rows] int64: each row's argmax of finite_logits(logits) (layers/logits_processors.py:
@@ -367,7 +352,7 @@ class FusedKernels:
         AVX2, or the head is not float32, finite, with a width a multiple of 4."""
         if self._greedy_head is None or not GreedyHead.takes(weight):
             return None
-        return GreedyHead(self._greedy_head, weight, limit)
+        return GreedyHead(self._greedy_head, self._greedy_head_pack, weight, limit)
 
     def few_rows_linear(self, dtype: torch.dtype) -> FewRowsLinear | None:
         """The few-row product for weights of `dtype`, or None where this CPU's build has none

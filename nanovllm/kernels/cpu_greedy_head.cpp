@@ -354,6 +354,59 @@ float dot(const float* x, const float* w, int K) {
 
 extern "C" {
 
+// The head's int8 form (GreedyHead), one pass over w [V, K] float32 (K a multiple of 4), rows in
+// parallel: per vocabulary row v its scale max|w_v| / 127 (1 for a zero row), q_v = round(w_v /
+// scale) in [-127, 127] written to `packed` in the panels' layout ([V/64][K/4][4][16][4], the
+// caller's zeroed buffer of whole panels), the sum of q_v, and upper bounds of ||w_v|| and of
+// ||w_v - scale q_v|| (computed in double, then widened by `widen` and rounded up to float32).
+// Returns 0, or -1 where this build has no greedy head.
+int nanovllm_greedy_head_pack(const float* w, int V, int K, double widen, int8_t* packed, float* scale,
+                              int32_t* qsum, float* norm, float* err, int num_threads) {
+#ifndef NANOVLLM_GREEDY_HEAD
+  (void)w, (void)V, (void)K, (void)widen, (void)packed, (void)scale, (void)qsum, (void)norm, (void)err;
+  (void)num_threads;
+  return -1;
+#else
+#pragma omp parallel num_threads(num_threads)
+  {
+    std::vector<int8_t> q(K);
+    std::vector<float> d(K);
+#pragma omp for schedule(static)
+    for (int v = 0; v < V; ++v) {
+      const float* row = w + static_cast<int64_t>(v) * K;
+      float maxabs = 0.0f;
+      for (int k = 0; k < K; ++k) maxabs = std::max(maxabs, std::fabs(row[k]));
+      const float s = maxabs > 0.0f ? maxabs / 127.0f : 1.0f;
+      int32_t sum = 0;
+      for (int k = 0; k < K; ++k) {  // vectorised: the bounds below hold for whatever q this rounds to
+        const float r = std::min(127.0f, std::max(-127.0f, std::nearbyint(row[k] / s)));
+        q[k] = static_cast<int8_t>(r);
+        sum += static_cast<int32_t>(r);
+        d[k] = row[k] - s * r;  // float32: its rounding is what err's 2^-22 term covers
+      }
+      // Squares summed in double, eight chains; each float32 d_k is within 2^-24 max|w| of the real
+      // difference (Sterbenz: row[k] and s * r are close), which the 2^-22 term below covers.
+      double n2[8] = {}, e2[8] = {};
+      for (int k = 0; k < K; ++k) {
+        n2[k % 8] += static_cast<double>(row[k]) * row[k];
+        e2[k % 8] += static_cast<double>(d[k]) * d[k];
+      }
+      double n2s = 0.0, e2s = 0.0;
+      for (int i = 0; i < 8; ++i) n2s += n2[i], e2s += e2[i];
+      int8_t* panel = packed + static_cast<int64_t>(v / 64) * 64 * K;
+      const int j = (v % 64) / 16, l = v % 16;
+      for (int k = 0; k < K; k += 4) std::memcpy(panel + ((static_cast<int64_t>(k / 4) * 4 + j) * 16 + l) * 4, &q[k], 4);
+      const double n = std::sqrt(n2s);
+      scale[v] = s;
+      qsum[v] = sum;
+      norm[v] = round_up(n * widen);
+      err[v] = round_up((std::sqrt(e2s) + n * std::sqrt(static_cast<double>(K)) * 0x1p-22) * widen);
+    }
+  }
+  return 0;
+#endif
+}
+
 int nanovllm_greedy_head_supported() {
 #ifdef NANOVLLM_GREEDY_HEAD
   return 1;
