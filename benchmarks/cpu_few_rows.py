@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from benchmarks.vs_vllm_cpu import cpu_model, isa_flags  # noqa: E402
+from benchmarks.vs_vllm_cpu import this_cpu  # noqa: E402
 from nanovllm.kernels import cpu_build  # noqa: E402
 
 PACK_BATCH_HINT = 64  # as nanovllm/utils/cpu.py
@@ -62,8 +62,7 @@ def main() -> None:
     if isinstance(kernels, str):
         raise SystemExit(kernels)
     ceiling = read_rate(5)
-    cpuinfo = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
-    cpu, isa = cpu_model(cpuinfo), [flag for flag, present in isa_flags(cpuinfo).items() if present]
+    cpu, isa = this_cpu()
     print(f"{cpu} ({', '.join(isa) or 'ISA unknown'}), {args.threads} thread(s): reads {ceiling:.1f} GB/s "
           f"(a sum over {READ_BUFFER_BYTES >> 20} MiB)", flush=True)
     print(f"{'dtype':9s} {'rows':>4s} {'oneDNN packed: ms (min), GB/s':>32s} {'few-row: ms (min), GB/s':>30s} "

@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from benchmarks.vs_vllm_cpu import cpu_model, isa_flags  # noqa: E402
+from benchmarks.vs_vllm_cpu import this_cpu  # noqa: E402
 from nanovllm.kernels import cpu_build  # noqa: E402
 from nanovllm.layers.linear import linear  # noqa: E402
 from nanovllm.layers.logits_processors import LOGIT_LIMIT  # noqa: E402
@@ -57,8 +57,7 @@ def main() -> None:
     packed = torch.ops.mkldnn._reorder_linear_weight(weight, PACK_BATCH_HINT)
     few_rows = kernels.few_rows_linear(torch.float32)
     amx = kernels.amx_linear(weight, min_rows=cpu_build.AMX_HEAD_MIN_ROWS)
-    cpuinfo = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
-    cpu, isa = cpu_model(cpuinfo), [flag for flag, present in isa_flags(cpuinfo).items() if present]
+    cpu, isa = this_cpu()
     print(f"{cpu} ({', '.join(isa) or 'ISA unknown'}), {args.threads} thread(s); head {args.vocab} x {args.width} "
           f"float32 ({4 * args.vocab * args.width / 1e6:.0f} MB)", flush=True)
     print(f"{'rows':>4s} {'mode':8s} {'logits + kernel ms':>18s} {'head ms':>8s} {'speed-up':>8s} "

@@ -420,6 +420,12 @@ def isa_flags(cpuinfo: str) -> dict[str, bool]:
     return {flag: flag in flags for flag in ISA_FLAGS}
 
 
+def this_cpu() -> tuple[str, list[str]]:
+    """This machine's CPU model and which of ISA_FLAGS it has (from /proc/cpuinfo where there is one)."""
+    cpuinfo = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
+    return cpu_model(cpuinfo), [flag for flag, present in isa_flags(cpuinfo).items() if present]
+
+
 def cpu_model(cpuinfo: str) -> str:
     match = re.search(r"^model name\s*:(.*)$", cpuinfo, re.MULTILINE)
     return match.group(1).strip() if match else (platform.processor() or "unknown")
