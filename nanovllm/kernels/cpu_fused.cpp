@@ -262,7 +262,7 @@ void greedy_rows(const void* logits_, int64_t stride, int rows, int vocab, float
 // layers/sampler.py's draw on the CPU: each row's token, the argmax of its finite logits (as
 // greedy_rows) where its temperature is 0, else argmax_v fma(l_v, 1 / T, g_v) with g_v the row's
 // Gumbel noise (gumbel64: keys and counters as the Triton race's), the first index of the largest.
-// 64 tokens at a time, each of 16 lanes keeping its first largest and its index.
+// 64 tokens at a time, each of NOISE_LANES lanes keeping its first largest and its index.
 template <typename T>
 void race_rows(const void* logits_, int64_t stride, int rows, int vocab, const float* temperatures,
                const int64_t* keys, const int64_t* counters, float limit, int64_t* out, int num_threads) {
@@ -273,8 +273,9 @@ void race_rows(const void* logits_, int64_t stride, int rows, int vocab, const f
     const bool sampled = temperatures[r] > 0.0f;
     const float inv = sampled ? 1.0f / temperatures[r] : 1.0f;
     const NoiseKey key = noise_key(keys[r], counters[r]);
-    f32x16 lane_best = f32x16{} - INFINITY;
-    i32x16 lane_index = {}, index = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+    fvec lane_best = fvec{} - INFINITY;
+    ivec lane_index = {}, index;
+    for (int i = 0; i < NOISE_LANES; ++i) index[i] = i;
     alignas(64) float chunk[NOISE_TOKENS], g[NOISE_TOKENS];
     for (int v = 0; v < vocab; v += NOISE_TOKENS) {
       const int n = std::min(NOISE_TOKENS, vocab - v);
@@ -287,17 +288,17 @@ void race_rows(const void* logits_, int64_t stride, int rows, int vocab, const f
         gumbel64(key, v, g);
         for (int i = 0; i < NOISE_TOKENS; ++i) chunk[i] = std::fma(chunk[i], inv, g[i]);  // -inf stays -inf
       }
-      for (int j = 0; j < NOISE_TOKENS; j += 16, index += 16) {
-        f32x16 z;
+      for (int j = 0; j < NOISE_TOKENS; j += NOISE_LANES, index += NOISE_LANES) {
+        fvec z;
         std::memcpy(&z, chunk + j, sizeof z);
-        const i32x16 larger = z > lane_best;
+        const ivec larger = z > lane_best;
         lane_best = larger ? z : lane_best;
         lane_index = larger ? index : lane_index;
       }
     }
     float best = -INFINITY;
     int64_t best_index = 0;
-    for (int i = 0; i < 16; ++i)
+    for (int i = 0; i < NOISE_LANES; ++i)
       if (lane_best[i] > best || (lane_best[i] == best && lane_index[i] < best_index)) {
         best = lane_best[i];
         best_index = lane_index[i];

@@ -98,19 +98,26 @@ bool quantize_row(const float* x, int K, float max_weight_norm, float limit, uin
 // lo inv + g_v - e <= z_v <= hi inv + g_v + e, where e is well above the roundings of z_v and of these
 // sums (each under 2^-23 of |r_v inv| + |g_v|, and |g_v| < NOISE_MAX_ABS). Lanes past V stay -inf.
 // `noise`: the 16 tokens' g_v.
-inline nanovllm_cpu::f32x16 abs16(nanovllm_cpu::f32x16 x) {
-  return (nanovllm_cpu::f32x16)((nanovllm_cpu::i32x16)x & 0x7fffffff);
+inline nanovllm_cpu::fvec abs_v(nanovllm_cpu::fvec x) {
+  return (nanovllm_cpu::fvec)((nanovllm_cpu::ivec)x & 0x7fffffff);
 }
 
-inline void race_bounds(nanovllm_cpu::f32x16& lo, nanovllm_cpu::f32x16& hi, const RowConsts& c, const float* noise) {
-  using nanovllm_cpu::f32x16;
-  f32x16 g;
-  std::memcpy(&g, noise, sizeof g);
-  const f32x16 a_lo = lo * c.inv, a_hi = hi * c.inv;
-  const f32x16 e = (abs16(a_lo) + abs16(a_hi) + 2 * nanovllm_cpu::NOISE_MAX_ABS) * 0x1p-21f;
-  const nanovllm_cpu::i32x16 valid = hi > -INFINITY;
-  lo = valid ? a_lo + g - e : lo;
-  hi = valid ? a_hi + g + e : hi;
+// race_bounds on the 16 tokens of lo[0:16], hi[0:16], a native vector at a time.
+inline void race_bounds(float* lo, float* hi, const RowConsts& c, const float* noise) {
+  using nanovllm_cpu::fvec;
+  for (int i = 0; i < 16; i += nanovllm_cpu::NOISE_LANES) {
+    fvec l, u, g;
+    std::memcpy(&l, lo + i, sizeof l);
+    std::memcpy(&u, hi + i, sizeof u);
+    std::memcpy(&g, noise + i, sizeof g);
+    const fvec a_lo = l * c.inv, a_hi = u * c.inv;
+    const fvec e = (abs_v(a_lo) + abs_v(a_hi) + 2 * nanovllm_cpu::NOISE_MAX_ABS) * 0x1p-21f;
+    const nanovllm_cpu::ivec valid = u > -INFINITY;
+    l = valid ? a_lo + g - e : l;
+    u = valid ? a_hi + g + e : u;
+    std::memcpy(lo + i, &l, sizeof l);
+    std::memcpy(hi + i, &u, sizeof u);
+  }
 }
 
 // The per-token arrays the bounds read (GreedyHead's, padded to whole panels).
@@ -190,8 +197,8 @@ void pass1_panel(const uint8_t* xu, int rows, const RowConsts* rc, const Head& h
         alignas(64) float noise[CHUNK];
         nanovllm_cpu::gumbel64(rc[r0 + i].key, p * CHUNK, noise);
         for (int j = 0; j < 4; ++j)
-          race_bounds(reinterpret_cast<nanovllm_cpu::f32x16&>(lower[j]), reinterpret_cast<nanovllm_cpu::f32x16&>(upper[j]),
-                      rc[r0 + i], noise + 16 * j);
+          race_bounds(reinterpret_cast<float*>(&lower[j]), reinterpret_cast<float*>(&upper[j]), rc[r0 + i],
+                      noise + 16 * j);
       }
       const __m512 low = _mm512_max_ps(_mm512_max_ps(lower[0], lower[1]), _mm512_max_ps(lower[2], lower[3]));
       const __m512 high = _mm512_max_ps(_mm512_max_ps(upper[0], upper[1]), _mm512_max_ps(upper[2], upper[3]));
@@ -210,9 +217,7 @@ void panel_upper(const uint8_t* xu, const RowConsts& c, const Head& h, int p, fl
   panel_bounds(acc[0], c, p * CHUNK, h, lower, upper);
   if (c.sampled) nanovllm_cpu::gumbel64(c.key, p * CHUNK, g);
   for (int j = 0; j < 4; ++j) {
-    if (c.sampled)
-      race_bounds(reinterpret_cast<nanovllm_cpu::f32x16&>(lower[j]), reinterpret_cast<nanovllm_cpu::f32x16&>(upper[j]),
-                  c, g + 16 * j);
+    if (c.sampled) race_bounds(reinterpret_cast<float*>(&lower[j]), reinterpret_cast<float*>(&upper[j]), c, g + 16 * j);
     _mm512_storeu_ps(up + 16 * j, upper[j]);
   }
 }
@@ -280,12 +285,7 @@ inline void group_bounds(const __m256i (&acc)[2], const RowConsts& c, int v, con
 
 // race_bounds on one group's two vectors of 8 (`noise`: the group's 16 g_v).
 inline void race_group(__m256 (&lower)[2], __m256 (&upper)[2], const RowConsts& c, const float* noise) {
-  nanovllm_cpu::f32x16 lo, hi;
-  std::memcpy(&lo, lower, sizeof lo);
-  std::memcpy(&hi, upper, sizeof hi);
-  race_bounds(lo, hi, c, noise);
-  std::memcpy(lower, &lo, sizeof lo);
-  std::memcpy(upper, &hi, sizeof hi);
+  race_bounds(reinterpret_cast<float*>(lower), reinterpret_cast<float*>(upper), c, noise);
 }
 
 void pass1_panel(const uint8_t* xu, int rows, const RowConsts* rc, const Head& h, int p, float* lower_max,

@@ -307,17 +307,23 @@ inline __m512 sum16(const __m512* v) {
 // keys (lowbias32, twice). w_v lies in (0, 1) exactly, so g_v is finite, in [-2.9, 16.7]; and
 // argmax_v (l_v / T + g_v) is v with probability softmax(l / T)_v (the Gumbel-max trick: the Triton
 // sampler's exponential race in log space, with a cheaper hash than its Philox).
-// Written with GCC's vector extensions: 16 lanes, whatever vector width the build has (the
-// 64-byte vectors these inline functions pass need no ABI across builds: -Wpsabi's note is moot).
+// Written with GCC's vector extensions, NOISE_LANES lanes: the build's vector width (GCC would not
+// vectorise 16-lane comparisons and selects on AVX2).
 #pragma GCC diagnostic push
 #pragma GCC diagnostic ignored "-Wpsabi"
 namespace nanovllm_cpu {
 
-typedef float f32x16 __attribute__((vector_size(64)));
-typedef int32_t i32x16 __attribute__((vector_size(64)));
-typedef uint32_t u32x16 __attribute__((vector_size(64)));
+#ifdef __AVX512F__
+constexpr int NOISE_LANES = 16;
+#else
+constexpr int NOISE_LANES = 8;
+#endif
+typedef float fvec __attribute__((vector_size(4 * NOISE_LANES)));
+typedef int32_t ivec __attribute__((vector_size(4 * NOISE_LANES)));
+typedef uint32_t uvec __attribute__((vector_size(4 * NOISE_LANES)));
 
 constexpr float NOISE_MAX_ABS = 17.0f;  // |g_v| is below this
+constexpr int NOISE_TOKENS = 64;  // tokens a call of gumbel64: independent chains of NOISE_LANES lanes
 
 struct NoiseKey {
   uint32_t k0, k1;
@@ -335,7 +341,7 @@ inline NoiseKey noise_key(int64_t key, int64_t counter) {
   return {static_cast<uint32_t>(s), static_cast<uint32_t>(s >> 32)};
 }
 
-inline u32x16 lowbias32(u32x16 x) {
+inline uvec lowbias32(uvec x) {
   x ^= x >> 16;
   x *= 0x7feb352du;
   x ^= x >> 15;
@@ -343,37 +349,33 @@ inline u32x16 lowbias32(u32x16 x) {
   return x ^ (x >> 16);
 }
 
-// log(x) for normal x > 0: x = 2^e m with m in [sqrt(1/2), sqrt(2)), log(m) = f + f^2 P(f) with
-// f = m - 1 and P of degree 6 fitted by least squares at Chebyshev nodes (|error| < 5e-8 before
-// rounding; no division).
-inline f32x16 log_positive(f32x16 x) {
-  const i32x16 bits = (i32x16)x;  // a vector cast: the same bits
-  i32x16 e = (bits >> 23) - 127;
-  f32x16 m = (f32x16)((bits & 0x7fffff) | 0x3f800000);
-  const i32x16 big = m > 1.41421356f;  // -1 in the lanes where m is halved
-  m = big ? m * 0.5f : m;
-  e -= big;
-  const f32x16 f = m - 1.0f;
-  f32x16 p = f * -0.097315522252516f + 0.16239617584151525f;
+// log(x) for normal x > 0: x = 2^e m with m in [sqrt(1/2), sqrt(2)) (found in the bits, as musl's
+// logf), log(m) = f + f^2 P(f) with f = m - 1 and P of degree 6 fitted by least squares at
+// Chebyshev nodes (|error| < 5e-8 before rounding).
+inline fvec log_positive(fvec x) {
+  const ivec shifted = (ivec)x - 0x3f3504f3;  // the bits of sqrt(1/2)
+  const ivec e = shifted >> 23;  // arithmetic: the exponent of x / sqrt(1/2), rounded down
+  const fvec f = (fvec)((shifted & 0x7fffff) + 0x3f3504f3) - 1.0f;
+  fvec p = f * -0.097315522252516f + 0.16239617584151525f;
   for (const float c : {-0.17389141343906622f, 0.199029355732184f, -0.2495676805010601f, 0.33334727199967495f,
                         -0.5000070577831116f})
     p = p * f + c;
-  return __builtin_convertvector(e, f32x16) * 0.693147180559945f + (f + f * f * p);
+  return __builtin_convertvector(e, fvec) * 0.693147180559945f + (f + f * f * p);
 }
-
-constexpr int NOISE_TOKENS = 64;  // tokens a call of gumbel64: four independent chains of 16 lanes
 
 // g[i] = g_v of the token v = v0 + i, i < 64 (lanes past the vocabulary are the caller's to ignore).
 __attribute__((noinline)) inline void gumbel64(NoiseKey key, int v0, float* g) {
-  const u32x16 lanes = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
-  f32x16 w[4];
-  for (int j = 0; j < 4; ++j) {
-    const u32x16 x = lowbias32(lowbias32((lanes + static_cast<uint32_t>(v0 + 16 * j)) ^ key.k0) ^ key.k1);
-    const i32x16 odd = (i32x16)((x >> 9) << 1 | 1u);  // an odd integer below 2^24
-    w[j] = __builtin_convertvector(odd, f32x16) * 0x1p-24f;  // exact
+  constexpr int N = NOISE_TOKENS / NOISE_LANES;
+  uvec lanes;
+  for (int i = 0; i < NOISE_LANES; ++i) lanes[i] = i;
+  fvec w[N];
+  for (int j = 0; j < N; ++j) {
+    const uvec x = lowbias32(lowbias32((lanes + static_cast<uint32_t>(v0 + NOISE_LANES * j)) ^ key.k0) ^ key.k1);
+    const ivec odd = (ivec)((x >> 9) << 1 | 1u);  // an odd integer below 2^24
+    w[j] = __builtin_convertvector(odd, fvec) * 0x1p-24f;  // exact
   }
-  for (int j = 0; j < 4; ++j) w[j] = -log_positive(w[j]);  // Exp(1)
-  for (int j = 0; j < 4; ++j) w[j] = -log_positive(w[j]);  // Gumbel
+  for (int j = 0; j < N; ++j) w[j] = -log_positive(w[j]);  // Exp(1)
+  for (int j = 0; j < N; ++j) w[j] = -log_positive(w[j]);  // Gumbel
   std::memcpy(g, w, sizeof w);
 }
 
