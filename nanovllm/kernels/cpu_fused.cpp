@@ -13,7 +13,7 @@
 #include <vector>
 
 #include "cpu_kernels.h"
-#pragma GCC diagnostic ignored "-Wpsabi"  // 16-lane vectors in inline functions (cpu_kernels.h)
+#pragma GCC diagnostic ignored "-Wpsabi"  // GCC vectors passed between inline functions (cpu_kernels.h)
 
 namespace {
 

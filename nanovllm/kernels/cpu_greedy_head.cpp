@@ -27,7 +27,7 @@
 #include <vector>
 
 #include "cpu_kernels.h"
-#pragma GCC diagnostic ignored "-Wpsabi"  // 16-lane vectors in inline functions (cpu_kernels.h)
+#pragma GCC diagnostic ignored "-Wpsabi"  // GCC vectors passed between inline functions (cpu_kernels.h)
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
 #define NANOVLLM_GREEDY_HEAD 512
@@ -93,16 +93,15 @@ bool quantize_row(const float* x, int K, float max_weight_norm, float limit, uin
   return true;
 }
 
-// A sampled row draws argmax_v z_v, z_v = fma(r_v, inv, g_v) (r_v its float32 logit as the recheck
-// computes it, g_v its noise: cpu_kernels.h gumbel64), so its bounds move to z: lo <= r_v <= hi gives
-// lo inv + g_v - e <= z_v <= hi inv + g_v + e, where e is well above the roundings of z_v and of these
-// sums (each under 2^-23 of |r_v inv| + |g_v|, and |g_v| < NOISE_MAX_ABS). Lanes past V stay -inf.
-// `noise`: the 16 tokens' g_v.
 inline nanovllm_cpu::fvec abs_v(nanovllm_cpu::fvec x) {
   return (nanovllm_cpu::fvec)((nanovllm_cpu::ivec)x & 0x7fffffff);
 }
 
-// race_bounds on the 16 tokens of lo[0:16], hi[0:16], a native vector at a time.
+// A sampled row draws argmax_v z_v, z_v = fma(r_v, inv, g_v) (r_v its float32 logit as the recheck
+// computes it, g_v its noise: cpu_kernels.h gumbel64), so its bounds move to z: lo <= r_v <= hi gives
+// lo inv + g_v - e <= z_v <= hi inv + g_v + e, where e is well above the roundings of z_v and of these
+// sums (each under 2^-23 of |r_v inv| + |g_v|, and |g_v| < NOISE_MAX_ABS). Lanes past V stay -inf.
+// In place on the 16 tokens of lo[0:16], hi[0:16] (`noise`: their g_v), a native vector at a time.
 inline void race_bounds(float* lo, float* hi, const RowConsts& c, const float* noise) {
   using nanovllm_cpu::fvec;
   for (int i = 0; i < 16; i += nanovllm_cpu::NOISE_LANES) {
