@@ -282,11 +282,6 @@ inline void group_bounds(const __m256i (&acc)[2], const RowConsts& c, int v, con
   }
 }
 
-// race_bounds on one group's two vectors of 8 (`noise`: the group's 16 g_v).
-inline void race_group(__m256 (&lower)[2], __m256 (&upper)[2], const RowConsts& c, const float* noise) {
-  race_bounds(reinterpret_cast<float*>(lower), reinterpret_cast<float*>(upper), c, noise);
-}
-
 void pass1_panel(const uint8_t* xu, int rows, const RowConsts* rc, const Head& h, int p, float* lower_max,
                  float* top, int64_t top_stride) {
   const int8_t* wp = h.q + static_cast<size_t>(p) * CHUNK * h.K;
@@ -310,8 +305,9 @@ void pass1_panel(const uint8_t* xu, int rows, const RowConsts* rc, const Head& h
       }
       for (int i = 0; i < n; ++i) {
         group_bounds(acc[i], rc[r0 + i], p * CHUNK + 16 * g, h, lower, upper);
-        if (rc[r0 + i].sampled)
-          race_group(lower, upper, rc[r0 + i], noise.data() + static_cast<size_t>(r0 + i) * CHUNK + 16 * g);
+        if (rc[r0 + i].sampled)  // the group's two vectors of 8 as 16 floats
+          race_bounds(reinterpret_cast<float*>(lower), reinterpret_cast<float*>(upper), rc[r0 + i],
+                      noise.data() + static_cast<size_t>(r0 + i) * CHUNK + 16 * g);
         lower_max[r0 + i] = std::max(lower_max[r0 + i], max8(_mm256_max_ps(lower[0], lower[1])));
         float& t = top[(r0 + i) * top_stride];
         t = std::max(t, max8(_mm256_max_ps(upper[0], upper[1])));
@@ -327,7 +323,7 @@ void panel_upper(const uint8_t* xu, const RowConsts& c, const Head& h, int p, fl
   for (int g = 0; g < 4; ++g) {
     group_dots<1>(xu, h.K, wp, g, acc);
     group_bounds(acc[0], c, p * CHUNK + 16 * g, h, lower, upper);
-    if (c.sampled) race_group(lower, upper, c, noise + 16 * g);
+    if (c.sampled) race_bounds(reinterpret_cast<float*>(lower), reinterpret_cast<float*>(upper), c, noise + 16 * g);
     _mm256_storeu_ps(up + 16 * g, upper[0]);
     _mm256_storeu_ps(up + 16 * g + 8, upper[1]);
   }
