@@ -11,7 +11,9 @@
 //   |s_v - r_v| <= ||x - x^|| ||w_v|| + ||x^|| ||w_v - w^_v|| + slack ||x|| ||w_v|| = B_v,
 // the slack covering float32's roundings of r_v (K terms) and of s_v. So the token with the largest
 // r_v has s_v + B_v >= max_u (s_u - B_u): only the tokens that pass are recomputed in float32 and
-// the largest taken (the first on ties, as torch.argmax). The token is the one a float32 product of
+// the largest taken (the first on ties, as torch.argmax). One pass over the int8 head scores every
+// token and keeps those whose s_v + B_v reach the largest s_u - B_u seen so far (RowScan); the
+// second rechecks the kept ones that reach the final one. The token is the one a float32 product of
 // every logit (in the recheck's order) would give, for a few dozen row products a row (random
 // weights: ~10 of 32,000) instead of the vocabulary's.
 //
@@ -24,6 +26,8 @@
 // arithmetic of the bound and the comparisons can only let more tokens through. Rows that are not
 // finite, or whose logits could reach a tenth of the sampler's clamp (`limit`), return 1: the caller then
 // takes the float32 logits' path.
+#include <omp.h>
+
 #include <vector>
 
 #include "cpu_kernels.h"
@@ -127,6 +131,29 @@ struct Head {
   int K, V;
 };
 
+// A token pass 1 could not rule out for a row: its upper bound and (a sampled row) its noise g_v.
+struct Candidate {
+  int v;
+  float upper, noise;
+};
+
+// One row's pass 1 in one thread: the largest lower bound it has seen (its floor) and every token
+// whose upper bound reached the floor as it stood when the token was scored. The row's final floor
+// (the largest over all threads) is at least each of those, so no token left out can pass it.
+struct RowScan {
+  float floor;
+  std::vector<Candidate> kept;
+
+  // A group's tokens from v0: `mask` bit i set where up[i] >= floor (the floor already raised to
+  // the group's own lower bounds); lanes past V are never kept.
+  void keep(uint64_t mask, const float* up, const float* noise, int v0, int V) {
+    for (; mask; mask &= mask - 1) {
+      const int i = __builtin_ctzll(mask);
+      if (v0 + i < V) kept.push_back({v0 + i, up[i], noise ? noise[i] : 0.0f});
+    }
+  }
+};
+
 #if NANOVLLM_GREEDY_HEAD == 512
 // acc[r][j] = sum over k of xu[r][k] * q[v][k] for the panel's 64 rows v (vector j: rows 16j..16j+15),
 // the panel's int8 weight laid out [K/4][4 vectors][16 rows][4 k].
@@ -153,8 +180,7 @@ inline void panel_dots(const uint8_t* xu, int K, const int8_t* wp, __m512i (&acc
 }
 
 // One row's 64 int8 scores of the panel at v0 as bounds on its float32 logits: s - B and s + B
-// (-inf in lanes past V). Both passes call it; each pass's bounds hold on their own (MARGIN
-// covers however the compiler rounds or contracts them), so pass 2 need not reproduce pass 1's bits.
+// (-inf in lanes past V); MARGIN covers however the compiler rounds or contracts them.
 inline void panel_bounds(const __m512i (&acc)[4], const RowConsts& c, int v0, const Head& h, __m512 (&lower)[4],
                          __m512 (&upper)[4]) {
   const __m512 c1 = _mm512_set1_ps(c.c1), c2 = _mm512_set1_ps(c.c2), sx = _mm512_set1_ps(c.sx);
@@ -172,13 +198,13 @@ inline void panel_bounds(const __m512i (&acc)[4], const RowConsts& c, int v0, co
   }
 }
 
-// Pass 1 over panel p for rows [0, rows) of xu: each row's largest s - B into lower_max (kept
-// across panels), and the panel's largest s + B into top[r * top_stride].
-void pass1_panel(const uint8_t* xu, int rows, const RowConsts* rc, const Head& h, int p, float* lower_max,
-                 float* top, int64_t top_stride) {
+// Pass 1 over panel p for rows [0, rows) of xu: each row's scan (`scans[r]`, this thread's) raised to
+// the panel's lower bounds, and the tokens whose upper bounds reach it kept.
+void pass1_panel(const uint8_t* xu, int rows, const RowConsts* rc, const Head& h, int p, RowScan* scans) {
   const int8_t* wp = h.q + static_cast<size_t>(p) * CHUNK * h.K;
   __m512i acc[XROWS][4];
   __m512 lower[4], upper[4];
+  alignas(64) float noise[CHUNK];
   for (int r0 = 0; r0 < rows; r0 += XROWS) {
     const int n = std::min(XROWS, rows - r0);
     const uint8_t* xr = xu + static_cast<size_t>(r0) * h.K;
@@ -191,33 +217,21 @@ void pass1_panel(const uint8_t* xu, int rows, const RowConsts* rc, const Head& h
       default: panel_dots<1>(xr, h.K, wp, acc); break;
     }
     for (int i = 0; i < n; ++i) {
-      panel_bounds(acc[i], rc[r0 + i], p * CHUNK, h, lower, upper);
-      if (rc[r0 + i].sampled) {
-        alignas(64) float noise[CHUNK];
-        nanovllm_cpu::gumbel64(rc[r0 + i].key, p * CHUNK, noise);
+      const RowConsts& c = rc[r0 + i];
+      panel_bounds(acc[i], c, p * CHUNK, h, lower, upper);
+      if (c.sampled) {
+        nanovllm_cpu::gumbel64(c.key, p * CHUNK, noise);
         for (int j = 0; j < 4; ++j)
-          race_bounds(reinterpret_cast<float*>(&lower[j]), reinterpret_cast<float*>(&upper[j]), rc[r0 + i],
-                      noise + 16 * j);
+          race_bounds(reinterpret_cast<float*>(&lower[j]), reinterpret_cast<float*>(&upper[j]), c, noise + 16 * j);
       }
+      RowScan& scan = scans[r0 + i];
       const __m512 low = _mm512_max_ps(_mm512_max_ps(lower[0], lower[1]), _mm512_max_ps(lower[2], lower[3]));
-      const __m512 high = _mm512_max_ps(_mm512_max_ps(upper[0], upper[1]), _mm512_max_ps(upper[2], upper[3]));
-      lower_max[r0 + i] = std::max(lower_max[r0 + i], _mm512_reduce_max_ps(low));
-      top[(r0 + i) * top_stride] = _mm512_reduce_max_ps(high);
+      scan.floor = std::max(scan.floor, _mm512_reduce_max_ps(low));
+      const __m512 floor = _mm512_set1_ps(scan.floor);
+      uint64_t mask = 0;
+      for (int j = 0; j < 4; ++j) mask |= uint64_t{_mm512_cmp_ps_mask(upper[j], floor, _CMP_GE_OQ)} << (16 * j);
+      if (mask) scan.keep(mask, reinterpret_cast<const float*>(upper), c.sampled ? noise : nullptr, p * CHUNK, h.V);
     }
-  }
-}
-
-// Pass 2: one row's upper bounds for the 64 tokens of panel p (s + B, or for a sampled row its
-// race_bounds, with the noise into g).
-void panel_upper(const uint8_t* xu, const RowConsts& c, const Head& h, int p, float* up, float* g) {
-  __m512i acc[XROWS][4];
-  __m512 lower[4], upper[4];
-  panel_dots<1>(xu, h.K, h.q + static_cast<size_t>(p) * CHUNK * h.K, acc);
-  panel_bounds(acc[0], c, p * CHUNK, h, lower, upper);
-  if (c.sampled) nanovllm_cpu::gumbel64(c.key, p * CHUNK, g);
-  for (int j = 0; j < 4; ++j) {
-    if (c.sampled) race_bounds(reinterpret_cast<float*>(&lower[j]), reinterpret_cast<float*>(&upper[j]), c, g + 16 * j);
-    _mm512_storeu_ps(up + 16 * j, upper[j]);
   }
 }
 
@@ -282,17 +296,14 @@ inline void group_bounds(const __m256i (&acc)[2], const RowConsts& c, int v, con
   }
 }
 
-void pass1_panel(const uint8_t* xu, int rows, const RowConsts* rc, const Head& h, int p, float* lower_max,
-                 float* top, int64_t top_stride) {
+void pass1_panel(const uint8_t* xu, int rows, const RowConsts* rc, const Head& h, int p, RowScan* scans) {
   const int8_t* wp = h.q + static_cast<size_t>(p) * CHUNK * h.K;
   __m256i acc[XROWS][2];
-  __m256 lower[2], upper[2];
+  __m256 bounds[2][2];  // lower, upper: the group's 16 tokens as two vectors of 8 each
   thread_local std::vector<float> noise;  // the sampled rows' g_v for the panel's 64 tokens
   noise.resize(static_cast<size_t>(rows) * CHUNK);
-  for (int r = 0; r < rows; ++r) {
-    top[r * top_stride] = -INFINITY;
+  for (int r = 0; r < rows; ++r)
     if (rc[r].sampled) nanovllm_cpu::gumbel64(rc[r].key, p * CHUNK, noise.data() + static_cast<size_t>(r) * CHUNK);
-  }
   for (int g = 0; g < 4; ++g)
     for (int r0 = 0; r0 < rows; r0 += XROWS) {
       const int n = std::min(XROWS, rows - r0);
@@ -304,29 +315,19 @@ void pass1_panel(const uint8_t* xu, int rows, const RowConsts* rc, const Head& h
         default: group_dots<1>(xr, h.K, wp, g, acc); break;
       }
       for (int i = 0; i < n; ++i) {
-        group_bounds(acc[i], rc[r0 + i], p * CHUNK + 16 * g, h, lower, upper);
-        if (rc[r0 + i].sampled)  // the group's two vectors of 8 as 16 floats
-          race_bounds(reinterpret_cast<float*>(lower), reinterpret_cast<float*>(upper), rc[r0 + i],
-                      noise.data() + static_cast<size_t>(r0 + i) * CHUNK + 16 * g);
-        lower_max[r0 + i] = std::max(lower_max[r0 + i], max8(_mm256_max_ps(lower[0], lower[1])));
-        float& t = top[(r0 + i) * top_stride];
-        t = std::max(t, max8(_mm256_max_ps(upper[0], upper[1])));
+        const RowConsts& c = rc[r0 + i];
+        __m256 (&lower)[2] = bounds[0], (&upper)[2] = bounds[1];
+        group_bounds(acc[i], c, p * CHUNK + 16 * g, h, lower, upper);
+        const float* g_v = c.sampled ? noise.data() + static_cast<size_t>(r0 + i) * CHUNK + 16 * g : nullptr;
+        if (c.sampled) race_bounds(reinterpret_cast<float*>(lower), reinterpret_cast<float*>(upper), c, g_v);
+        RowScan& scan = scans[r0 + i];
+        scan.floor = std::max(scan.floor, max8(_mm256_max_ps(lower[0], lower[1])));
+        const __m256 floor = _mm256_set1_ps(scan.floor);
+        const uint64_t mask = static_cast<unsigned>(_mm256_movemask_ps(_mm256_cmp_ps(upper[0], floor, _CMP_GE_OQ))) |
+                              static_cast<unsigned>(_mm256_movemask_ps(_mm256_cmp_ps(upper[1], floor, _CMP_GE_OQ))) << 8;
+        if (mask) scan.keep(mask, reinterpret_cast<const float*>(upper), g_v, p * CHUNK + 16 * g, h.V);
       }
     }
-}
-
-void panel_upper(const uint8_t* xu, const RowConsts& c, const Head& h, int p, float* up, float* noise) {
-  const int8_t* wp = h.q + static_cast<size_t>(p) * CHUNK * h.K;
-  __m256i acc[XROWS][2];
-  __m256 lower[2], upper[2];
-  if (c.sampled) nanovllm_cpu::gumbel64(c.key, p * CHUNK, noise);
-  for (int g = 0; g < 4; ++g) {
-    group_dots<1>(xu, h.K, wp, g, acc);
-    group_bounds(acc[0], c, p * CHUNK + 16 * g, h, lower, upper);
-    if (c.sampled) race_bounds(reinterpret_cast<float*>(lower), reinterpret_cast<float*>(upper), c, noise + 16 * g);
-    _mm256_storeu_ps(up + 16 * g, upper[0]);
-    _mm256_storeu_ps(up + 16 * g + 8, upper[1]);
-  }
 }
 
 float dot(const float* x, const float* w, int K) {
@@ -432,11 +433,14 @@ int nanovllm_greedy_head(const float* x, int64_t x_stride, int rows, int K, cons
   const int panels = (V + CHUNK - 1) / CHUNK;
   thread_local std::vector<uint8_t> xu;  // scratch kept across calls
   thread_local std::vector<RowConsts> consts;
-  thread_local std::vector<float> panel_top, lower_max;
+  thread_local std::vector<RowScan> scans;  // [thread][row]: each thread's pass 1 of each row
   xu.resize(static_cast<size_t>(rows) * K);
   consts.resize(rows);
-  panel_top.resize(static_cast<size_t>(rows) * panels);
-  lower_max.assign(rows, -INFINITY);
+  scans.resize(static_cast<size_t>(num_threads) * rows);
+  for (RowScan& scan : scans) {
+    scan.floor = -INFINITY;
+    scan.kept.clear();
+  }
   for (int r = 0; r < rows; ++r) {
     RowConsts& c = consts[r];
     c.sampled = temperatures && temperatures[r] > 0.0f;
@@ -447,44 +451,37 @@ int nanovllm_greedy_head(const float* x, int64_t x_stride, int rows, int K, cons
   }
   const uint8_t* xu_p = xu.data();
   const RowConsts* rc = consts.data();
-  float *top = panel_top.data(), *lmax = lower_max.data();
+  RowScan* scan_p = scans.data();
   const Head h{q, scale, norm, err, qsum, K, V};
-  // Pass 1: every panel's int8 scores for every row: each row's largest s_v - B_v, and per panel
-  // its largest s_v + B_v.
+  // Pass 1: every panel's int8 scores for every row, each thread over its share of the panels:
+  // the row's largest s_v - B_v so far, and the tokens whose s_v + B_v reach it.
 #pragma omp parallel num_threads(num_threads)
   {
-    std::vector<float> mine(rows, -INFINITY);
+    RowScan* mine = scan_p + static_cast<size_t>(omp_get_thread_num()) * rows;
 #pragma omp for schedule(static)
-    for (int p = 0; p < panels; ++p) pass1_panel(xu_p, rows, rc, h, p, mine.data(), top + p, panels);
-#pragma omp critical
-    for (int r = 0; r < rows; ++r) lmax[r] = std::max(lmax[r], mine[r]);
+    for (int p = 0; p < panels; ++p) pass1_panel(xu_p, rows, rc, h, p, mine);
   }
-  // Pass 2: per row, the panels whose largest s_v + B_v reaches the row's largest s_u - B_u, their
-  // scores recomputed (a panel's dots for one row: ~1/64 of pass 1's work for it) and each token
-  // that reaches it rechecked in float32.
+  // Pass 2: per row, the kept tokens that reach its largest s_u - B_u over all threads, rechecked
+  // in float32 (each row its own token: the threads' lists in any order).
   int64_t total = 0;
 #pragma omp parallel for schedule(dynamic, 1) num_threads(num_threads) reduction(+ : total)
   for (int r = 0; r < rows; ++r) {
-    const float floor = lmax[r];
+    float floor = -INFINITY;
+    for (int t = 0; t < num_threads; ++t) floor = std::max(floor, scan_p[static_cast<size_t>(t) * rows + r].floor);
     const float* xr = x + r * x_stride;
     float best = -INFINITY;
-    int64_t token = 0;
-    alignas(64) float up[CHUNK], noise[CHUNK];
-    for (int p = 0; p < panels; ++p) {
-      if (top[static_cast<size_t>(r) * panels + p] < floor) continue;
-      panel_upper(xu_p + static_cast<size_t>(r) * K, rc[r], h, p, up, noise);
-      for (int i = 0; i < CHUNK; ++i) {
-        if (up[i] < floor) continue;  // past V too (-inf)
+    int64_t token = -1;
+    for (int t = 0; t < num_threads; ++t)
+      for (const Candidate& cand : scan_p[static_cast<size_t>(t) * rows + r].kept) {
+        if (cand.upper < floor) continue;
         ++total;
-        const int v = p * CHUNK + i;
-        const float logit = dot(xr, w + static_cast<int64_t>(v) * K, K);
-        const float z = rc[r].sampled ? std::fma(logit, rc[r].inv, noise[i]) : logit;  // as race_rows
-        if (z > best) {  // ascending v and a strict >: the first of the largest, as torch.argmax
+        const float logit = dot(xr, w + static_cast<int64_t>(cand.v) * K, K);
+        const float z = rc[r].sampled ? std::fma(logit, rc[r].inv, cand.noise) : logit;  // as race_rows
+        if (z > best || (z == best && cand.v < token)) {  // the first of the largest, as torch.argmax
           best = z;
-          token = v;
+          token = cand.v;
         }
       }
-    }
     out[r] = token;
   }
   if (candidates) *candidates = total;
