@@ -152,6 +152,27 @@ def test_engine_built_for_another_isa_gives_hf_greedy_tokens(qwen3_head64, isa, 
     llm.exit()
 
 
+def test_row_product_build_matches_float64(library):
+    """The build's float32 product of rows with a weight (cpu_linear.cpp): the few-row form up to 4
+    rows, and on the AVX2 build the blocked form up to 128 (4 x 3 blocks, tails of rows, weight
+    rows and K, a bias, a strided x); the AVX-512 build takes 4 rows and leaves more to oneDNN."""
+    kernels = cpu_build.FusedKernels(library)
+    product = kernels.few_rows_linear(torch.float32)
+    avx2_only = library.path == cpu_build.build(extra_flags=cpu_build.CPU_ISAS["avx2"][0])
+    assert product.max_rows == (128 if avx2_only else 4)
+    gen = torch.Generator().manual_seed(3)
+    for rows in sorted(r for r in {1, 3, 4, 5, 7, 64, 127, 128} if r <= product.max_rows):
+        for n, k in ((1, 8), (7, 13), (301, 260)):
+            base = torch.randn(rows, 2 * k, generator=gen)
+            x = base[:, :k]  # rows with a stride of 2k
+            w, bias = torch.randn(n, k, generator=gen), torch.randn(n, generator=gen)
+            for b in (None, bias):
+                expected = x.double() @ w.double().T + (0 if b is None else b.double())
+                got = product(x, w, b)
+                assert got.shape == (rows, n) and got.dtype == torch.float32
+                assert (got.double() - expected).abs().max() <= 1e-5 * (1 + expected.abs().max())
+
+
 def test_greedy_head_build_gives_the_exact_argmax(library):
     kernels = cpu_build.FusedKernels(library)
     for vocab, width, rows in ((3000, 512, 64), (1000, 100, 7), (50, 64, 1), (4097, 260, 70)):

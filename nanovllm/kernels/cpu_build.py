@@ -46,13 +46,15 @@ CXX_FLAGS = ("-O3", "-march=native", "-fopenmp", "-std=c++17", "-shared", "-fPIC
 ABI_VERSION = 7  # nanovllm_paged_attention_abi() of a library this module can call
 BUILD_TIMEOUT_S = 120  # a build takes ~1 s alone; a loaded machine may stretch it
 DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
-# The most rows of x the few-row product takes per dtype (cpu_linear.cpp's MAX_ROWS). Against
+# The dtypes the few-row product takes (its most rows of x: cpu_linear.cpp's MAX_ROWS). Against
 # oneDNN's packed product (a whole model's products in a row, 2 threads, AMD EPYC Zen 4;
 # docs/BENCHMARKS.md): float32 ~20% faster at 1 row, ~10% at 2, ~5% slower at 3-4; bfloat16
 # 35-40% faster at 1-3 rows, ~5% at 4. Float32 takes 3-4 rows too: with them every decode step of
 # up to 4 sequences can run as one call (layers/cpu_decode.py), which saves ~1 ms a step of Python
 # (real-proportion model) where the slower products cost ~0.4 ms.
-FEW_ROWS_MAX = {torch.float32: 4, torch.bfloat16: 4}
+# So the product takes up to 4 rows of either (the library's count; the AVX2 build's float32 product
+# takes up to 128: cpu_linear.cpp many_rows, faster than oneDNN there up to ~128 rows).
+FEW_ROWS_DTYPES = (torch.float32, torch.bfloat16)
 # The most rows the AMX product takes (cpu_amx_linear.cpp): decode steps of up to 256 sequences.
 # bfloat16: on a 2-vCPU Intel Xeon with AMX, after a 24 MB read (an attention layer's), the real
 # model's layer shapes took 0.45-0.75x oneDNN's packed time at 16-64 rows, 0.6-0.9x at 128-256, and
@@ -141,7 +143,8 @@ class PagedAttentionKernel:
 
 class FewRowsLinear:
     """x @ weight.T (+ bias) for 1..max_rows rows of x in weight's dtype (cpu_linear.cpp), the
-    product layers/linear.py linear() takes at decode steps of a few sequences."""
+    product layers/linear.py linear() takes at decode steps of a few sequences (of up to 128 in
+    float32 on an AVX2-only build)."""
 
     def __init__(self, fn, max_rows: int):
         self._fn = fn
@@ -298,8 +301,7 @@ class FusedKernels:
         self.decode_layers.argtypes = [ptr, i32, ptr, ptr, ptr, ptr, ptr, i64, ptr, ptr, ptr, i32]
         for fn in (self._rms_norm, self._silu_and_mul, self._qk_norm_rope, self._few_rows_linear, self.decode_layers):
             fn.restype = i32
-        self._few_rows_supported = {dtype: bool(library.nanovllm_few_rows_supported(code))
-                                    for dtype, code in DTYPE_CODES.items()}
+        self._few_rows_max = {dtype: library.nanovllm_few_rows_supported(code) for dtype, code in DTYPE_CODES.items()}
         amx_linear = library.nanovllm_amx_linear
         amx_linear.argtypes = [i32, ptr, i64, i32, i32, ptr, i32, ptr, ptr, i64, i32]
         amx_linear.restype = i32
@@ -356,10 +358,11 @@ class FusedKernels:
 
     def few_rows_linear(self, dtype: torch.dtype) -> FewRowsLinear | None:
         """The few-row product for weights of `dtype`, or None where this CPU's build has none
-        (float32 needs AVX-512F, bfloat16 AVX512-BF16) or oneDNN is faster (float16)."""
-        if not self._few_rows_supported.get(dtype) or dtype not in FEW_ROWS_MAX:
+        (float32 needs AVX-512F or AVX2 + FMA, bfloat16 AVX512-BF16) or oneDNN is faster (float16)."""
+        rows = self._few_rows_max.get(dtype, 0)
+        if not rows or dtype not in FEW_ROWS_DTYPES:
             return None
-        return FewRowsLinear(self._few_rows_linear, FEW_ROWS_MAX[dtype])
+        return FewRowsLinear(self._few_rows_linear, rows)
 
     def amx_linear(self, weight: torch.Tensor, min_rows: int = 1) -> AmxProduct | None:
         """`weight` packed for the AMX product (taking min_rows..max_rows rows), or None where

@@ -154,10 +154,102 @@ void few_rows(const float* x, int64_t x_stride, const float* w, const float* bia
   }
 }
 
+// More rows (MAX_ROWS < M <= MANY_ROWS): blocks of MR rows of x against NR rows of w, the MR x NR
+// products summed over K in 12 vector registers (7 loads for 12 FMAs) and only then across their
+// lanes. A thread walks its run of w's rows NR at a time; each block of w stays in L1 while every
+// block of x passes (x, M x K floats, from L2), and the next block of w is requested as it goes.
+// Measured against oneDNN's packed product on issue 29's real-proportion shapes (8 layers' weights,
+// capped at AVX2, 2 threads): 1.6x at 16 rows, 1.3x at 32, 1.2x at 64, 1.1x at 128, 0.9x at 256
+// (docs/BENCHMARKS.md "Sixteenth 2026-11-27 session"). An AVX-512 form measured level with oneDNN.
+constexpr int MANY_ROWS = 128;
+constexpr int MR = 4, NR = 3;
+constexpr int64_t X_BLOCK_BYTES = 1 << 20;  // x rows a pass over w: ~1 MB, inside L2
+
+inline __m128 sum4(__m256 a0, __m256 a1, __m256 a2, __m256 a3) {
+  const __m256 h = _mm256_hadd_ps(_mm256_hadd_ps(a0, a1), _mm256_hadd_ps(a2, a3));
+  return _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
+}
+
+// out[0:R, 0:C] = x[0:R] . w[0:C] (+ bias) for R <= MR rows of x and C <= NR rows of w.
+template <int R, int C>
+inline void block_products(const float* __restrict__ x, int64_t x_stride, const float* __restrict__ w, int K,
+                           const float* __restrict__ bias, float* __restrict__ out, int64_t out_stride) {
+  __m256 acc[R][C];
+  for (int i = 0; i < R; ++i)
+    for (int j = 0; j < C; ++j) acc[i][j] = _mm256_setzero_ps();
+  int k = 0;
+  for (; k + FEW_LANES <= K; k += FEW_LANES) {
+    __m256 wv[C];
+    for (int j = 0; j < C; ++j) wv[j] = _mm256_loadu_ps(w + static_cast<int64_t>(j) * K + k);
+    for (int i = 0; i < R; ++i) {
+      const __m256 xv = _mm256_loadu_ps(x + i * x_stride + k);
+      for (int j = 0; j < C; ++j) acc[i][j] = _mm256_fmadd_ps(xv, wv[j], acc[i][j]);
+    }
+  }
+  if (k < K) {  // the tail, masked: lanes past K load zeros
+    const __m256i mask = first_lanes8(K - k);
+    __m256 wv[C];
+    for (int j = 0; j < C; ++j) wv[j] = _mm256_maskload_ps(w + static_cast<int64_t>(j) * K + k, mask);
+    for (int i = 0; i < R; ++i) {
+      const __m256 xv = _mm256_maskload_ps(x + i * x_stride + k, mask);
+      for (int j = 0; j < C; ++j) acc[i][j] = _mm256_fmadd_ps(xv, wv[j], acc[i][j]);
+    }
+  }
+  const __m256 zero = _mm256_setzero_ps();
+  for (int i = 0; i < R; ++i) {
+    alignas(16) float sums[4];
+    _mm_store_ps(sums, sum4(acc[i][0], C > 1 ? acc[i][1] : zero, C > 2 ? acc[i][2] : zero, zero));
+    for (int j = 0; j < C; ++j) out[i * out_stride + j] = sums[j] + (bias ? bias[j] : 0.0f);
+  }
+}
+
+// Every block of `rows` rows of x against the C rows of w at w (their outputs at out).
+template <int C>
+inline void column_products(const float* x, int64_t x_stride, int rows, const float* w, int K, const float* bias,
+                            float* out, int64_t out_stride) {
+  int m = 0;
+  for (; m + MR <= rows; m += MR)
+    block_products<MR, C>(x + m * x_stride, x_stride, w, K, bias, out + m * out_stride, out_stride);
+  switch (rows - m) {
+    case 3: block_products<3, C>(x + m * x_stride, x_stride, w, K, bias, out + m * out_stride, out_stride); break;
+    case 2: block_products<2, C>(x + m * x_stride, x_stride, w, K, bias, out + m * out_stride, out_stride); break;
+    case 1: block_products<1, C>(x + m * x_stride, x_stride, w, K, bias, out + m * out_stride, out_stride); break;
+  }
+}
+
+void many_rows(int M, const float* x, int64_t x_stride, const float* w, const float* bias, float* out,
+               int64_t out_stride, int N, int K, int num_threads) {
+  const int blocks = (N + NR - 1) / NR;
+  const int64_t block_bytes = static_cast<int64_t>(NR) * K * sizeof(float);
+  const int chunk = std::max<int>(MR, static_cast<int>(X_BLOCK_BYTES / (K * static_cast<int64_t>(sizeof(float)))) / MR * MR);
+  for (int m0 = 0; m0 < M; m0 += chunk) {
+    const int rows = std::min(chunk, M - m0);
+    const float* xc = x + m0 * x_stride;
+    float* oc = out + m0 * out_stride;
+#pragma omp parallel for schedule(static) num_threads(num_threads)
+    for (int b = 0; b < blocks; ++b) {
+      const int n = b * NR;
+      if (b + 1 < blocks) {  // the next block of w, to L2, while this one computes
+        const char* next = reinterpret_cast<const char*>(w + static_cast<int64_t>(n + NR) * K);
+        for (int64_t off = 0; off < block_bytes; off += 64) _mm_prefetch(next + off, _MM_HINT_T1);
+      }
+      const float* wb = w + static_cast<int64_t>(n) * K;
+      const float* bb = bias ? bias + n : nullptr;
+      switch (std::min(NR, N - n)) {
+        case 3: column_products<3>(xc, x_stride, rows, wb, K, bb, oc + n, out_stride); break;
+        case 2: column_products<2>(xc, x_stride, rows, wb, K, bb, oc + n, out_stride); break;
+        default: column_products<1>(xc, x_stride, rows, wb, K, bb, oc + n, out_stride); break;
+      }
+    }
+  }
+}
 #endif
 
 #if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
 #define NANOVLLM_FEW_ROWS 1
+#if !defined(__AVX512F__)
+#define NANOVLLM_MANY_ROWS 1  // float32 products of up to MANY_ROWS rows (many_rows)
+#endif
 template <typename T, int M>
 void run_rows(const void* x, int64_t x_stride, const void* w, const void* bias, void* out, int64_t out_stride, int N,
               int K, int num_threads) {
@@ -188,7 +280,15 @@ int run(int rows, const void* x, int64_t x_stride, const void* w, const void* bi
       case 2: run_rows<T, 2>(x, x_stride, w, bias, out, out_stride, N, K, num_threads); return 0;
       case 3: run_rows<T, 3>(x, x_stride, w, bias, out, out_stride, N, K, num_threads); return 0;
       case 4: run_rows<T, 4>(x, x_stride, w, bias, out, out_stride, N, K, num_threads); return 0;
-      default: return -1;
+      default:
+#ifdef NANOVLLM_MANY_ROWS
+        if (rows > 0 && rows <= MANY_ROWS) {
+          many_rows(rows, static_cast<const float*>(x), x_stride, static_cast<const float*>(w),
+                    static_cast<const float*>(bias), static_cast<float*>(out), out_stride, N, K, num_threads);
+          return 0;
+        }
+#endif
+        return -1;
     }
   }
 }
@@ -198,18 +298,23 @@ int run(int rows, const void* x, int64_t x_stride, const void* w, const void* bi
 
 extern "C" {
 
-// Whether this build multiplies the dtype (codes as cpu_paged_attention.cpp's): 1 or 0.
+// The most rows of the dtype (codes as cpu_paged_attention.cpp's) this build's product takes
+// (MAX_ROWS, or MANY_ROWS for float32 in an AVX2 build), or 0 where it does not multiply the dtype.
 int nanovllm_few_rows_supported(int dtype) {
 #ifdef NANOVLLM_FEW_ROWS
-  if (dtype == F32) return supported<F32T>();
-  if (dtype == BF16) return supported<BF16T>();
+#ifdef NANOVLLM_MANY_ROWS
+  if (dtype == F32) return MANY_ROWS;
+#endif
+  if (dtype == F32) return supported<F32T>() ? MAX_ROWS : 0;
+  if (dtype == BF16) return supported<BF16T>() ? MAX_ROWS : 0;
 #endif
   (void)dtype;
   return 0;
 }
 
 // out[rows, N] (row stride out_stride) = x[rows, K] (row stride x_stride) @ w[N, K]^T (+ bias[N]
-// when not null), all of one dtype, unit stride within rows, 1 <= rows <= MAX_ROWS. Returns 0, or
+// when not null), all of one dtype, unit stride within rows, 1 <= rows <= nanovllm_few_rows_supported's
+// count for the dtype. Returns 0, or
 // -1 for a dtype this build does not multiply or a row count out of range.
 int nanovllm_few_rows_linear(int dtype, int rows, const void* x, int64_t x_stride, const void* w, const void* bias,
                              void* out, int64_t out_stride, int N, int K, int num_threads) {
