@@ -1,7 +1,8 @@
 """CPU linear layers: F.linear on the plain weight (MKL sgemm in float32; oneDNN reordering the weight
 on every call in bf16) against oneDNN on a weight packed once (utils/cpu.py pack_linear_weights,
 what the engine runs for prefill) and, on a CPU with AMX, our AMX product (kernels/cpu_amx_linear.cpp,
-float32 as bf16x3; what the engine runs for decode steps of 5-256 sequences), per GEMM shape of
+float32 as bf16x3; what the engine runs for decode steps of 5-256 sequences) and our row product
+(kernels/cpu_linear.cpp: up to 4 rows, or 128 in float32 on an AVX2-only build), per GEMM shape of
 issue 29's real-proportion model and per batch size. Its GB/s count the weight's own bytes (the
 float32 AMX product reads 1.5x as many: three bf16 parts).
 
@@ -80,6 +81,10 @@ def main() -> None:
     kernels = None if isinstance(kernels, str) else kernels
     rows = []
     for dtype in (torch.float32, torch.bfloat16):
+        if dtype == torch.bfloat16 and not torch.ops.mkldnn._is_mkldnn_bf16_supported():
+            print("bfloat16: oneDNN has no bf16 product on this CPU (or under this ISA cap): skipped", flush=True)
+            continue
+        few = None if kernels is None else kernels.few_rows_linear(dtype)
         for n, k in SHAPES:
             weight = torch.randn(n, k, dtype=dtype) * 0.02
             packed = torch.ops.mkldnn._reorder_linear_weight(weight, PACK_BATCH_HINT)
@@ -88,6 +93,8 @@ def main() -> None:
                 x = torch.randn(m, k, dtype=dtype)
                 variants = {"F.linear": lambda: F.linear(x, weight),
                             "packed": lambda: torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")}
+                if few is not None and m <= few.max_rows:  # our row product (cpu_linear.cpp)
+                    variants["rows"] = lambda: few(x, weight, None)
                 if amx is not None and m <= amx.max_rows:
                     variants["amx"] = lambda: amx(x, None)
                 for name in variants:
