@@ -299,7 +299,7 @@ inline void group_bounds(const __m256i (&acc)[2], const RowConsts& c, int v, con
 void pass1_panel(const uint8_t* xu, int rows, const RowConsts* rc, const Head& h, int p, RowScan* scans) {
   const int8_t* wp = h.q + static_cast<size_t>(p) * CHUNK * h.K;
   __m256i acc[XROWS][2];
-  __m256 bounds[2][2];  // lower, upper: the group's 16 tokens as two vectors of 8 each
+  __m256 lower[2], upper[2];  // the group's 16 tokens as two vectors of 8
   thread_local std::vector<float> noise;  // the sampled rows' g_v for the panel's 64 tokens
   noise.resize(static_cast<size_t>(rows) * CHUNK);
   for (int r = 0; r < rows; ++r)
@@ -316,7 +316,6 @@ void pass1_panel(const uint8_t* xu, int rows, const RowConsts* rc, const Head& h
       }
       for (int i = 0; i < n; ++i) {
         const RowConsts& c = rc[r0 + i];
-        __m256 (&lower)[2] = bounds[0], (&upper)[2] = bounds[1];
         group_bounds(acc[i], c, p * CHUNK + 16 * g, h, lower, upper);
         const float* g_v = c.sampled ? noise.data() + static_cast<size_t>(r0 + i) * CHUNK + 16 * g : nullptr;
         if (c.sampled) race_bounds(reinterpret_cast<float*>(lower), reinterpret_cast<float*>(upper), c, g_v);
