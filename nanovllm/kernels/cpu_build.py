@@ -52,8 +52,8 @@ DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 # 35-40% faster at 1-3 rows, ~5% at 4. Float32 takes 3-4 rows too: with them every decode step of
 # up to 4 sequences can run as one call (layers/cpu_decode.py), which saves ~1 ms a step of Python
 # (real-proportion model) where the slower products cost ~0.4 ms.
-# So the product takes up to 4 rows of either (the library's count; the AVX2 build's float32 product
-# takes up to 128: cpu_linear.cpp many_rows, faster than oneDNN there up to ~128 rows).
+# How many rows it takes the library says (nanovllm_few_rows_supported): 4, or 128 for float32 in
+# an AVX2-only build (cpu_linear.cpp many_rows, faster than oneDNN there up to ~128 rows).
 FEW_ROWS_DTYPES = (torch.float32, torch.bfloat16)
 # The most rows the AMX product takes (cpu_amx_linear.cpp): decode steps of up to 256 sequences.
 # bfloat16: on a 2-vCPU Intel Xeon with AMX, after a 24 MB read (an attention layer's), the real
