@@ -26,7 +26,9 @@ The peers, each in its own venv outside this repo (never a dependency of nanovll
   one slot per prompt (-np), each slot the engines' context, threads on the same cores, and the
   KV cache in the row's dtype (f32 / bf16, as OpenVINO's); float32 rows turn flash attention off,
   the set-up in which its greedy ids are HF's (llamacpp_server_command). Prompts go as token ids to its
-  /completion endpoint, all at once (greedy, EOS ignored, no prompt cache).
+  /completion endpoint, all at once (greedy, EOS ignored, no prompt cache). Under --isa-cap it
+  runs only from a tree built for that class (its build/CMakeCache.txt is checked), e.g. for AVX2:
+      cmake -B build -DCMAKE_BUILD_TYPE=Release -DLLAMA_CURL=OFF -DGGML_NATIVE=OFF -DGGML_AVX2=ON
 
 Two model shapes, random weights built locally (nanovllm/testing/synthetic.py), both Qwen3:
 "tiny" (issue 15's: vocab 1024, hidden 128, 4 layers, heads 4/2 of 32; 64 and 256 prompts of
@@ -105,7 +107,7 @@ ISA_FLAGS = ("avx2", "avx512f", "avx512_bf16", "amx_bf16")  # what decides which
 # answered by isa_cap/sitecustomize.py. OpenVINO runs uncapped, an upper bound on its speed under
 # the cap: its plugin checks the CPU itself and follows ONEDNN_MAX_CPU_ISA only in part (under the
 # AVX2 cap some bf16 nodes stayed on AVX-512 and its bf16 products failed to build). llama.cpp
-# builds for the CPU it is built on: not run capped.
+# compiles its ISA in: under a cap it runs only from a build for that class (LLAMACPP_CAP_BUILDS).
 ISA_CAPS = {
     "avx2": {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2", "MKL_ENABLE_INSTRUCTIONS": "AVX2"},
     "avx512": {"ATEN_CPU_CAPABILITY": "avx512", "ONEDNN_MAX_CPU_ISA": "AVX512_CORE",
@@ -114,6 +116,14 @@ ISA_CAPS = {
                     "MKL_ENABLE_INSTRUCTIONS": "AVX512"},
 }
 ISA_CAP_SHIM = REPO / "benchmarks" / "isa_cap"  # its sitecustomize.py, first on vLLM's PYTHONPATH
+# The ggml options (build/CMakeCache.txt) of a llama.cpp built for each class: what
+# `cmake -B build -DGGML_NATIVE=OFF` plus these gives, and what GGML_NATIVE picks on such a CPU.
+# Every other GGML_AVX512* and GGML_AMX* option must be OFF, and no runtime choice among variants.
+LLAMACPP_CAP_BUILDS = {
+    "avx2": {"GGML_AVX2": "ON"},
+    "avx512": {"GGML_AVX512": "ON"},
+    "avx512_bf16": {"GGML_AVX512": "ON", "GGML_AVX512_BF16": "ON"},
+}
 
 
 def isa_cap_env(cap: str | None, engine: str) -> dict[str, str]:
@@ -124,6 +134,23 @@ def isa_cap_env(cap: str | None, engine: str) -> dict[str, str]:
         return dict(ISA_CAPS[cap], NANOVLLM_CPU_ISA=cap)
     path = os.pathsep.join(filter(None, [str(ISA_CAP_SHIM), os.environ.get("PYTHONPATH")]))
     return dict(ISA_CAPS[cap], NANOVLLM_BENCH_ISA_CAP=cap, PYTHONPATH=path)
+def llamacpp_cap_problem(llamacpp: str, cap: str) -> str | None:
+    """Why the llama.cpp tree's build is not one for ISA class `cap` (None: it is), from its CMake cache."""
+    path = os.path.join(llamacpp, "build", "CMakeCache.txt")
+    try:
+        with open(path) as f:
+            options = dict(re.findall(r"^(GGML_\w+):BOOL=(\w+)$", f.read(), re.MULTILINE))
+    except OSError:
+        return f"no {path}"
+    wanted = dict(LLAMACPP_CAP_BUILDS[cap], GGML_NATIVE="OFF", GGML_BACKEND_DL="OFF", GGML_CPU_ALL_VARIANTS="OFF")
+    for name in options:
+        if name.startswith(("GGML_AVX512", "GGML_AMX")):
+            wanted.setdefault(name, "OFF")
+    wrong = [f"{name}={options.get(name, 'unset')}" for name, value in wanted.items()
+             if options.get(name, "OFF") != value]
+    return f"its build has {', '.join(wrong)}" if wrong else None
+
+
 TCMALLOC_NAMES = ("libtcmalloc_minimal.so.4", "libtcmalloc.so.4")  # Debian's packages; vLLM's docs name either
 IOMP_NAME = "libiomp5.so"  # the intel-openmp wheel puts it in <venv>/lib
 PEERS = ("vllm", "openvino", "llamacpp")
@@ -602,8 +629,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if args.llamacpp_python and not args.llamacpp:
         parser.error("--llamacpp-python is llama.cpp's converter; it needs --llamacpp")
     args.llamacpp_python = args.llamacpp_python or sys.executable
-    if args.isa_cap and args.llamacpp:
-        parser.error("--isa-cap caps nanovllm and the peers that can be capped: not llama.cpp (built for this CPU)")
+    if args.isa_cap and args.llamacpp and (problem := llamacpp_cap_problem(args.llamacpp, args.isa_cap)):
+        flags = " ".join(f"-D{name}={value}" for name, value in LLAMACPP_CAP_BUILDS[args.isa_cap].items())
+        parser.error(f"--isa-cap {args.isa_cap} runs llama.cpp only from a build for that class, and "
+                     f"{args.llamacpp}: {problem}; build one: cmake -B build -DGGML_NATIVE=OFF {flags} "
+                     "&& cmake --build build --target llama-server")
     if args.llamacpp and not os.access(llamacpp_server(args.llamacpp), os.X_OK):
         parser.error(f"--llamacpp {args.llamacpp}: no {llamacpp_server(args.llamacpp)}; build it first "
                      "(cmake -B build && cmake --build build --target llama-server)")
@@ -737,6 +767,9 @@ def make_engines(args: argparse.Namespace) -> tuple[list[Engine], dict]:
         setup["llamacpp"] = {"server": llamacpp_server(args.llamacpp), "commit": commit_of(args.llamacpp),
                              "set-up": "llama-server's defaults (flash attention auto, continuous batching; off "
                                        "for float32 rows); one slot per prompt; KV cache in the row's dtype"}
+        if args.isa_cap:
+            setup["llamacpp"]["isa_cap"] = f"built for {args.isa_cap}: GGML_NATIVE=OFF, " + ", ".join(
+                f"{name}={value}" for name, value in LLAMACPP_CAP_BUILDS[args.isa_cap].items())
     return engines, setup
 
 

@@ -133,7 +133,7 @@ def test_rotation_moves_the_first_engine(bench):
     (["--variant", "one", "A=1", "--variant", "one"], "is a new engine name"),
     (["--variant", "one", "NOEQUALS"], "expected KEY=VALUE"),
     (["--isa-cap", "avx3"], "invalid choice"),
-    (["--isa-cap", "avx2", "--llamacpp", "/l"], "not llama.cpp"),
+    (["--isa-cap", "avx2", "--llamacpp", "/l"], "only from a build for that class"),
 ])
 def test_bad_arguments_are_refused_before_any_work(bench, capsys, argv, message):
     with pytest.raises(SystemExit) as exit_info:
@@ -170,6 +170,43 @@ def test_isa_cap_reaches_every_engine_that_can_be_capped(bench):
     # every cap names a build of nanovllm's kernels
     from nanovllm.kernels.cpu_build import CPU_ISAS
     assert set(bench.ISA_CAPS) <= set(CPU_ISAS)
+
+
+def llamacpp_tree(tmp_path, options: dict[str, str]) -> str:
+    """A llama.cpp tree whose build has these ggml options in its CMake cache and an llama-server."""
+    (tmp_path / "build" / "bin").mkdir(parents=True)
+    server = tmp_path / "build" / "bin" / "llama-server"
+    server.write_text("#!/bin/sh\n")
+    server.chmod(0o755)
+    lines = [f"{name}:BOOL={value}" for name, value in options.items()]
+    (tmp_path / "build" / "CMakeCache.txt").write_text("\n".join(["CMAKE_BUILD_TYPE:STRING=Release", *lines]) + "\n")
+    return str(tmp_path)
+
+
+AVX2_BUILD = {"GGML_NATIVE": "OFF", "GGML_AVX2": "ON", "GGML_AVX512": "OFF", "GGML_AVX512_BF16": "OFF",
+              "GGML_AMX_BF16": "OFF", "GGML_BACKEND_DL": "OFF"}
+
+
+@pytest.mark.parametrize("cap, options, wrong", [
+    ("avx2", AVX2_BUILD, None),
+    ("avx2", dict(AVX2_BUILD, GGML_NATIVE="ON"), "GGML_NATIVE=ON"),  # built for this CPU, whatever it has
+    ("avx2", dict(AVX2_BUILD, GGML_AVX512_BF16="ON"), "GGML_AVX512_BF16=ON"),
+    ("avx2", dict(AVX2_BUILD, GGML_BACKEND_DL="ON", GGML_CPU_ALL_VARIANTS="ON"), "GGML_CPU_ALL_VARIANTS=ON"),
+    ("avx512_bf16", AVX2_BUILD, "GGML_AVX512=OFF"),
+    ("avx512_bf16", dict(AVX2_BUILD, GGML_AVX512="ON", GGML_AVX512_BF16="ON"), None),
+    ("avx512", dict(AVX2_BUILD, GGML_AVX512="ON", GGML_AVX512_BF16="ON"), "GGML_AVX512_BF16=ON"),
+])
+def test_isa_cap_runs_llamacpp_only_from_a_build_for_the_class(bench, capsys, tmp_path, cap, options, wrong):
+    argv = ["--isa-cap", cap, "--llamacpp", llamacpp_tree(tmp_path, options)]
+    if wrong is None:
+        engines, setup = bench.make_engines(bench.parse_args(argv))
+        assert engines[-1].name == "llamacpp" and engines[-1].env == {}
+        assert setup["llamacpp"]["isa_cap"].startswith(f"built for {cap}: GGML_NATIVE=OFF")
+        return
+    with pytest.raises(SystemExit):
+        bench.parse_args(argv)
+    err = capsys.readouterr().err
+    assert wrong in err and "-DGGML_NATIVE=OFF" in err
 
 
 @pytest.mark.parametrize("cap, hidden, kept", [
