@@ -173,6 +173,62 @@ def test_row_product_build_matches_float64(library):
                 assert (got.double() - expected).abs().max() <= 1e-5 * (1 + expected.abs().max())
 
 
+def test_bf16_row_product_build_matches_float64(library):
+    """bf16 rows by a bf16 weight (cpu_linear.cpp): the AVX2 build has no dot-product instruction and
+    widens both to float32 FMAs, 1-4 rows (K past whole cache lines and vectors, a bias, a strided x),
+    each result the float32 sum rounded once to bf16; the AVX-512 build without AVX512-BF16 has no
+    bf16 product (oneDNN keeps those rows)."""
+    product = cpu_build.FusedKernels(library).few_rows_linear(torch.bfloat16)
+    if library.path != cpu_build.build(extra_flags=cpu_build.CPU_ISAS["avx2"][0]):
+        assert product is None
+        return
+    assert product.max_rows == 4
+    gen = torch.Generator().manual_seed(5)
+    for rows in (1, 2, 3, 4):
+        for n, k in ((1, 8), (7, 13), (301, 260), (33, 1536)):
+            x = torch.randn(rows, 2 * k, generator=gen).bfloat16()[:, :k]
+            w, bias = torch.randn(n, k, generator=gen).bfloat16(), torch.randn(n, generator=gen).bfloat16()
+            for b in (None, bias):
+                exact = x.double() @ w.double().T + (0 if b is None else b.double())
+                got = product(x, w, b)
+                assert got.shape == (rows, n) and got.dtype == torch.bfloat16
+                error = (got.double() - exact).abs()
+                assert (error <= exact.abs() * 2 ** -8 + 1e-5 * (1 + exact.abs().max())).all()
+
+
+def test_bf16_engine_on_float32_held_weights_reads_bf16_copies(qwen3_head64, monkeypatch):
+    """A bf16 model on the AVX2 build where bf16 matmul is not native (an AVX2-only CPU: the layers
+    hold float32 for oneDNN): each linear layer and the LM head keep a bf16 copy for decode steps of
+    1-4 rows (layers/linear.py HalfRows), the one-call decode step takes those steps over the copies,
+    bit for bit the Python layers (tokens and logprobs), and the head makes no greedy int8 form
+    (its rows are never float32)."""
+    from nanovllm.utils import cpu
+    from test_cpu_decode import record_rows
+    skip_unless_buildable("avx2")
+    monkeypatch.setattr(cpu_build, "_loaded", None)
+    monkeypatch.setenv(cpu_build.CPU_ISA_ENV, "avx2")
+    monkeypatch.setattr(cpu, "native_half_matmul", lambda dtype: dtype == torch.float32)
+    llm = LLM(qwen3_head64, dtype="bfloat16", enable_prefix_caching=False, num_kvcache_blocks=64,
+              kvcache_block_size=16)
+    model = llm.model_runner.model
+    for layer in (model.model.layers[0].self_attn.qkv_proj, model.model.layers[-1].mlp.down_proj, model.lm_head):
+        assert layer.weight.dtype == torch.float32 and layer.half_rows.dtype == torch.bfloat16
+        assert torch.equal(layer.half_rows.weight.float(), layer.weight)
+    assert model.lm_head.greedy is None
+    fused = model.model.fused_decode
+    assert fused is not None and fused.max_rows == 4
+    rows = record_rows(fused)
+    prompts = random_prompts(500, [30, 7, 20, 12, 9], seed=5)
+    results = {}
+    for mode in ("fused", "python"):
+        model.model.fused_decode = fused if mode == "fused" else None
+        results[mode] = [(o["token_ids"], o["logprobs"]) for n in (1, 4, 5)
+                         for o in llm.generate(prompts[:n], greedy(8, logprobs=2), use_tqdm=False)]
+    assert results["fused"] == results["python"]
+    assert sorted(rows) == sorted(n for n in (1, 4) for _ in range(7))  # 7 decode steps; 5 rows: the Python layers
+    llm.exit()
+
+
 def test_greedy_head_build_gives_the_exact_argmax(library):
     kernels = cpu_build.FusedKernels(library)
     for vocab, width, rows in ((3000, 512, 64), (1000, 100, 7), (50, 64, 1), (4097, 260, 70)):

@@ -13,9 +13,12 @@
 // float32: FMAs. bfloat16: AVX512-BF16 dot products of x and w as they are (exact products,
 // float32 sums), as oneDNN's bf16 product computes; results are rounded to bfloat16 after the
 // bias is added in float32. Built only where the compiler has the instructions (AVX-512F for
-// float32, AVX512-BF16 for bfloat16); a build for AVX2-only CPUs has the float32 product on 8
-// lanes (sum8). nanovllm_few_rows_supported says which, and Python keeps oneDNN for the rest.
+// float32, AVX512-BF16 for bfloat16); a build for AVX2-only CPUs has both on 8 lanes (sum8),
+// bfloat16 widened to float32 FMAs. nanovllm_few_rows_supported says which, and Python keeps
+// oneDNN for the rest.
 #include <omp.h>
+
+#include <vector>
 
 #include "cpu_kernels.h"
 
@@ -107,31 +110,45 @@ void few_rows(const typename T::storage* x, int64_t x_stride, const typename T::
 }
 
 #elif defined(__AVX2__) && defined(__FMA__)
-// The float32 product on AVX2 (8 lanes): the same loops as above.
+// The product on AVX2 (8 lanes): the same loops as above. bfloat16 (no dot product instruction
+// here): x widened to float32 once per call, each weight vector widened as it is loaded, FMAs in
+// float32 (each product exact, as the dot product's), so a bf16 weight is read at half float32's
+// bytes: a bf16 model's layers keep it beside the float32 copy oneDNN takes (layers/linear.py HalfRows).
 constexpr int FEW_LANES = 8;
 template <typename T>
-constexpr bool supported() { return std::is_same_v<T, F32T>; }
+constexpr bool supported() { return std::is_same_v<T, F32T> || std::is_same_v<T, BF16T>; }
 
 inline void prefetch(const void* p) { _mm_prefetch(static_cast<const char*>(p) + PREFETCH_BYTES, _MM_HINT_T0); }
 
 template <typename T, int M>
-inline void row_products(const float* __restrict__ x, int64_t x_stride, const float* __restrict__ wr, int K,
-                         __m256* lanes, int stride) {
+inline void row_products(const float* __restrict__ x, int64_t x_stride, const typename T::storage* __restrict__ wr,
+                         int K, __m256* lanes, int stride) {
   constexpr int W = FEW_LANES;
+  constexpr int V = 64 / (W * sizeof(typename T::storage));  // vectors of w in a cache line: 2 float32, 4 bf16
   __m256 a[M], b[M];
   for (int m = 0; m < M; ++m) a[m] = b[m] = _mm256_setzero_ps();
   int k = 0;
-  for (; k + 2 * W <= K; k += 2 * W) {
+  for (; k + V * W <= K; k += V * W) {
     prefetch(wr + k);
-    const __m256 w0 = _mm256_loadu_ps(wr + k), w1 = _mm256_loadu_ps(wr + k + W);
-    for (int m = 0; m < M; ++m) {
-      a[m] = _mm256_fmadd_ps(_mm256_loadu_ps(x + m * x_stride + k), w0, a[m]);
-      b[m] = _mm256_fmadd_ps(_mm256_loadu_ps(x + m * x_stride + k + W), w1, b[m]);
+    for (int v = 0; v < V; v += 2) {
+      const int k0 = k + v * W, k1 = k0 + W;
+      const __m256 w0 = load8<T>(wr + k0), w1 = load8<T>(wr + k1);
+      for (int m = 0; m < M; ++m) {
+        a[m] = _mm256_fmadd_ps(_mm256_loadu_ps(x + m * x_stride + k0), w0, a[m]);
+        b[m] = _mm256_fmadd_ps(_mm256_loadu_ps(x + m * x_stride + k1), w1, b[m]);
+      }
     }
   }
-  for (; k < K; k += W) {  // the tail, masked: lanes past K load zeros
+  for (; k < K; k += W) {  // the tail: lanes past K are zeros
     const __m256i mask = first_lanes8(K - k);
-    const __m256 w0 = _mm256_maskload_ps(wr + k, mask);
+    __m256 w0;
+    if constexpr (std::is_same_v<T, F32T>) {
+      w0 = _mm256_maskload_ps(wr + k, mask);
+    } else {
+      alignas(32) float tail[W] = {};
+      for (int j = 0; j < std::min(W, K - k); ++j) tail[j] = load<T>(wr + k + j);
+      w0 = _mm256_load_ps(tail);
+    }
     for (int m = 0; m < M; ++m) a[m] = _mm256_fmadd_ps(_mm256_maskload_ps(x + m * x_stride + k, mask), w0, a[m]);
   }
   for (int m = 0; m < M; ++m) lanes[m * stride] = _mm256_add_ps(a[m], b[m]);
@@ -139,18 +156,33 @@ inline void row_products(const float* __restrict__ x, int64_t x_stride, const fl
 
 // out[0:M, n0:n1] for this thread's rows n0..n1 of w, R = 8 / M rows at a time (M = 3: 2 rows, 6 lanes used).
 template <typename T, int M>
-void few_rows(const float* x, int64_t x_stride, const float* w, const float* bias, float* out, int64_t out_stride,
-              int n0, int n1, int K) {
+void few_rows(const typename T::storage* x, int64_t x_stride, const typename T::storage* w,
+              const typename T::storage* bias, typename T::storage* out, int64_t out_stride, int n0, int n1, int K) {
   constexpr int W = FEW_LANES, R = W / M;
+  const float* xf = nullptr;
+  int64_t xf_stride = x_stride;
+  std::vector<float> widened;  // bf16 rows of x as float32, K apart
+  if constexpr (std::is_same_v<T, F32T>) {
+    xf = x;
+  } else {
+    widened.resize(static_cast<size_t>(M) * K);
+    for (int m = 0; m < M; ++m)
+      for (int k = 0; k < K; ++k) widened[static_cast<size_t>(m) * K + k] = load<T>(x + m * x_stride + k);
+    xf = widened.data(), xf_stride = K;
+  }
   alignas(32) float sums[W];
   __m256 lanes[W];
   for (int i = 0; i < W; ++i) lanes[i] = _mm256_setzero_ps();
   for (int g = n0; g < n1; g += R) {
     const int rows = std::min(R, n1 - g);
-    for (int r = 0; r < rows; ++r) row_products<T, M>(x, x_stride, w + static_cast<int64_t>(g + r) * K, K, lanes + r, R);
+    for (int r = 0; r < rows; ++r)
+      row_products<T, M>(xf, xf_stride, w + static_cast<int64_t>(g + r) * K, K, lanes + r, R);
     _mm256_store_ps(sums, sum8(lanes));
     for (int m = 0; m < M; ++m)
-      for (int r = 0; r < rows; ++r) out[m * out_stride + g + r] = sums[m * R + r] + (bias ? bias[g + r] : 0.0f);
+      for (int r = 0; r < rows; ++r) {
+        const float sum = sums[m * R + r] + (bias ? load<T>(bias + g + r) : 0.0f);
+        store<T>(out + m * out_stride + g + r, sum);
+      }
   }
 }
 
@@ -282,7 +314,7 @@ int run(int rows, const void* x, int64_t x_stride, const void* w, const void* bi
       case 4: run_rows<T, 4>(x, x_stride, w, bias, out, out_stride, N, K, num_threads); return 0;
       default:
 #ifdef NANOVLLM_MANY_ROWS
-        if (rows > 0 && rows <= MANY_ROWS) {
+        if (std::is_same_v<T, F32T> && rows > 0 && rows <= MANY_ROWS) {
           many_rows(rows, static_cast<const float*>(x), x_stride, static_cast<const float*>(w),
                     static_cast<const float*>(bias), static_cast<float*>(out), out_stride, N, K, num_threads);
           return 0;

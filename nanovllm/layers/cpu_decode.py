@@ -6,7 +6,8 @@ model); the Python between the layer's ten kernel calls (modules, views, ctypes)
 more. `CpuDecodeLayers` hands the whole stack of layers, and the final norm, to one call that runs
 the same kernels with the same arguments, so its output is bit for bit the layers' own with
 fused_kernels="cpu" (tests/test_cpu_decode.py). It takes a step only when every part would have
-gone to those kernels: a decode step (no prefill rows) of at most the few-row product's rows, or
+gone to those kernels: a decode step (no prefill rows) of at most the few-row product's rows (over
+the layers' bf16 copies where they hold float32 for their matmuls: layers/linear.py HalfRows), or
 of the AMX product's where every layer's products have it (bf16 or float32 on a CPU with AMX), on
 an unquantised cache in the model's dtype, one tensor-parallel rank, a dense SwiGLU MLP in every
 layer; any other step returns None and the Python layers run it. Like an attention layer it reads
@@ -44,6 +45,13 @@ def _address(t: torch.Tensor | None) -> int | None:
     return None if t is None else t.data_ptr()
 
 
+def _weights(linear: nn.Module) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The weight and bias a linear layer's few-row product reads: its half-precision copy where it
+    holds float32 for its matmuls (layers/linear.py HalfRows), else its own."""
+    half = linear.half_rows
+    return (linear.weight, linear.bias) if half is None else (half.weight, half.bias)
+
+
 def _amx_address(linear: nn.Module) -> int | None:
     """Where a linear layer's weight packed for the AMX product lies, or None."""
     return None if linear.amx is None else linear.amx.packed.data_ptr()
@@ -76,7 +84,7 @@ class CpuDecodeLayers:
                 return None
             attn, mlp = layer.self_attn, layer.mlp
             linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
-            if any(lin.weight.dtype != dtype or lin.tp_size != 1 for lin in linears):
+            if any(_weights(lin)[0].dtype != dtype or lin.tp_size != 1 for lin in linears):
                 return None
             if attn.rotary_emb is None:
                 return None
@@ -96,12 +104,12 @@ class CpuDecodeLayers:
             a, mlp = layer.self_attn, layer.mlp
             slot.input_norm, slot.post_norm = _address(layer.input_layernorm.weight), _address(
                 layer.post_attention_layernorm.weight)
-            slot.qkv, slot.qkv_bias = _address(a.qkv_proj.weight), _address(a.qkv_proj.bias)
-            slot.o, slot.o_bias = _address(a.o_proj.weight), _address(a.o_proj.bias)
+            slot.qkv, slot.qkv_bias = map(_address, _weights(a.qkv_proj))
+            slot.o, slot.o_bias = map(_address, _weights(a.o_proj))
             slot.q_norm = _address(a.q_norm.weight) if a.qk_norm else None
             slot.k_norm = _address(a.k_norm.weight) if a.qk_norm else None
-            slot.gate_up, slot.gate_up_bias = _address(mlp.gate_up_proj.weight), _address(mlp.gate_up_proj.bias)
-            slot.down, slot.down_bias = _address(mlp.down_proj.weight), _address(mlp.down_proj.bias)
+            slot.gate_up, slot.gate_up_bias = map(_address, _weights(mlp.gate_up_proj))
+            slot.down, slot.down_bias = map(_address, _weights(mlp.down_proj))
             slot.k_cache, slot.v_cache = _address(a.attn.k_cache), _address(a.attn.v_cache)
             slot.qkv_amx, slot.o_amx = _amx_address(a.qkv_proj), _amx_address(a.o_proj)
             slot.gate_up_amx, slot.down_amx = _amx_address(mlp.gate_up_proj), _amx_address(mlp.down_proj)

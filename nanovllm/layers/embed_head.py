@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from nanovllm.kernels.cpu_build import AMX_HEAD_MIN_ROWS
-from nanovllm.layers.linear import divide, linear, shard
+from nanovllm.layers.linear import HalfRows, divide, linear, shard
 from nanovllm.layers.logits_processors import LOGIT_LIMIT
 from nanovllm.utils.loader import copy_checked
 from nanovllm.utils.parallel import tp_rank, tp_size
@@ -47,6 +47,7 @@ class ParallelLMHead(VocabParallelEmbedding):
     packed_weight: torch.Tensor | None = None  # set on CPU after loading (utils/cpu.py pack_linear_weights)
     few_rows: Callable | None = None  # the CPU's few-row product (layers/linear.py linear()), set by enable_cpu
     amx: Callable | None = None  # the weight packed for the CPU's AMX product (layers/linear.py linear())
+    half_rows: HalfRows | None = None  # the few-row product over a bf16 copy of a float32-held head (enable_cpu)
     # Float32 rows (and a HeadDraw, or None: greedy) -> their tokens, without every logit
     # (kernels/cpu_build.py GreedyHead), set by enable_cpu for a float32 head on one rank where the
     # CPU has AVX512-VNNI or AVX2; returns None where the logits must decide.
@@ -54,14 +55,16 @@ class ParallelLMHead(VocabParallelEmbedding):
 
     def enable_cpu(self, kernels) -> None:
         self.few_rows = kernels.few_rows_linear(self.weight.dtype)
+        self.half_rows = HalfRows.for_layer(self, kernels)
         if self.weight.dtype == torch.float32:  # bf16 heads stay on oneDNN (kernels/cpu_build.py AMX_HEAD_MIN_ROWS)
             self.amx = kernels.amx_linear(self.weight, min_rows=AMX_HEAD_MIN_ROWS)
-            if self.tp_size == 1:
+            # The greedy head takes float32 rows: not a half-precision model's (held in float32)
+            if self.tp_size == 1 and getattr(self, "held_dtype", None) is None:
                 self.greedy = kernels.greedy_head(self.weight, LOGIT_LIMIT)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor | None:
         """x: [num_rows, hidden] -> logits [num_rows, vocab] on rank 0 (None on the others)."""
-        logits = linear(x, self.weight, None, self.packed_weight, self.few_rows, self.amx)
+        logits = linear(x, self.weight, None, self.packed_weight, self.few_rows, self.amx, self.half_rows)
         if self.tp_size == 1:
             return logits
         parts = [torch.empty_like(logits) for _ in range(self.tp_size)] if self.tp_rank == 0 else None

@@ -51,9 +51,35 @@ def packed_rows(rows: int) -> int | None:
     return -(-rows // step) * step
 
 
+class HalfRows:
+    """The few-row product (kernels/cpu_build.py FewRowsLinear) over a half-precision copy of a
+    layer's weight and bias, for a layer that holds float32 for its matmuls (utils/cpu.py
+    hold_matmul_weights_in_float32: a CPU without native bf16 matmul, e.g. AVX2-only). A decode
+    step of a few rows is bound by reading the weight, so its bf16 rows read half of float32's
+    bytes this way; the copy costs half the float32 weight's memory."""
+
+    def __init__(self, product: Callable, weight: torch.Tensor, bias: torch.Tensor | None):
+        self.max_rows, self.dtype = product.max_rows, weight.dtype
+        self._product, self.weight, self.bias = product, weight, bias
+
+    @classmethod
+    def for_layer(cls, layer: nn.Module, kernels) -> "HalfRows | None":
+        """The copy for `layer` where it holds float32 for a half dtype the kernels multiply, on one
+        tensor-parallel rank, else None."""
+        held = getattr(layer, "held_dtype", None)
+        product = None if held is None else kernels.few_rows_linear(held)
+        if product is None or layer.weight.dtype != torch.float32 or getattr(layer, "tp_size", 1) != 1:
+            return None
+        bias = getattr(layer, "bias", None)
+        return cls(product, layer.weight.detach().to(held), None if bias is None else bias.detach().to(held))
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return self._product(x, self.weight, self.bias)
+
+
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
            packed: torch.Tensor | None = None, few_rows: Callable | None = None,
-           amx: Callable | None = None) -> torch.Tensor:
+           amx: Callable | None = None, half_rows: HalfRows | None = None) -> torch.Tensor:
     """F.linear computed in the weight's dtype and returned in x's. The two differ only where
     half-precision layers keep float32 weights (utils/cpu.py: a CPU that emulates bf16/fp16
     matmul, ~10x slower there than float32); everywhere else this is F.linear. With `packed`
@@ -65,8 +91,11 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
     `amx` (the weight packed for the CPU's AMX product, kernels/cpu_amx_linear.cpp, set by
     enable_cpu on a CPU with AMX) the rows above those, from its min_rows up to its max_rows, go to
     it: a bf16 decode step of up to 256 sequences, float32 rows of any count. Half-precision rows
-    over float32 weights go to the few-row product as float32 (as to the packed one)."""
+    over float32 weights go to the few-row product as float32 (as to the packed one), or, with
+    `half_rows` (HalfRows) and up to its max_rows, to the product over the half-precision copy."""
     if x.dim() == 2 and x.size(0) > 0:
+        if half_rows is not None and x.dtype == half_rows.dtype and x.size(0) <= half_rows.max_rows:
+            return half_rows(x)
         if few_rows is not None and x.size(0) <= few_rows.max_rows:
             y = few_rows(x if x.dtype == weight.dtype else x.to(weight.dtype), weight, bias)
             return y if y.dtype == x.dtype else y.to(x.dtype)
@@ -110,6 +139,7 @@ class LinearBase(nn.Module):
     packed_weight: torch.Tensor | None = None  # set on CPU after loading (utils/cpu.py pack_linear_weights)
     few_rows: Callable | None = None  # the CPU's few-row product (see linear()), set by enable_cpu
     amx: Callable | None = None  # the weight packed for the CPU's AMX product (see linear()), set by enable_cpu
+    half_rows: HalfRows | None = None  # the few-row product over a bf16 copy of a float32-held weight (enable_cpu)
 
     def __init__(self, input_size: int, output_size: int, bias: bool, tp_dim: int | None):
         super().__init__()
@@ -134,9 +164,10 @@ class LinearBase(nn.Module):
         if self.few_rows is not None and self.amx is not None and \
                 self.amx.takes_every_row_count_above(self.few_rows.max_rows):
             self.packed_weight = None  # the oneDNN copy would multiply no rows (float32 on AMX): free it
+        self.half_rows = HalfRows.for_layer(self, kernels)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight, self.bias, self.packed_weight, self.few_rows, self.amx)
+        return linear(x, self.weight, self.bias, self.packed_weight, self.few_rows, self.amx, self.half_rows)
 
 
 class ReplicatedLinear(LinearBase):
@@ -198,7 +229,7 @@ class RowParallelLinear(LinearBase):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # Only rank 0 adds the bias, so the all-reduce counts it once.
         y = linear(x, self.weight, self.bias if self.tp_rank == 0 else None, self.packed_weight, self.few_rows,
-                   self.amx)
+                   self.amx, self.half_rows)
         if self.tp_size > 1:
             dist.all_reduce(y)
         return y

@@ -111,6 +111,8 @@ def hold_matmul_weights_in_float32(model: nn.Module) -> int:
     in the model's dtype and each matmul's result is rounded back to it, as a native kernel's
     float32 accumulation would be. A weight shared with another module (a tied LM head and
     embedding) gets a float32 copy of its own, so the embedding keeps returning the model's dtype.
+    Each converted layer's `held_dtype` says what it held (its enable_cpu may keep a copy in that
+    dtype for the few-row product, which reads half the bytes: layers/linear.py HalfRows).
     """
     uses = {}
     for _, param in model.named_parameters(remove_duplicate=False):
@@ -122,6 +124,7 @@ def hold_matmul_weights_in_float32(model: nn.Module) -> int:
         for name, param in list(module.named_parameters(recurse=False)):
             if param.dtype == torch.float32:
                 continue
+            module.held_dtype = param.dtype
             if uses[id(param)] > 1:
                 setattr(module, name, nn.Parameter(param.detach().float(), requires_grad=False))
             else:
