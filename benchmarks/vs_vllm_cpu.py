@@ -116,13 +116,13 @@ ISA_CAPS = {
                     "MKL_ENABLE_INSTRUCTIONS": "AVX512"},
 }
 ISA_CAP_SHIM = REPO / "benchmarks" / "isa_cap"  # its sitecustomize.py, first on vLLM's PYTHONPATH
-# The ggml options (build/CMakeCache.txt) of a llama.cpp built for each class: what
-# `cmake -B build -DGGML_NATIVE=OFF` plus these gives, and what GGML_NATIVE picks on such a CPU.
-# Every other GGML_AVX512* and GGML_AMX* option must be OFF, and no runtime choice among variants.
+# The ggml options (build/CMakeCache.txt) of a llama.cpp built for each class, as `cmake -B build
+# -DGGML_NATIVE=OFF` plus the first dict gives it (GGML_NATIVE picks them on such a CPU), and the
+# options (by prefix) that must stay OFF: those of ISAs the class lacks; no runtime choice of variants.
 LLAMACPP_CAP_BUILDS = {
-    "avx2": {"GGML_AVX2": "ON"},
-    "avx512": {"GGML_AVX512": "ON"},
-    "avx512_bf16": {"GGML_AVX512": "ON", "GGML_AVX512_BF16": "ON"},
+    "avx2": ({"GGML_AVX2": "ON"}, ("GGML_AVX512", "GGML_AMX")),
+    "avx512": ({"GGML_AVX512": "ON"}, ("GGML_AVX512_BF16", "GGML_AMX")),
+    "avx512_bf16": ({"GGML_AVX512": "ON", "GGML_AVX512_BF16": "ON"}, ("GGML_AMX",)),
 }
 
 
@@ -134,6 +134,8 @@ def isa_cap_env(cap: str | None, engine: str) -> dict[str, str]:
         return dict(ISA_CAPS[cap], NANOVLLM_CPU_ISA=cap)
     path = os.pathsep.join(filter(None, [str(ISA_CAP_SHIM), os.environ.get("PYTHONPATH")]))
     return dict(ISA_CAPS[cap], NANOVLLM_BENCH_ISA_CAP=cap, PYTHONPATH=path)
+
+
 def llamacpp_cap_problem(llamacpp: str, cap: str) -> str | None:
     """Why the llama.cpp tree's build is not one for ISA class `cap` (None: it is), from its CMake cache."""
     path = os.path.join(llamacpp, "build", "CMakeCache.txt")
@@ -142,9 +144,10 @@ def llamacpp_cap_problem(llamacpp: str, cap: str) -> str | None:
             options = dict(re.findall(r"^(GGML_\w+):BOOL=(\w+)$", f.read(), re.MULTILINE))
     except OSError:
         return f"no {path}"
-    wanted = dict(LLAMACPP_CAP_BUILDS[cap], GGML_NATIVE="OFF", GGML_BACKEND_DL="OFF", GGML_CPU_ALL_VARIANTS="OFF")
+    on, off = LLAMACPP_CAP_BUILDS[cap]
+    wanted = dict(on, GGML_NATIVE="OFF", GGML_BACKEND_DL="OFF", GGML_CPU_ALL_VARIANTS="OFF")
     for name in options:
-        if name.startswith(("GGML_AVX512", "GGML_AMX")):
+        if name.startswith(off):
             wanted.setdefault(name, "OFF")
     wrong = [f"{name}={options.get(name, 'unset')}" for name, value in wanted.items()
              if options.get(name, "OFF") != value]
@@ -630,7 +633,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         parser.error("--llamacpp-python is llama.cpp's converter; it needs --llamacpp")
     args.llamacpp_python = args.llamacpp_python or sys.executable
     if args.isa_cap and args.llamacpp and (problem := llamacpp_cap_problem(args.llamacpp, args.isa_cap)):
-        flags = " ".join(f"-D{name}={value}" for name, value in LLAMACPP_CAP_BUILDS[args.isa_cap].items())
+        flags = " ".join(f"-D{name}={value}" for name, value in LLAMACPP_CAP_BUILDS[args.isa_cap][0].items())
         parser.error(f"--isa-cap {args.isa_cap} runs llama.cpp only from a build for that class, and "
                      f"{args.llamacpp}: {problem}; build one: cmake -B build -DGGML_NATIVE=OFF {flags} "
                      "&& cmake --build build --target llama-server")
@@ -769,7 +772,7 @@ def make_engines(args: argparse.Namespace) -> tuple[list[Engine], dict]:
                                        "for float32 rows); one slot per prompt; KV cache in the row's dtype"}
         if args.isa_cap:
             setup["llamacpp"]["isa_cap"] = f"built for {args.isa_cap}: GGML_NATIVE=OFF, " + ", ".join(
-                f"{name}={value}" for name, value in LLAMACPP_CAP_BUILDS[args.isa_cap].items())
+                f"{name}={value}" for name, value in LLAMACPP_CAP_BUILDS[args.isa_cap][0].items())
     return engines, setup
 
 

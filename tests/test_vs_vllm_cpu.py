@@ -195,6 +195,8 @@ AVX2_BUILD = {"GGML_NATIVE": "OFF", "GGML_AVX2": "ON", "GGML_AVX512": "OFF", "GG
     ("avx512_bf16", AVX2_BUILD, "GGML_AVX512=OFF"),
     ("avx512_bf16", dict(AVX2_BUILD, GGML_AVX512="ON", GGML_AVX512_BF16="ON"), None),
     ("avx512", dict(AVX2_BUILD, GGML_AVX512="ON", GGML_AVX512_BF16="ON"), "GGML_AVX512_BF16=ON"),
+    ("avx512_bf16", dict(AVX2_BUILD, GGML_AVX512="ON", GGML_AVX512_BF16="ON", GGML_AVX512_VNNI="ON"), None),  # Zen 4's
+    ("avx512_bf16", dict(AVX2_BUILD, GGML_AVX512="ON", GGML_AVX512_BF16="ON", GGML_AMX_BF16="ON"), "GGML_AMX_BF16=ON"),
 ])
 def test_isa_cap_runs_llamacpp_only_from_a_build_for_the_class(bench, capsys, tmp_path, cap, options, wrong):
     argv = ["--isa-cap", cap, "--llamacpp", llamacpp_tree(tmp_path, options)]
