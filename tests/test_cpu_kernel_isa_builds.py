@@ -196,6 +196,24 @@ def test_bf16_row_product_build_matches_float64(library):
                 assert (error <= exact.abs() * 2 ** -8 + 1e-5 * (1 + exact.abs().max())).all()
 
 
+def test_tied_bf16_head_on_float32_held_weights_reads_the_embedding(qwen3_tiny_tied, monkeypatch):
+    """A tied head held in float32 on the AVX2 build reads the embedding's bf16 tensor for its few-row
+    product (no copy of its own), whose values are the float32 head's."""
+    from nanovllm.utils import cpu
+    skip_unless_buildable("avx2")
+    monkeypatch.setattr(cpu_build, "_loaded", None)
+    monkeypatch.setenv(cpu_build.CPU_ISA_ENV, "avx2")
+    monkeypatch.setattr(cpu, "native_half_matmul", lambda dtype: dtype == torch.float32)
+    llm = LLM(qwen3_tiny_tied, dtype="bfloat16", enable_prefix_caching=False, num_kvcache_blocks=32,
+              kvcache_block_size=16)
+    model = llm.model_runner.model
+    head, embed = model.lm_head, model.model.embed_tokens
+    assert head.weight.dtype == torch.float32 and embed.weight.dtype == torch.bfloat16
+    assert head.half_rows.weight.data_ptr() == embed.weight.data_ptr()
+    assert torch.equal(head.half_rows.weight.float(), head.weight)
+    llm.exit()
+
+
 def test_bf16_engine_on_float32_held_weights_reads_bf16_copies(qwen3_head64, monkeypatch):
     """A bf16 model on the AVX2 build where bf16 matmul is not native (an AVX2-only CPU: the layers
     hold float32 for oneDNN): each linear layer and the LM head keep a bf16 copy for decode steps of

@@ -56,7 +56,8 @@ class HalfRows:
     layer's weight and bias, for a layer that holds float32 for its matmuls (utils/cpu.py
     hold_matmul_weights_in_float32: a CPU without native bf16 matmul, e.g. AVX2-only). A decode
     step of a few rows is bound by reading the weight, so its bf16 rows read half of float32's
-    bytes this way; the copy costs half the float32 weight's memory."""
+    bytes this way; the copy costs half the float32 weight's memory (none for a tied head, which
+    reads the embedding's)."""
 
     def __init__(self, product: Callable, weight: torch.Tensor, bias: torch.Tensor | None):
         self.max_rows, self.dtype = product.max_rows, weight.dtype
@@ -71,7 +72,10 @@ class HalfRows:
         if product is None or layer.weight.dtype != torch.float32 or getattr(layer, "tp_size", 1) != 1:
             return None
         bias = getattr(layer, "bias", None)
-        return cls(product, layer.weight.detach().to(held), None if bias is None else bias.detach().to(held))
+        weight = getattr(layer, "held_weight", None)  # a tied head's: the embedding's own tensor, no copy
+        if weight is None:
+            weight = layer.weight.detach().to(held)
+        return cls(product, weight, None if bias is None else bias.detach().to(held))
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         return self._product(x, self.weight, self.bias)

@@ -112,7 +112,8 @@ def hold_matmul_weights_in_float32(model: nn.Module) -> int:
     float32 accumulation would be. A weight shared with another module (a tied LM head and
     embedding) gets a float32 copy of its own, so the embedding keeps returning the model's dtype.
     Each converted layer's `held_dtype` says what it held (its enable_cpu may keep a copy in that
-    dtype for the few-row product, which reads half the bytes: layers/linear.py HalfRows).
+    dtype for the few-row product, which reads half the bytes: layers/linear.py HalfRows), and a
+    shared weight's `held_weight` is the other module's tensor, which that copy can be.
     """
     uses = {}
     for _, param in model.named_parameters(remove_duplicate=False):
@@ -126,6 +127,8 @@ def hold_matmul_weights_in_float32(model: nn.Module) -> int:
                 continue
             module.held_dtype = param.dtype
             if uses[id(param)] > 1:
+                if name == "weight":
+                    module.held_weight = param.detach()
                 setattr(module, name, nn.Parameter(param.detach().float(), requires_grad=False))
             else:
                 param.data = param.data.float()
