@@ -196,16 +196,21 @@ def test_bf16_row_product_build_matches_float64(library):
                 assert (error <= exact.abs() * 2 ** -8 + 1e-5 * (1 + exact.abs().max())).all()
 
 
-def test_tied_bf16_head_on_float32_held_weights_reads_the_embedding(qwen3_tiny_tied, monkeypatch):
-    """A tied head held in float32 on the AVX2 build reads the embedding's bf16 tensor for its few-row
-    product (no copy of its own), whose values are the float32 head's."""
+def avx2_bf16_engine(path: str, monkeypatch) -> LLM:
+    """A bf16 engine on the AVX2 build with bf16 matmul not native, as on an AVX2-only CPU (the layers
+    then hold float32 for oneDNN)."""
     from nanovllm.utils import cpu
     skip_unless_buildable("avx2")
     monkeypatch.setattr(cpu_build, "_loaded", None)
     monkeypatch.setenv(cpu_build.CPU_ISA_ENV, "avx2")
     monkeypatch.setattr(cpu, "native_half_matmul", lambda dtype: dtype == torch.float32)
-    llm = LLM(qwen3_tiny_tied, dtype="bfloat16", enable_prefix_caching=False, num_kvcache_blocks=32,
-              kvcache_block_size=16)
+    return LLM(path, dtype="bfloat16", enable_prefix_caching=False, num_kvcache_blocks=64, kvcache_block_size=16)
+
+
+def test_tied_bf16_head_on_float32_held_weights_reads_the_embedding(qwen3_tiny_tied, monkeypatch):
+    """A tied head held in float32 on the AVX2 build reads the embedding's bf16 tensor for its few-row
+    product (no copy of its own), whose values are the float32 head's."""
+    llm = avx2_bf16_engine(qwen3_tiny_tied, monkeypatch)
     model = llm.model_runner.model
     head, embed = model.lm_head, model.model.embed_tokens
     assert head.weight.dtype == torch.float32 and embed.weight.dtype == torch.bfloat16
@@ -220,14 +225,8 @@ def test_bf16_engine_on_float32_held_weights_reads_bf16_copies(qwen3_head64, mon
     1-4 rows (layers/linear.py HalfRows), the one-call decode step takes those steps over the copies,
     bit for bit the Python layers (tokens and logprobs), and the head makes no greedy int8 form
     (its rows are never float32)."""
-    from nanovllm.utils import cpu
     from test_cpu_decode import record_rows
-    skip_unless_buildable("avx2")
-    monkeypatch.setattr(cpu_build, "_loaded", None)
-    monkeypatch.setenv(cpu_build.CPU_ISA_ENV, "avx2")
-    monkeypatch.setattr(cpu, "native_half_matmul", lambda dtype: dtype == torch.float32)
-    llm = LLM(qwen3_head64, dtype="bfloat16", enable_prefix_caching=False, num_kvcache_blocks=64,
-              kvcache_block_size=16)
+    llm = avx2_bf16_engine(qwen3_head64, monkeypatch)
     model = llm.model_runner.model
     for layer in (model.model.layers[0].self_attn.qkv_proj, model.model.layers[-1].mlp.down_proj, model.lm_head):
         assert layer.weight.dtype == torch.float32 and layer.half_rows.dtype == torch.bfloat16
