@@ -18,6 +18,10 @@
 // tile, 1 KiB a tile, so each w tile is one contiguous load and a thread reads its columns'
 // weights front to back.
 //
+// head_argmax runs the bfloat16 product over an LM head and keeps, per row, only the first index of
+// its largest logit (the sampler's greedy token), never writing the logits: greedy decode steps of a
+// bf16 model (AmxGreedyHead in cpu_build.py).
+//
 // Built only where the compiler has AMX-TILE, AMX-BF16 and AVX512-BF16 (-march=native on such a
 // CPU); nanovllm_amx_linear_supported() also asks Linux for the tile data state (arch_prctl), which
 // a process needs before its first tile instruction, and says 0 where either is missing.
@@ -25,6 +29,8 @@
 #include <cstdint>
 #include <type_traits>
 #include <vector>
+
+#include <omp.h>
 
 #include "cpu_kernels.h"
 
@@ -180,6 +186,82 @@ void product(const T* x, int64_t x_stride, int M, int K, const uint16_t* wp, int
     _tile_release();
   }
 }
+
+// Per row of bfloat16 x (M rows, whole tiles), the first index of the largest of its logits
+// x @ w^T, each rounded to bfloat16 as the product would write it and taken as greedy_rows
+// (cpu_fused.cpp) takes a logit (NaN as -limit, clamped to +-limit): the argmax the sampler would
+// take from product()'s output, without writing the logits. Threads take contiguous runs of pairs;
+// each keeps per row and lane its first largest and its index, merged at the end (largest value,
+// then smallest index).
+void head_argmax(const uint16_t* x, int64_t x_stride, int M, int K, const uint16_t* wp, int N, float limit,
+                 int64_t* out, int num_threads) {
+  const int k_tiles = K / TILE_K, pairs = N / 32;
+  const int64_t pair_elems = static_cast<int64_t>(k_tiles) * 2 * TILE_ELEMS;
+  // Per thread, row and lane; a thread the runtime does not start leaves its -inf.
+  std::vector<float> best(static_cast<size_t>(num_threads) * M * 16, -INFINITY);
+  std::vector<int32_t> index(best.size(), 0);
+#pragma omp parallel num_threads(num_threads)
+  {
+    const int threads = omp_get_num_threads(), me = omp_get_thread_num();
+    const int p0 = static_cast<int64_t>(pairs) * me / threads, p1 = static_cast<int64_t>(pairs) * (me + 1) / threads;
+    float* my_best = best.data() + static_cast<size_t>(me) * M * 16;
+    int32_t* my_index = index.data() + static_cast<size_t>(me) * M * 16;
+    load_tile_config();
+    alignas(64) float sums[4][TILE_ROWS * 16];
+    const __m512 low = _mm512_set1_ps(-limit), high = _mm512_set1_ps(limit);
+    const __m512i lanes = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    for (int pair = p0; pair < p1; ++pair) {
+      const uint16_t* w = wp + pair * pair_elems;
+      for (int m0 = 0; m0 < M; m0 += 2 * TILE_ROWS) {
+        const bool two = m0 + TILE_ROWS < M;
+        _tile_zero(0);
+        _tile_zero(1);
+        _tile_zero(2);
+        _tile_zero(3);
+        for (int kt = 0; kt < k_tiles; ++kt) {
+          const uint16_t* xk = x + m0 * x_stride + kt * TILE_K;
+          _tile_loadd(4, xk, x_stride * 2);
+          load_w(w + kt * 2 * TILE_ELEMS);
+          times_w(two, xk + TILE_ROWS * x_stride, x_stride * 2);
+        }
+        _tile_stored(0, sums[0], 64);
+        _tile_stored(1, sums[1], 64);
+        if (two) {
+          _tile_stored(2, sums[2], 64);
+          _tile_stored(3, sums[3], 64);
+        }
+        for (int t = 0; t < (two ? 4 : 2); ++t) {
+          const int row0 = m0 + (t / 2) * TILE_ROWS;
+          const __m512i columns = _mm512_add_epi32(lanes, _mm512_set1_epi32(pair * 32 + (t % 2) * 16));
+          for (int r = 0; r < TILE_ROWS; ++r) {
+            // As product() writes it (bf16, nearest even), then as greedy_rows reads it.
+            const __m512 y = widen(_mm512_cvtneps_pbh(_mm512_load_ps(sums[t] + r * 16)));
+            const __m512 v = _mm512_min_ps(_mm512_max_ps(y, low), high);  // max_ps(NaN, low) is low
+            float* b = my_best + (row0 + r) * 16;
+            int32_t* ix = my_index + (row0 + r) * 16;
+            const __m512 old = _mm512_loadu_ps(b);
+            const __mmask16 larger = _mm512_cmp_ps_mask(v, old, _CMP_GT_OQ);
+            if (larger) {  // rare once a row's lanes hold their largest so far: no stores otherwise
+              _mm512_storeu_ps(b, _mm512_mask_mov_ps(old, larger, v));
+              _mm512_storeu_si512(ix, _mm512_mask_mov_epi32(_mm512_loadu_si512(ix), larger, columns));
+            }
+          }
+        }
+      }
+    }
+    _tile_release();
+  }
+  for (int r = 0; r < M; ++r) {  // lanes of every thread: the largest, the smallest index among equals
+    float top = -INFINITY;
+    int64_t at = 0;
+    for (int t = 0; t < num_threads; ++t)
+      for (int j = 0; j < 16; ++j) {
+        const size_t i = (static_cast<size_t>(t) * M + r) * 16 + j;
+        if (best[i] > top || (best[i] == top && index[i] < at)) top = best[i], at = index[i];
+      }
+    out[r] = at;
+  }
+}
 #endif
 
 }  // namespace
@@ -212,6 +294,23 @@ int nanovllm_amx_linear(int dtype, const void* x, int64_t x_stride, int M, int K
 #else
   (void)dtype, (void)x, (void)x_stride, (void)M, (void)K, (void)w_packed, (void)N, (void)bias, (void)out,
       (void)out_stride, (void)num_threads;
+  return -1;
+#endif
+}
+
+// out[r] for r < M: the first index of the largest of x[r] @ w^T's logits as bfloat16 (head_argmax),
+// x bfloat16 [M, K] (M whole tiles of 16, row stride x_stride), w bfloat16 packed as for
+// nanovllm_amx_linear ([N, K], N a multiple of 32, K of 32). Returns 0, or -1 for what it does not
+// take or a build without AMX.
+int nanovllm_amx_argmax(const void* x, int64_t x_stride, int M, int K, const void* w_packed, int N, float limit,
+                        int64_t* out, int num_threads) {
+#ifdef NANOVLLM_AMX
+  if (M <= 0 || M % TILE_ROWS || K % TILE_K || N % 32) return -1;
+  head_argmax(static_cast<const uint16_t*>(x), x_stride, M, K, static_cast<const uint16_t*>(w_packed), N, limit, out,
+              num_threads);
+  return 0;
+#else
+  (void)x, (void)x_stride, (void)M, (void)K, (void)w_packed, (void)N, (void)limit, (void)out, (void)num_threads;
   return -1;
 #endif
 }

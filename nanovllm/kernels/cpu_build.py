@@ -65,7 +65,10 @@ FEW_ROWS_DTYPES = (torch.float32, torch.bfloat16)
 # ("Eleventh 2026-11-27 session"); so such layers keep no oneDNN copy (LinearBase.enable_cpu). With
 # fewer columns a tile of sums has too few K steps to pay for its set-up: the tiny model's (K 128)
 # prefill chunks ran 0.92x.
-# The bf16 LM head (32,000 columns) stays on oneDNN: level at 64 rows, slower above. The float32
+# The bf16 LM head's logits (32,000 columns) stay on oneDNN: level at 64 rows, slower above; its
+# greedy steps of AMX_GREEDY_HEAD_MIN_ROWS rows or more take their tokens from AMX tiles without
+# the logits (AmxGreedyHead: 0.57-0.8x oneDNN's product and argmax at 16-256 rows from memory, and
+# the 4 rows of the few-row product are faster below: docs/BENCHMARKS.md). The float32
 # one takes it from AMX_HEAD_MIN_ROWS rows: its three bf16 parts are 1.5x the float32 weight's
 # bytes, and below 64 rows, where reading the 65 MB weight bounds the product, that was slower than
 # oneDNN (0.87-0.89x at 16-32 rows, 1.07x at 64, 1.3-1.7x at 128-256).
@@ -73,6 +76,7 @@ AMX_MAX_ROWS = 256
 ANY_ROWS = 1 << 62  # more rows than any step has
 AMX_PREFILL_MIN_K = 512
 AMX_HEAD_MIN_ROWS = 64
+AMX_GREEDY_HEAD_MIN_ROWS = 5
 AMX_TILE_ROWS, AMX_TILE_K, AMX_PAIR_COLUMNS = 16, 32, 32
 GREEDY_HEAD_CHUNK = 64  # vocabulary rows a panel of cpu_greedy_head.cpp (its CHUNK)
 CPUINFO = "/proc/cpuinfo"
@@ -216,6 +220,34 @@ class AmxProduct:
         return out if padded == rows else out[:rows]
 
 
+class AmxGreedyHead:
+    """A bfloat16 LM head's greedy tokens on AMX tiles (cpu_amx_linear.cpp head_argmax): per row the
+    first index of the largest logit, each logit as the AMX product writes it (bfloat16) and as the
+    sampler's greedy pass reads it (NaN as -limit, clamped to +-limit), without writing the logits.
+    Takes min_rows rows or more, greedy ones only (a HeadDraw that samples: None)."""
+    samples = False  # rows with a temperature are not its (ModelRunner.launch asks it for greedy steps only)
+
+    def __init__(self, fn, product: AmxProduct, limit: float, min_rows: int):
+        self._fn = fn
+        self.product = product  # the weight packed for AMX (its packed tiles are what the kernel reads)
+        self.limit, self.min_rows = limit, min_rows
+
+    def __call__(self, x: torch.Tensor, draw=None) -> torch.Tensor | None:
+        """[rows] int64 greedy tokens of bfloat16 rows x [rows, K]; None where the logits must
+        decide (rows not bfloat16, fewer than min_rows, or a row that samples)."""
+        rows, k = x.shape
+        if x.dtype != torch.bfloat16 or rows < self.min_rows or (draw is not None and draw.keys):
+            return None
+        padded = -(-rows // AMX_TILE_ROWS) * AMX_TILE_ROWS
+        if padded != rows or x.stride(1) != 1:
+            x = torch.nn.functional.pad(x, (0, 0, 0, padded - rows))
+        out = torch.empty(padded, dtype=torch.int64)
+        rc = self._fn(x.data_ptr(), x.stride(0), padded, k, self.product.packed.data_ptr(), self.product.n, self.limit,
+                      out.data_ptr(), torch.get_num_threads())
+        assert rc == 0, f"nanovllm_amx_argmax returned {rc}"
+        return out[:rows]
+
+
 class GreedyHead:
     """A float32 LM head's greedy tokens (cpu_greedy_head.cpp): argmax_v x . w_v per row, found by
     int8 scores with a proven bound and a float32 recheck of the few tokens the bound leaves, not by
@@ -224,6 +256,8 @@ class GreedyHead:
     dot products read), the vocabulary padded with zero rows; per row its scale, the sum of its
     int8 values, ||w_v|| and ||w_v - w^_v|| (upper bounds: float32's rounding error added). The
     plain weight stays (the recheck reads it, other steps multiply it)."""
+
+    samples = True  # with a HeadDraw it draws sampled rows' tokens too (the race)
 
     def __init__(self, fn, pack, weight: torch.Tensor, limit: float):
         self._fn = fn
@@ -306,6 +340,9 @@ class FusedKernels:
         amx_linear.argtypes = [i32, ptr, i64, i32, i32, ptr, i32, ptr, ptr, i64, i32]
         amx_linear.restype = i32
         self._amx_linear = amx_linear if library.nanovllm_amx_linear_supported() else None
+        self._amx_argmax = library.nanovllm_amx_argmax
+        self._amx_argmax.argtypes = [ptr, i64, i32, i32, ptr, i32, f32, ptr, i32]
+        self._amx_argmax.restype = i32
         self._greedy_tokens = library.nanovllm_greedy_tokens
         self._greedy_tokens.argtypes = [i32, ptr, i64, i32, i32, f32, ptr, i32]
         self._greedy_tokens.restype = i32
@@ -355,6 +392,14 @@ class FusedKernels:
         if self._greedy_head is None or not GreedyHead.takes(weight):
             return None
         return GreedyHead(self._greedy_head, self._greedy_head_pack, weight, limit)
+
+    def amx_greedy_head(self, weight: torch.Tensor, limit: float, min_rows: int) -> AmxGreedyHead | None:
+        """A bfloat16 LM head `weight` packed for AMX, for its greedy tokens (AmxGreedyHead), or None where
+        this build has no AMX product or the product does not take the weight."""
+        if weight.dtype != torch.bfloat16:
+            return None
+        product = self.amx_linear(weight)
+        return None if product is None else AmxGreedyHead(self._amx_argmax, product, limit, min_rows)
 
     def few_rows_linear(self, dtype: torch.dtype) -> FewRowsLinear | None:
         """The few-row product for weights of `dtype`, or None where this CPU's build has none

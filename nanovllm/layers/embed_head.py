@@ -11,7 +11,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from nanovllm.kernels.cpu_build import AMX_HEAD_MIN_ROWS
+from nanovllm.kernels.cpu_build import AMX_GREEDY_HEAD_MIN_ROWS, AMX_HEAD_MIN_ROWS
 from nanovllm.layers.linear import HalfRows, divide, linear, shard
 from nanovllm.layers.logits_processors import LOGIT_LIMIT
 from nanovllm.utils.loader import copy_checked
@@ -48,9 +48,9 @@ class ParallelLMHead(VocabParallelEmbedding):
     few_rows: Callable | None = None  # the CPU's few-row product (layers/linear.py linear()), set by enable_cpu
     amx: Callable | None = None  # the weight packed for the CPU's AMX product (layers/linear.py linear())
     half_rows: HalfRows | None = None  # the few-row product over a bf16 copy of a float32-held head (enable_cpu)
-    # Float32 rows (and a HeadDraw, or None: greedy) -> their tokens, without every logit
-    # (kernels/cpu_build.py GreedyHead), set by enable_cpu for a float32 head on one rank where the
-    # CPU has AVX512-VNNI or AVX2; returns None where the logits must decide.
+    # Rows (and a HeadDraw, or None: greedy) -> their tokens, without every logit, set by enable_cpu
+    # for a head on one rank: a float32 one's where the CPU has AVX512-VNNI or AVX2 (kernels/cpu_build.py
+    # GreedyHead), a bf16 one's greedy rows where it has AMX (AmxGreedyHead); None where the logits must decide.
     greedy: Callable[..., torch.Tensor | None] | None = None
 
     def enable_cpu(self, kernels) -> None:
@@ -61,6 +61,8 @@ class ParallelLMHead(VocabParallelEmbedding):
             # The greedy head takes float32 rows: not a half-precision model's (held in float32)
             if self.tp_size == 1 and getattr(self, "held_dtype", None) is None:
                 self.greedy = kernels.greedy_head(self.weight, LOGIT_LIMIT)
+        elif self.tp_size == 1:  # bf16: greedy steps take their tokens from AMX tiles, without the logits
+            self.greedy = kernels.amx_greedy_head(self.weight, LOGIT_LIMIT, AMX_GREEDY_HEAD_MIN_ROWS)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor | None:
         """x: [num_rows, hidden] -> logits [num_rows, vocab] on rank 0 (None on the others)."""

@@ -377,9 +377,10 @@ class ModelRunner:
         """One step on this rank alone, returning before its tokens reach the host (async
         scheduling): placeholder tokens among its inputs are read from the previous launch's."""
         # Only where the model has a greedy head: elsewhere it would change nothing (no pass over seqs)
-        head_draw = None
-        if (self.rank == 0 and self.model.greedy_head is not None
-                and all(seq.sampling_params.needs_only_temperature_and_seed for seq in seqs)):
+        head_draw, head = None, self.model.greedy_head
+        if (self.rank == 0 and head is not None
+                and all(seq.sampling_params.needs_only_temperature_and_seed for seq in seqs)
+                and (head.samples or not any(seq.sampling_params.temperature for seq in seqs))):
             head_draw = HeadDraw.of(seqs)
         return self.sample_pending(seqs, self.forward(StepMessage.of(seqs, is_prefill, swap_out, swap_in,
                                                                      head_draw=head_draw)))
