@@ -4,14 +4,14 @@ it (bfloat16, nearest even) and as the sampler's greedy pass reads it (NaN as -l
 +-limit), without writing the logits. So its tokens must equal greedy_tokens() over the AMX
 product's own logits, exactly: random heads from one pair of column blocks to the real-proportion
 model's 32,000 x 512, row counts that pad a tile, strided rows, exact ties (the first index), logits
-past the sampler's clamp and NaN logits. It declines (None) what it does not take: rows that are not
-bfloat16, fewer than its min_rows, a step that samples; it is made only for bfloat16 weights of
-whole tiles.
+past the sampler's clamp and NaN logits. What it does not take (rows that are not bfloat16, fewer
+than its min_rows, a step that samples) goes to the int8 head it is given, or gets None; it is made
+only for bfloat16 weights of whole tiles.
 
-The engine gives a bf16 head on one rank to it where the CPU has AMX: greedy steps take their
-tokens from it, and they equal the tokens of the logits path over the same AMX product; a step
-with a sampled row never asks it (ModelRunner.launch: the head does not sample) and draws as
-without it. Without AMX every test here skips (the logits path runs).
+The engine gives a bf16 head on one rank to it where the CPU has AMX, with the int8 head
+(tests/test_cpu_greedy_head.py) for the rest: greedy steps of min_rows rows or more take their
+tokens from AMX tiles, and they equal the tokens of the logits path over the same AMX product;
+fewer rows and steps with a sampled row go to the int8 head. Without AMX every test here skips.
 """
 import pytest
 import torch
@@ -94,16 +94,28 @@ def test_logits_past_the_clamp_and_nan_as_the_sampler(cpu_kernels, make_head):
     assert make_head(w)(torch.rand(16, 32).bfloat16() + 0.5).tolist() == [0] * 16
 
 
-def test_declines_what_it_does_not_take(cpu_kernels, make_head):
+def test_declines_or_hands_on_what_it_does_not_take(cpu_kernels, make_head):
     w = torch.randn(64, 32).bfloat16()
     head = cpu_kernels.amx_greedy_head(w, LOGIT_LIMIT, AMX_GREEDY_HEAD_MIN_ROWS)
-    x = torch.randn(8, 32).bfloat16()
+    rows = AMX_GREEDY_HEAD_MIN_ROWS
+    x = torch.randn(rows, 32).bfloat16()
     assert head(x) is not None
     assert head(x.float()) is None  # float32 rows (a float32-held head's)
-    assert head(x[:AMX_GREEDY_HEAD_MIN_ROWS - 1]) is None  # the few-row product's rows
-    assert head(x, HeadDraw([0.0] * 8, [], [])) is not None  # every row greedy
-    assert head(x, HeadDraw([0.0] * 7 + [0.7], [1] * 8, [0] * 8)) is None  # a row that samples
+    assert head(x[:rows - 1]) is None  # too few rows
+    assert head(x, HeadDraw([0.0] * rows, [], [])) is not None  # every row greedy
+    sampled = HeadDraw([0.0] * (rows - 1) + [0.7], [1] * rows, [0] * rows)
+    assert head(x, sampled) is None  # a row that samples
     assert not head.samples
+    calls = []
+    others = cpu_kernels.greedy_head(w, LOGIT_LIMIT)
+    real = others._fn
+    others._fn = lambda *a: calls.append(a[3]) or real(*a)  # its rows argument
+    both = cpu_kernels.amx_greedy_head(w, LOGIT_LIMIT, rows, others)
+    assert both.samples
+    assert torch.equal(both(x), head(x)) and calls == []
+    assert torch.equal(both(x[:3]), others(x[:3]))
+    assert both(x, sampled) is not None and both(x.float()) is not None
+    assert calls == [3, 3, rows, rows]
     for weight in (torch.randn(64, 32), torch.randn(64, 32).half(), torch.randn(48, 32).bfloat16(),
                    torch.randn(64, 40).bfloat16()):
         assert cpu_kernels.amx_greedy_head(weight, LOGIT_LIMIT, 1) is None, (weight.dtype, weight.shape)
@@ -121,9 +133,10 @@ def test_engine_greedy_steps_take_the_head(request, make_head, family):
     calls = []
     original = model.head_tokens
     model.head_tokens = lambda hidden, draw=None: calls.append(hidden.size(0)) or original(hidden, draw)
-    prompts = random_prompts(600, [5, 17, 33, 9, 60, 2, 41, 12], seed=6)
+    assert head.greedy.others is not None  # the int8 head for the rest
+    prompts = random_prompts(600, [5, 17, 33, 9, 60, 2, 41, 12] * 2 + [3, 8], seed=6)
     out = llm.generate(prompts, greedy(12), use_tqdm=False)
-    assert calls.count(len(prompts)) >= 11  # every decode step of all 8
+    assert len(prompts) >= AMX_GREEDY_HEAD_MIN_ROWS and calls.count(len(prompts)) >= 11  # every decode step of all
     greedy_head, head.greedy = head.greedy, None
     head.amx = greedy_head.product  # the logits path on the same product (from 1 row; AmxProduct.min_rows)
     head.few_rows = None
@@ -132,17 +145,18 @@ def test_engine_greedy_steps_take_the_head(request, make_head, family):
     llm.exit()
 
 
-def test_sampled_steps_never_ask_the_head(qwen3_tiny, make_head):
+def test_steps_with_a_sampled_row_go_to_the_int8_head(qwen3_tiny, make_head, monkeypatch):
     llm = LLM(qwen3_tiny, dtype="bfloat16", enable_prefix_caching=False)
-    model = llm.model_runner.model
-    calls = []
-    original = model.head_tokens
-    model.head_tokens = lambda hidden, draw=None: calls.append(hidden.size(0)) or original(hidden, draw)
-    prompts = random_prompts(600, [7, 11, 5, 9, 13, 6], seed=7)
+    head = llm.model_runner.model.lm_head.greedy
+    amx_rows, int8_rows = [], []
+    amx, int8 = head._fn, head.others._fn
+    monkeypatch.setattr(head, "_fn", lambda *a: amx_rows.append(a[2]) or amx(*a))
+    monkeypatch.setattr(head.others, "_fn", lambda *a: int8_rows.append(a[3]) or int8(*a))
+    prompts = random_prompts(600, [7, 11, 5, 9, 13, 6] * 3, seed=7)
     sampled = SamplingParams(temperature=0.8, max_tokens=8, seed=3, ignore_eos=True)
-    first = llm.generate(prompts, [greedy(8)] * 5 + [sampled], use_tqdm=False)
-    assert calls == []
-    model.lm_head.greedy = None
-    again = llm.generate(prompts, [greedy(8)] * 5 + [sampled], use_tqdm=False)
+    first = llm.generate(prompts, [greedy(8)] * 17 + [sampled], use_tqdm=False)
+    assert amx_rows == [] and int8_rows.count(len(prompts)) >= 7  # every step drew through the int8 head
+    monkeypatch.setattr(llm.model_runner.model.lm_head, "greedy", None)
+    again = llm.generate(prompts, [greedy(8)] * 17 + [sampled], use_tqdm=False)
     assert [o["token_ids"] for o in first] == [o["token_ids"] for o in again]
     llm.exit()

@@ -5,7 +5,14 @@ heads of vocabularies that leave a partial panel and widths that leave a partial
 rows, strided rows, near-ties far below the int8 scores' resolution, exact ties (the first index,
 as torch.argmax), rows with an outlier; recheck only a few tokens on random data (the bound
 prunes); and decline (None) rows it cannot prove: not finite, logits near the sampler's clamp,
-not float32. The head is made only for float32, finite heads of a width a multiple of 4.
+neither float32 nor bfloat16. The head is made only for float32 and bfloat16 finite heads of a
+width a multiple of 4.
+
+bfloat16 rows (a bf16 model's; the head bf16, or held in float32 for a CPU without native bf16
+products) have bfloat16 logits: the token must be the first of the largest logits rounded to
+bfloat16 (ties between tokens that round alike are common): on heads whose float32 logits are
+exact (small integers), against the rounded exact logits, greedy and sampled (the race over the
+rounded logits); on random heads, a token whose rounded logit is the largest.
 
 The engine gives a float32 head on one rank to it (where the CPU has AVX512-VNNI or AVX2; the AVX2
 form runs in tests/test_cpu_kernel_isa_builds.py): steps whose
@@ -20,7 +27,7 @@ from helpers import greedy, hf_greedy, random_prompts
 from nanovllm import LLM, SamplingParams
 from nanovllm.kernels.cpu_build import GREEDY_HEAD_CHUNK, GreedyHead
 from nanovllm.layers.logits_processors import LOGIT_LIMIT
-from nanovllm.runner.step_inputs import StepMessage
+from nanovllm.runner.step_inputs import HeadDraw, StepMessage
 
 
 @pytest.fixture(scope="module")
@@ -106,16 +113,72 @@ def test_rows_it_cannot_prove_are_declined(make_head):
         y[1, 5] = bad
         assert head(y) is None
     assert head(x * 1e28) is None  # logits could reach the sampler's clamp (1e30)
-    assert head(x.bfloat16()) is None
+    assert head(x.half()) is None
 
 
-def test_only_float32_finite_heads_of_whole_quads(cpu_kernels, make_head):
+def test_only_float32_and_bfloat16_finite_heads_of_whole_quads(cpu_kernels, make_head):
     w = torch.randn(100, 64)
-    assert isinstance(make_head(w), GreedyHead)
-    assert cpu_kernels.greedy_head(w.bfloat16(), LOGIT_LIMIT) is None
+    assert isinstance(make_head(w), GreedyHead) and isinstance(make_head(w.bfloat16()), GreedyHead)
+    assert cpu_kernels.greedy_head(w.half(), LOGIT_LIMIT) is None
     assert cpu_kernels.greedy_head(torch.randn(100, 66), LOGIT_LIMIT) is None
     w[3, 3] = float("inf")
     assert cpu_kernels.greedy_head(w, LOGIT_LIMIT) is None
+
+
+def integer_head(vocab: int, width: int, rows: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """bf16 rows and a head of small integers: every float32 logit is exact (|sum| < 2^24), and
+    their values, in the hundreds to thousands, round to bfloat16's 8 bits in ties."""
+    gen = torch.Generator().manual_seed(seed)
+    w = torch.randint(-8, 9, (vocab, width), generator=gen).float()
+    x = torch.randint(-8, 9, (rows, width), generator=gen).float()
+    return x.bfloat16(), w
+
+
+def rounded_logits(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    return (x.double() @ w.double().T).bfloat16()  # exact, then rounded once
+
+
+@pytest.mark.parametrize("head_dtype", [torch.bfloat16, torch.float32])  # a bf16 head, or one held in float32
+@pytest.mark.parametrize("vocab, width, rows", [(3000, 64, 9), (640, 256, 64), (100, 32, 1)])
+def test_bfloat16_rows_take_the_first_of_the_largest_rounded_logits(cpu_kernels, make_head, head_dtype, vocab,
+                                                                     width, rows):
+    x, w = integer_head(vocab, width, rows, seed=vocab + rows)
+    logits = rounded_logits(x, w)
+    ties = (logits == logits.max(1, keepdim=True).values).sum(1)
+    if rows >= 64:
+        assert (ties > 1).any()  # the rounding makes ties: the first index must win them
+    tokens = make_head(w.to(head_dtype))(x)
+    assert torch.equal(tokens, logits.float().argmax(1))  # torch.argmax: the first of the largest
+    assert torch.equal(tokens, cpu_kernels.greedy_tokens(logits, LOGIT_LIMIT))
+
+
+def test_bfloat16_sampled_rows_race_over_the_rounded_logits(cpu_kernels, make_head):
+    x, w = integer_head(2000, 128, 12, seed=9)
+    # Rows scaled to logits of a few units, so the noise decides among many tokens; float32 sums stay
+    # exact (bf16 x of 8 bits times w of 4, |x . w| < 2^10 in steps of 2^-11).
+    x = (x.float() * 0.1).bfloat16()
+    logits = rounded_logits(x, w)
+    temperatures = torch.tensor([0.0, 0.7, 1.0, 1.5] * 3)
+    keys, counters = torch.arange(12) * 7919 + 5, torch.arange(12) % 4
+    head = make_head(w.bfloat16())
+    tokens = head(x, HeadDraw(temperatures.tolist(), keys.tolist(), counters.tolist()))
+    expected = cpu_kernels.race_tokens(logits, temperatures, keys, counters, LOGIT_LIMIT)
+    assert torch.equal(tokens, expected)
+    assert len(set(tokens[1::4].tolist() + tokens[3::4].tolist())) > 1  # drawn, not all the argmax
+
+
+def test_bfloat16_random_rows_take_a_largest_rounded_logit(make_head):
+    gen = torch.Generator().manual_seed(10)
+    w = (torch.randn(32000, 512, generator=gen) * 0.05).bfloat16()
+    x = torch.randn(64, 512, generator=gen).bfloat16()
+    logits = rounded_logits(x, w).float()
+    tokens = make_head(w)(x)
+    top = logits.max(1).values
+    # Its rounded logit is the largest (float32's order of the sum may round a near-boundary value
+    # the other way: one bf16 step at most), and it is the first of the largest nearly always.
+    picked = logits.gather(1, tokens[:, None]).squeeze(1)
+    assert bool((picked >= top - top.abs() * 2 ** -7).all())
+    assert (tokens == logits.argmax(1)).float().mean() >= 0.95
 
 
 @pytest.mark.parametrize("family", ["qwen3_tiny", "qwen3_tiny_tied", "llama_tiny", "gpt2_tiny"])

@@ -67,8 +67,9 @@ FEW_ROWS_DTYPES = (torch.float32, torch.bfloat16)
 # prefill chunks ran 0.92x.
 # The bf16 LM head's logits (32,000 columns) stay on oneDNN: level at 64 rows, slower above; its
 # greedy steps of AMX_GREEDY_HEAD_MIN_ROWS rows or more take their tokens from AMX tiles without
-# the logits (AmxGreedyHead: 0.57-0.8x oneDNN's product and argmax at 16-256 rows from memory, and
-# the 4 rows of the few-row product are faster below: docs/BENCHMARKS.md). The float32
+# the logits (AmxGreedyHead: 0.57-0.8x oneDNN's product and argmax at 16-256 rows from memory),
+# fewer rows from the int8 greedy head (GreedyHead: level at 16 rows, 0.5-0.6x at 1-4 rows of the
+# few-row product and argmax; docs/BENCHMARKS.md). The float32
 # one takes it from AMX_HEAD_MIN_ROWS rows: its three bf16 parts are 1.5x the float32 weight's
 # bytes, and below 64 rows, where reading the 65 MB weight bounds the product, that was slower than
 # oneDNN (0.87-0.89x at 16-32 rows, 1.07x at 64, 1.3-1.7x at 128-256).
@@ -76,9 +77,10 @@ AMX_MAX_ROWS = 256
 ANY_ROWS = 1 << 62  # more rows than any step has
 AMX_PREFILL_MIN_K = 512
 AMX_HEAD_MIN_ROWS = 64
-AMX_GREEDY_HEAD_MIN_ROWS = 5
+AMX_GREEDY_HEAD_MIN_ROWS = 16
 AMX_TILE_ROWS, AMX_TILE_K, AMX_PAIR_COLUMNS = 16, 32, 32
 GREEDY_HEAD_CHUNK = 64  # vocabulary rows a panel of cpu_greedy_head.cpp (its CHUNK)
+GREEDY_HEAD_DTYPES = (torch.float32, torch.bfloat16)  # of its head and of the rows it takes
 CPUINFO = "/proc/cpuinfo"
 # NANOVLLM_CPU_ISA builds the kernels for less than this CPU has, as another x86 CPU would build
 # them (its paths run here: to try them, or to compare engines capped alike, benchmarks/
@@ -220,38 +222,13 @@ class AmxProduct:
         return out if padded == rows else out[:rows]
 
 
-class AmxGreedyHead:
-    """A bfloat16 LM head's greedy tokens on AMX tiles (cpu_amx_linear.cpp head_argmax): per row the
-    first index of the largest logit, each logit as the AMX product writes it (bfloat16) and as the
-    sampler's greedy pass reads it (NaN as -limit, clamped to +-limit), without writing the logits.
-    Takes min_rows rows or more, greedy ones only (a HeadDraw that samples: None)."""
-    samples = False  # rows with a temperature are not its (ModelRunner.launch asks it for greedy steps only)
-
-    def __init__(self, fn, product: AmxProduct, limit: float, min_rows: int):
-        self._fn = fn
-        self.product = product  # the weight packed for AMX (its packed tiles are what the kernel reads)
-        self.limit, self.min_rows = limit, min_rows
-
-    def __call__(self, x: torch.Tensor, draw=None) -> torch.Tensor | None:
-        """[rows] int64 greedy tokens of bfloat16 rows x [rows, K]; None where the logits must
-        decide (rows not bfloat16, fewer than min_rows, or a row that samples)."""
-        rows, k = x.shape
-        if x.dtype != torch.bfloat16 or rows < self.min_rows or (draw is not None and draw.keys):
-            return None
-        padded = -(-rows // AMX_TILE_ROWS) * AMX_TILE_ROWS
-        if padded != rows or x.stride(1) != 1:
-            x = torch.nn.functional.pad(x, (0, 0, 0, padded - rows))
-        out = torch.empty(padded, dtype=torch.int64)
-        rc = self._fn(x.data_ptr(), x.stride(0), padded, k, self.product.packed.data_ptr(), self.product.n, self.limit,
-                      out.data_ptr(), torch.get_num_threads())
-        assert rc == 0, f"nanovllm_amx_argmax returned {rc}"
-        return out[:rows]
-
-
 class GreedyHead:
-    """A float32 LM head's greedy tokens (cpu_greedy_head.cpp): argmax_v x . w_v per row, found by
-    int8 scores with a proven bound and a float32 recheck of the few tokens the bound leaves, not by
-    every logit in float32; with a HeadDraw, sampled rows' tokens the same way (the race's). Holds the head's int8 form, made once: each vocabulary row scaled by
+    """An LM head's greedy tokens (cpu_greedy_head.cpp): argmax_v x . w_v per row, found by int8
+    scores with a proven bound and a float32 recheck of the few tokens the bound leaves, not by
+    every logit in float32; with a HeadDraw, sampled rows' tokens the same way (the race's). The
+    head float32 or bfloat16; float32 rows' logits are float32, bfloat16 rows' (a bf16 model's,
+    its head bf16 or held in float32) are rounded to bfloat16 as their product writes them, and the
+    token is the first of the largest rounded logits. Holds the head's int8 form, made once: each vocabulary row scaled by
     max|w_v| / 127 and rounded, packed per GREEDY_HEAD_CHUNK rows as [K/4][4][16][4] (what VNNI's
     dot products read), the vocabulary padded with zero rows; per row its scale, the sum of its
     int8 values, ||w_v|| and ||w_v - w^_v|| (upper bounds: float32's rounding error added). The
@@ -272,7 +249,8 @@ class GreedyHead:
         # Norms widened by float32's worst relative error over k terms (and the rounding of scale *
         # q inside the difference): upper bounds, whatever order the kernel's sums take.
         widen = 1 + (k + 8) * 2.0 ** -23
-        rc = pack(self.weight.data_ptr(), v, k, widen, self.packed.data_ptr(), self.scale.data_ptr(),
+        rc = pack(self.weight.data_ptr(), DTYPE_CODES[self.weight.dtype], v, k, widen, self.packed.data_ptr(),
+                  self.scale.data_ptr(),
                   self.qsum.data_ptr(), self.norm.data_ptr(), self.err.data_ptr(), torch.get_num_threads())
         assert rc == 0, f"nanovllm_greedy_head_pack returned {rc}"
         self.max_norm = float(self.norm.max())
@@ -280,16 +258,17 @@ class GreedyHead:
 
     @staticmethod
     def takes(weight: torch.Tensor) -> bool:
-        return (weight.dim() == 2 and weight.dtype == torch.float32 and weight.is_contiguous()
+        return (weight.dim() == 2 and weight.dtype in GREEDY_HEAD_DTYPES and weight.is_contiguous()
                 and weight.size(1) % 4 == 0 and bool(torch.isfinite(weight.sum())))  # NaN or inf anywhere: not finite
 
     def __call__(self, x: torch.Tensor, draw=None) -> torch.Tensor | None:
-        """[rows] int64 tokens of float32 rows x [rows, K]: the greedy tokens, or with `draw` (a
+        """[rows] int64 tokens of rows x [rows, K] (float32, or bfloat16: logits rounded to
+        bfloat16): the greedy tokens, or with `draw` (a
         runner/step_inputs.py HeadDraw: temperatures, keys, counters, one per row) each
         row's token as FusedKernels.race_tokens would draw it from the row's float32 logits (its
         temperature, 0 = greedy, and noise key and counter). None where the float32 logits must
-        decide (rows not float32, a row not finite, or logits near the sampler's clamp)."""
-        if x.dtype != torch.float32:
+        decide (rows neither float32 nor bfloat16, a row not finite, or logits near the sampler's clamp)."""
+        if x.dtype not in GREEDY_HEAD_DTYPES:
             return None
         if x.stride(-1) != 1:
             x = x.contiguous()
@@ -299,12 +278,43 @@ class GreedyHead:
         if draw is not None and draw.keys:  # else every row is greedy
             temperatures = torch.tensor(draw.temperatures, dtype=torch.float32)
             keys, counters = torch.tensor([draw.keys, draw.counters], dtype=torch.int64)
-        rc = self._fn(x.data_ptr(), x.stride(0), rows, self.width, self.weight.data_ptr(), self.vocab,
+        rc = self._fn(x.data_ptr(), DTYPE_CODES[x.dtype], x.stride(0), rows, self.width, self.weight.data_ptr(),
+                      DTYPE_CODES[self.weight.dtype], self.vocab,
                       self.packed.data_ptr(), self.scale.data_ptr(), self.qsum.data_ptr(), self.norm.data_ptr(),
                       self.err.data_ptr(), self.max_norm, self.limit, _pointer(temperatures), _pointer(keys),
                       _pointer(counters), out.data_ptr(), self.candidates.data_ptr(), torch.get_num_threads())
         assert rc in (0, 1), f"nanovllm_greedy_head returned {rc}"
         return out if rc == 0 else None
+
+
+class AmxGreedyHead:
+    """A bfloat16 LM head's greedy tokens on AMX tiles (cpu_amx_linear.cpp head_argmax): per row the
+    first index of the largest logit, each logit as the AMX product writes it (bfloat16) and as the
+    sampler's greedy pass reads it (NaN as -limit, clamped to +-limit), without writing the logits.
+    Takes steps of min_rows rows or more whose rows are all greedy; the others go to `others` (the
+    int8 GreedyHead, faster for few rows, and it samples), or return None (the logits decide)."""
+
+    def __init__(self, fn, product: AmxProduct, limit: float, min_rows: int, others: GreedyHead | None = None):
+        self._fn = fn
+        self.product = product  # the weight packed for AMX (its packed tiles are what the kernel reads)
+        self.limit, self.min_rows, self.others = limit, min_rows, others
+        # Whether a HeadDraw with sampled rows is worth making for it (ModelRunner.launch)
+        self.samples = others is not None and others.samples
+
+    def __call__(self, x: torch.Tensor, draw=None) -> torch.Tensor | None:
+        """[rows] int64 tokens of bfloat16 rows x [rows, K] (greedy, or with `draw`, as GreedyHead
+        draws them); None where the logits must decide."""
+        rows, k = x.shape
+        if x.dtype != torch.bfloat16 or rows < self.min_rows or (draw is not None and draw.keys):
+            return None if self.others is None else self.others(x, draw)
+        padded = -(-rows // AMX_TILE_ROWS) * AMX_TILE_ROWS
+        if padded != rows or x.stride(1) != 1:
+            x = torch.nn.functional.pad(x, (0, 0, 0, padded - rows))
+        out = torch.empty(padded, dtype=torch.int64)
+        rc = self._fn(x.data_ptr(), x.stride(0), padded, k, self.product.packed.data_ptr(), self.product.n, self.limit,
+                      out.data_ptr(), torch.get_num_threads())
+        assert rc == 0, f"nanovllm_amx_argmax returned {rc}"
+        return out[:rows]
 
 
 def _pointer(t: torch.Tensor | None) -> int | None:
@@ -352,11 +362,11 @@ class FusedKernels:
         self._race_tokens.restype = i32
         self._greedy_head = library.nanovllm_greedy_head if library.nanovllm_greedy_head_supported() else None
         if self._greedy_head is not None:
-            self._greedy_head.argtypes = [ptr, i64, i32, i32, ptr, i32, ptr, ptr, ptr, ptr, ptr, f32, f32, ptr, ptr,
-                                          ptr, ptr, ptr, i32]
+            self._greedy_head.argtypes = [ptr, i32, i64, i32, i32, ptr, i32, i32, ptr, ptr, ptr, ptr, ptr, f32, f32,
+                                          ptr, ptr, ptr, ptr, ptr, i32]
             self._greedy_head.restype = i32
             self._greedy_head_pack = library.nanovllm_greedy_head_pack
-            self._greedy_head_pack.argtypes = [ptr, i32, i32, ctypes.c_double, ptr, ptr, ptr, ptr, ptr, i32]
+            self._greedy_head_pack.argtypes = [ptr, i32, i32, i32, ctypes.c_double, ptr, ptr, ptr, ptr, ptr, i32]
             self._greedy_head_pack.restype = i32
 
     def greedy_tokens(self, logits: torch.Tensor, limit: float) -> torch.Tensor:
@@ -388,18 +398,20 @@ class FusedKernels:
     def greedy_head(self, weight: torch.Tensor, limit: float) -> GreedyHead | None:
         """`weight` (an LM head's) in the int8 form of the greedy head, declining rows whose logits
         could near `limit` (the sampler's clamp); None where this build has neither AVX512-VNNI nor
-        AVX2, or the head is not float32, finite, with a width a multiple of 4."""
+        AVX2, or the head is not float32 or bfloat16, finite, with a width a multiple of 4."""
         if self._greedy_head is None or not GreedyHead.takes(weight):
             return None
         return GreedyHead(self._greedy_head, self._greedy_head_pack, weight, limit)
 
-    def amx_greedy_head(self, weight: torch.Tensor, limit: float, min_rows: int) -> AmxGreedyHead | None:
-        """A bfloat16 LM head `weight` packed for AMX, for its greedy tokens (AmxGreedyHead), or None where
-        this build has no AMX product or the product does not take the weight."""
+    def amx_greedy_head(self, weight: torch.Tensor, limit: float, min_rows: int,
+                        others: GreedyHead | None = None) -> AmxGreedyHead | None:
+        """A bfloat16 LM head `weight` packed for AMX, for its greedy tokens (AmxGreedyHead; the
+        steps it does not take to `others`), or None where this build has no AMX product or the
+        product does not take the weight."""
         if weight.dtype != torch.bfloat16:
             return None
         product = self.amx_linear(weight)
-        return None if product is None else AmxGreedyHead(self._amx_argmax, product, limit, min_rows)
+        return None if product is None else AmxGreedyHead(self._amx_argmax, product, limit, min_rows, others)
 
     def few_rows_linear(self, dtype: torch.dtype) -> FewRowsLinear | None:
         """The few-row product for weights of `dtype`, or None where this CPU's build has none

@@ -1,4 +1,4 @@
-// The greedy token of float32 LM-head rows, argmax_v x . w_v, without every logit in float32.
+// The greedy token of LM-head rows, argmax_v x . w_v, without every logit in float32.
 //
 // A greedy step reads only the largest logit of each row. The head's weight is also held in int8
 // (layers/embed_head.py GreedyHead: each vocabulary row w_v scaled by its own s_v = max|w_v| / 127
@@ -20,6 +20,12 @@
 // A sampled row (temperature T > 0) draws the token cpu_fused.cpp's race would draw from its float32
 // logits, argmax_v fma(r_v, 1 / T, g_v) with g_v its Gumbel noise (cpu_kernels.h gumbel64): the same
 // two passes on bounds moved to those values (race_bounds), the noise computed for every token.
+//
+// Rows of a bfloat16 model (bfloat16 x; the head bfloat16, or float32 where it is held so) have
+// bfloat16 logits: the sampler sees each r_v rounded to bfloat16 (nearest even), and ties between
+// tokens whose logits round alike go to the first. Those calls bound the rounded value instead
+// (`rounded`: each bound moved out by 2^-7 of itself, twice rounding's largest relative change) and
+// round each rechecked logit before comparing, so the token is the one the rounded logits give.
 //
 // Every norm is an upper bound (a row's computed in double, the head's widened by float32's
 // worst error, cpu_build.py GreedyHead), and B_v is widened by MARGIN, so the float32
@@ -123,13 +129,24 @@ inline void race_bounds(float* lo, float* hi, const RowConsts& c, const float* n
   }
 }
 
-// The per-token arrays the bounds read (GreedyHead's, padded to whole panels).
+// The per-token arrays the bounds read (GreedyHead's, padded to whole panels); `rounded`: the
+// logits are bfloat16 (the bounds are widened to cover the rounding).
 struct Head {
   const int8_t* q;
   const float *scale, *norm, *err;
   const int32_t* qsum;
   int K, V;
+  bool rounded;
 };
+
+// Bounds on a logit moved out to bound it rounded to bfloat16 too: nearest-even rounding changes
+// a value by at most 2^-8 of itself (and less than 2^-133 below float32's normal range).
+constexpr float ROUNDING = 0x1p-7f, ROUNDING_FLOOR = 0x1p-120f;
+inline float rounded_logit(float r) {
+  uint16_t b;
+  nanovllm_cpu::store<nanovllm_cpu::BF16T>(&b, r);
+  return nanovllm_cpu::bf16_to_float(b);
+}
 
 // A token pass 1 could not rule out for a row: its upper bound and (a sampled row) its noise g_v.
 struct Candidate {
@@ -193,8 +210,14 @@ inline void panel_bounds(const __m512i (&acc)[4], const RowConsts& c, int v0, co
     const __m512 s = _mm512_mul_ps(_mm512_cvtepi32_ps(dots), _mm512_mul_ps(sx, _mm512_loadu_ps(h.scale + v)));
     const __m512 bound =
         _mm512_fmadd_ps(c1, _mm512_loadu_ps(h.norm + v), _mm512_mul_ps(c2, _mm512_loadu_ps(h.err + v)));
-    lower[j] = _mm512_mask_blend_ps(valid, none, _mm512_sub_ps(s, bound));
-    upper[j] = _mm512_mask_blend_ps(valid, none, _mm512_add_ps(s, bound));
+    __m512 lo = _mm512_sub_ps(s, bound), hi = _mm512_add_ps(s, bound);
+    if (h.rounded) {
+      const __m512 k = _mm512_set1_ps(ROUNDING), tiny = _mm512_set1_ps(ROUNDING_FLOOR);
+      lo = _mm512_sub_ps(lo, _mm512_fmadd_ps(_mm512_abs_ps(lo), k, tiny));
+      hi = _mm512_add_ps(hi, _mm512_fmadd_ps(_mm512_abs_ps(hi), k, tiny));
+    }
+    lower[j] = _mm512_mask_blend_ps(valid, none, lo);
+    upper[j] = _mm512_mask_blend_ps(valid, none, hi);
   }
 }
 
@@ -291,8 +314,15 @@ inline void group_bounds(const __m256i (&acc)[2], const RowConsts& c, int v, con
     const __m256 s = _mm256_mul_ps(_mm256_cvtepi32_ps(dots), _mm256_mul_ps(sx, _mm256_loadu_ps(h.scale + u)));
     const __m256 bound =
         _mm256_fmadd_ps(c1, _mm256_loadu_ps(h.norm + u), _mm256_mul_ps(c2, _mm256_loadu_ps(h.err + u)));
-    lower[j] = _mm256_blendv_ps(none, _mm256_sub_ps(s, bound), valid);
-    upper[j] = _mm256_blendv_ps(none, _mm256_add_ps(s, bound), valid);
+    __m256 lo = _mm256_sub_ps(s, bound), hi = _mm256_add_ps(s, bound);
+    if (h.rounded) {
+      const __m256 k = _mm256_set1_ps(ROUNDING), tiny = _mm256_set1_ps(ROUNDING_FLOOR);
+      const __m256 sign = _mm256_set1_ps(-0.0f);
+      lo = _mm256_sub_ps(lo, _mm256_fmadd_ps(_mm256_andnot_ps(sign, lo), k, tiny));
+      hi = _mm256_add_ps(hi, _mm256_fmadd_ps(_mm256_andnot_ps(sign, hi), k, tiny));
+    }
+    lower[j] = _mm256_blendv_ps(none, lo, valid);
+    upper[j] = _mm256_blendv_ps(none, hi, valid);
   }
 }
 
@@ -343,32 +373,40 @@ float dot(const float* x, const float* w, int K) {
   return sum;
 }
 #endif
+
+// Row v of the head w [V, K], float32 (w_dtype 0: in place) or bfloat16 (widened into `buffer`).
+inline const float* weight_row(const void* w, int w_dtype, int v, int K, float* buffer) {
+  if (w_dtype == 0) return static_cast<const float*>(w) + static_cast<int64_t>(v) * K;
+  const uint16_t* row = static_cast<const uint16_t*>(w) + static_cast<int64_t>(v) * K;
+  for (int k = 0; k < K; ++k) buffer[k] = nanovllm_cpu::bf16_to_float(row[k]);
+  return buffer;
+}
 #endif
 
 }  // namespace
 
 extern "C" {
 
-// The head's int8 form (GreedyHead), one pass over w [V, K] float32 (K a multiple of 4), rows in
-// parallel: per vocabulary row v its scale max|w_v| / 127 (1 for a zero row), q_v = round(w_v /
+// The head's int8 form (GreedyHead), one pass over w [V, K] float32 or bfloat16 (w_dtype 0 or 1;
+// K a multiple of 4), rows in parallel: per vocabulary row v its scale max|w_v| / 127 (1 for a zero row), q_v = round(w_v /
 // scale) in [-127, 127] written to `packed` in the panels' layout ([V/64][K/4][4][16][4], the
 // caller's zeroed buffer of whole panels), the sum of q_v, and upper bounds of ||w_v|| and of
 // ||w_v - scale q_v|| (computed in double, then widened by `widen` and rounded up to float32).
 // Returns 0, or -1 where this build has no greedy head.
-int nanovllm_greedy_head_pack(const float* w, int V, int K, double widen, int8_t* packed, float* scale,
+int nanovllm_greedy_head_pack(const void* w, int w_dtype, int V, int K, double widen, int8_t* packed, float* scale,
                               int32_t* qsum, float* norm, float* err, int num_threads) {
 #ifndef NANOVLLM_GREEDY_HEAD
-  (void)w, (void)V, (void)K, (void)widen, (void)packed, (void)scale, (void)qsum, (void)norm, (void)err;
+  (void)w, (void)w_dtype, (void)V, (void)K, (void)widen, (void)packed, (void)scale, (void)qsum, (void)norm, (void)err;
   (void)num_threads;
   return -1;
 #else
 #pragma omp parallel num_threads(num_threads)
   {
     std::vector<int8_t> q(K);
-    std::vector<float> d(K);
+    std::vector<float> d(K), widened(w_dtype == 1 ? K : 0);
 #pragma omp for schedule(static)
     for (int v = 0; v < V; ++v) {
-      const float* row = w + static_cast<int64_t>(v) * K;
+      const float* row = weight_row(w, w_dtype, v, K, widened.data());
       float maxabs = 0.0f;
       for (int k = 0; k < K; ++k) maxabs = std::max(maxabs, std::fabs(row[k]));
       const float s = maxabs > 0.0f ? maxabs / 127.0f : 1.0f;
@@ -412,24 +450,36 @@ int nanovllm_greedy_head_supported() {
 
 // out[r] = argmax_v x[r] . w[v] for rows x [rows, K] (row stride x_stride) and the head w [V, K]
 // (with `temperatures` [rows], where not null: for a row with T > 0, race_rows's token of those
-// logits, keyed by keys[r] and counters[r])
-// float32, through its int8 form (GreedyHead: q packed per 64 rows as [K/4][4][16][4], V padded to a
+// logits, keyed by keys[r] and counters[r]); x float32 or bfloat16 (x_dtype 0 or 1: bfloat16 rows'
+// logits are rounded to bfloat16, as their product writes them), w float32 or bfloat16 (w_dtype),
+// through its int8 form (GreedyHead: q packed per 64 rows as [K/4][4][16][4], V padded to a
 // multiple of 64 with zero rows; per row its scale, sum of q, ||w_v|| and ||w_v - w^_v|| rounded up;
 // max_weight_norm the largest ||w_v||; limit the sampler's clamp, LOGIT_LIMIT). K a multiple of 4.
 // `candidates`, when not null, gets the number of tokens rechecked in float32. Returns 0, 1 where the float32 logits must decide (a
 // row not finite, or logits near the sampler's clamp), -1 where this build has neither
 // AVX512-VNNI nor AVX2.
-int nanovllm_greedy_head(const float* x, int64_t x_stride, int rows, int K, const float* w, int V, const int8_t* q,
-                         const float* scale, const int32_t* qsum, const float* norm, const float* err,
-                         float max_weight_norm, float limit, const float* temperatures, const int64_t* keys,
-                         const int64_t* counters, int64_t* out, int64_t* candidates, int num_threads) {
+int nanovllm_greedy_head(const void* x_, int x_dtype, int64_t x_stride, int rows, int K, const void* w, int w_dtype,
+                         int V, const int8_t* q, const float* scale, const int32_t* qsum, const float* norm,
+                         const float* err, float max_weight_norm, float limit, const float* temperatures,
+                         const int64_t* keys, const int64_t* counters, int64_t* out, int64_t* candidates,
+                         int num_threads) {
 #ifndef NANOVLLM_GREEDY_HEAD
-  (void)x, (void)x_stride, (void)rows, (void)K, (void)w, (void)V, (void)q, (void)scale, (void)qsum, (void)norm;
+  (void)x_, (void)x_dtype, (void)w_dtype, (void)x_stride, (void)rows, (void)K, (void)w, (void)V, (void)q, (void)scale, (void)qsum, (void)norm;
   (void)err, (void)max_weight_norm, (void)limit, (void)temperatures, (void)keys, (void)counters, (void)out;
   (void)candidates, (void)num_threads;
   return -1;
 #else
   const int panels = (V + CHUNK - 1) / CHUNK;
+  thread_local std::vector<float> xf;  // bfloat16 rows widened (exactly)
+  const float* x = static_cast<const float*>(x_);
+  if (x_dtype == 1) {
+    xf.resize(static_cast<size_t>(rows) * K);
+    for (int r = 0; r < rows; ++r)
+      for (int k = 0; k < K; ++k)
+        xf[static_cast<size_t>(r) * K + k] = nanovllm_cpu::bf16_to_float(static_cast<const uint16_t*>(x_)[r * x_stride + k]);
+    x = xf.data();
+    x_stride = K;
+  }
   thread_local std::vector<uint8_t> xu;  // scratch kept across calls
   thread_local std::vector<RowConsts> consts;
   thread_local std::vector<RowScan> scans;  // [thread][row]: each thread's pass 1 of each row
@@ -451,7 +501,7 @@ int nanovllm_greedy_head(const float* x, int64_t x_stride, int rows, int K, cons
   const uint8_t* xu_p = xu.data();
   const RowConsts* rc = consts.data();
   RowScan* scan_p = scans.data();
-  const Head h{q, scale, norm, err, qsum, K, V};
+  const Head h{q, scale, norm, err, qsum, K, V, x_dtype == 1};
   // Pass 1: every panel's int8 scores for every row, each thread over its share of the panels:
   // the row's largest s_v - B_v so far, and the tokens whose s_v + B_v reach it.
 #pragma omp parallel num_threads(num_threads)
@@ -465,6 +515,8 @@ int nanovllm_greedy_head(const float* x, int64_t x_stride, int rows, int K, cons
   int64_t total = 0;
 #pragma omp parallel for schedule(dynamic, 1) num_threads(num_threads) reduction(+ : total)
   for (int r = 0; r < rows; ++r) {
+    thread_local std::vector<float> widened;  // a bfloat16 head's row in float32
+    widened.resize(w_dtype == 1 ? K : 0);
     float floor = -INFINITY;
     for (int t = 0; t < num_threads; ++t) floor = std::max(floor, scan_p[static_cast<size_t>(t) * rows + r].floor);
     const float* xr = x + r * x_stride;
@@ -474,7 +526,8 @@ int nanovllm_greedy_head(const float* x, int64_t x_stride, int rows, int K, cons
       for (const Candidate& cand : scan_p[static_cast<size_t>(t) * rows + r].kept) {
         if (cand.upper < floor) continue;
         ++total;
-        const float logit = dot(xr, w + static_cast<int64_t>(cand.v) * K, K);
+        const float exact = dot(xr, weight_row(w, w_dtype, cand.v, K, widened.data()), K);
+        const float logit = h.rounded ? rounded_logit(exact) : exact;
         const float z = rc[r].sampled ? std::fma(logit, rc[r].inv, cand.noise) : logit;  // as race_rows
         if (z > best || (z == best && cand.v < token)) {  // the first of the largest, as torch.argmax
           best = z;

@@ -56,13 +56,15 @@ class ParallelLMHead(VocabParallelEmbedding):
     def enable_cpu(self, kernels) -> None:
         self.few_rows = kernels.few_rows_linear(self.weight.dtype)
         self.half_rows = HalfRows.for_layer(self, kernels)
-        if self.weight.dtype == torch.float32:  # bf16 heads stay on oneDNN (kernels/cpu_build.py AMX_HEAD_MIN_ROWS)
+        if self.weight.dtype == torch.float32:  # bf16 logits stay on oneDNN (kernels/cpu_build.py AMX_HEAD_MIN_ROWS)
             self.amx = kernels.amx_linear(self.weight, min_rows=AMX_HEAD_MIN_ROWS)
-            # The greedy head takes float32 rows: not a half-precision model's (held in float32)
-            if self.tp_size == 1 and getattr(self, "held_dtype", None) is None:
-                self.greedy = kernels.greedy_head(self.weight, LOGIT_LIMIT)
-        elif self.tp_size == 1:  # bf16: greedy steps take their tokens from AMX tiles, without the logits
-            self.greedy = kernels.amx_greedy_head(self.weight, LOGIT_LIMIT, AMX_GREEDY_HEAD_MIN_ROWS)
+        # Steps that need only their tokens take them without every logit: float32 and bf16 rows (a
+        # bf16 model's head bf16 or held in float32), through the int8 head, and a bf16 head's
+        # greedy steps of many rows on AMX tiles where the CPU has them.
+        if self.tp_size == 1 and getattr(self, "held_dtype", None) in (None, torch.bfloat16):
+            self.greedy = kernels.greedy_head(self.weight, LOGIT_LIMIT)
+            self.greedy = kernels.amx_greedy_head(self.weight, LOGIT_LIMIT, AMX_GREEDY_HEAD_MIN_ROWS,
+                                                  self.greedy) or self.greedy
 
     def forward(self, x: torch.Tensor) -> torch.Tensor | None:
         """x: [num_rows, hidden] -> logits [num_rows, vocab] on rank 0 (None on the others)."""
