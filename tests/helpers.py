@@ -103,3 +103,16 @@ def kernel_test_device(kernel) -> torch.device:
         pytest.skip("the kernels were compiled for a GPU (triton was imported before TRITON_INTERPRET=1 was set, "
                     "or it is set to 0) and there is no GPU", allow_module_level=True)
     return torch.device("cuda")
+
+
+def integer_head(vocab: int, width: int, rows: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """bf16 rows and a head of small integers: every float32 logit is exact (|sum| < 2^24), and
+    their values, in the hundreds to thousands, round to bfloat16's 8 bits in ties."""
+    gen = torch.Generator().manual_seed(seed)
+    w = torch.randint(-8, 9, (vocab, width), generator=gen).float()
+    x = torch.randint(-8, 9, (rows, width), generator=gen).float()
+    return x.bfloat16(), w
+
+
+def rounded_logits(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    return (x.double() @ w.double().T).bfloat16()  # exact, then rounded once

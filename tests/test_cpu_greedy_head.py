@@ -22,7 +22,7 @@ tokens, every family), and a step with logprobs, a sampled row or a processor co
 import pytest
 import torch
 
-from helpers import greedy, hf_greedy, random_prompts
+from helpers import greedy, hf_greedy, integer_head, random_prompts, rounded_logits
 
 from nanovllm import LLM, SamplingParams
 from nanovllm.kernels.cpu_build import GREEDY_HEAD_CHUNK, GreedyHead
@@ -123,19 +123,6 @@ def test_only_float32_and_bfloat16_finite_heads_of_whole_quads(cpu_kernels, make
     assert cpu_kernels.greedy_head(torch.randn(100, 66), LOGIT_LIMIT) is None
     w[3, 3] = float("inf")
     assert cpu_kernels.greedy_head(w, LOGIT_LIMIT) is None
-
-
-def integer_head(vocab: int, width: int, rows: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """bf16 rows and a head of small integers: every float32 logit is exact (|sum| < 2^24), and
-    their values, in the hundreds to thousands, round to bfloat16's 8 bits in ties."""
-    gen = torch.Generator().manual_seed(seed)
-    w = torch.randint(-8, 9, (vocab, width), generator=gen).float()
-    x = torch.randint(-8, 9, (rows, width), generator=gen).float()
-    return x.bfloat16(), w
-
-
-def rounded_logits(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    return (x.double() @ w.double().T).bfloat16()  # exact, then rounded once
 
 
 @pytest.mark.parametrize("head_dtype", [torch.bfloat16, torch.float32])  # a bf16 head, or one held in float32

@@ -23,7 +23,7 @@ from nanovllm.layers.logits_processors import LOGIT_LIMIT
 from nanovllm.runner.step_inputs import HeadDraw
 from reference_attention import ReferenceTorchBackend
 from conftest import build_checkpoint
-from helpers import greedy, hf_greedy, random_prompts
+from helpers import greedy, hf_greedy, integer_head, random_prompts, rounded_logits
 from test_cpu_fused_kernels import assert_close, randn
 from test_cpu_paged_attention import assert_matches, decode_meta, paged_cache, prefill_meta
 
@@ -223,15 +223,15 @@ def test_bf16_engine_on_float32_held_weights_reads_bf16_copies(qwen3_head64, mon
     """A bf16 model on the AVX2 build where bf16 matmul is not native (an AVX2-only CPU: the layers
     hold float32 for oneDNN): each linear layer and the LM head keep a bf16 copy for decode steps of
     1-4 rows (layers/linear.py HalfRows), the one-call decode step takes those steps over the copies,
-    bit for bit the Python layers (tokens and logprobs), and the head makes no greedy int8 form
-    (its rows are never float32)."""
+    bit for bit the Python layers (tokens and logprobs), and the head's greedy int8 form (the AVX2
+    one) is made from its float32 values, for its bf16 rows."""
     from test_cpu_decode import record_rows
     llm = avx2_bf16_engine(qwen3_head64, monkeypatch)
     model = llm.model_runner.model
     for layer in (model.model.layers[0].self_attn.qkv_proj, model.model.layers[-1].mlp.down_proj, model.lm_head):
         assert layer.weight.dtype == torch.float32 and layer.half_rows.dtype == torch.bfloat16
         assert torch.equal(layer.half_rows.weight.float(), layer.weight)
-    assert model.lm_head.greedy is None
+    assert isinstance(model.lm_head.greedy, cpu_build.GreedyHead)
     fused = model.model.fused_decode
     assert fused is not None and fused.max_rows == 4
     rows = record_rows(fused)
@@ -258,6 +258,11 @@ def test_greedy_head_build_gives_the_exact_argmax(library):
         assert int(head.candidates) <= rows * max(8, vocab // 20)  # the bound still prunes at 7 bits
     tied = torch.cat([w, w])  # exact ties: the first index
     assert torch.equal(kernels.greedy_head(tied, LOGIT_LIMIT)(x), (x.double() @ w.double().T).argmax(1))
+    # bf16 rows: the first of the largest logits rounded to bf16 (small integers: exact float32 sums)
+    x, w = integer_head(640, 256, 64, seed=11)
+    logits = rounded_logits(x, w)
+    for head_dtype in (torch.bfloat16, torch.float32):
+        assert torch.equal(kernels.greedy_head(w.to(head_dtype), LOGIT_LIMIT)(x), logits.float().argmax(1))
 
 
 def test_sampled_head_build_draws_the_races_token(library):
