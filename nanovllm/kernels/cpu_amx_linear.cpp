@@ -64,6 +64,35 @@ inline void load_w(const uint16_t* w) {
   _tile_loadd(7, w + TILE_ELEMS, 64);
 }
 
+inline void zero_sums() {
+  _tile_zero(0);
+  _tile_zero(1);
+  _tile_zero(2);
+  _tile_zero(3);
+}
+
+// Sums 0-3 = bfloat16 x's rows m0..m0+15 (and, when `two`, the next 16) times a pair of w's column
+// blocks (packed K step after K step), over all K.
+inline void bf16_pair_sums(const uint16_t* x, int64_t x_stride, int m0, int k_tiles, const uint16_t* w, bool two) {
+  zero_sums();
+  for (int kt = 0; kt < k_tiles; ++kt) {
+    const uint16_t* xk = x + m0 * x_stride + kt * TILE_K;
+    _tile_loadd(4, xk, x_stride * 2);  // before w's tiles: ~5% faster than after
+    load_w(w + kt * 2 * TILE_ELEMS);
+    times_w(two, xk + TILE_ROWS * x_stride, x_stride * 2);
+  }
+}
+
+// The sums tiles (0-1, and 2-3 when `two`) into `sums`, 16 rows of 16 floats each.
+inline void store_sums(float (*sums)[TILE_ROWS * 16], bool two) {
+  _tile_stored(0, sums[0], 64);
+  _tile_stored(1, sums[1], 64);
+  if (two) {
+    _tile_stored(2, sums[2], 64);
+    _tile_stored(3, sums[3], 64);
+  }
+}
+
 // `rows` rows from row0 of out, columns col0..col0+15, from the sums tile plus bias: float32, or
 // bfloat16 rounded to nearest even.
 template <typename T>
@@ -144,13 +173,12 @@ void product(const T* x, int64_t x_stride, int M, int K, const uint16_t* wp, int
         const uint16_t* w = wp + static_cast<int64_t>(pair) * k_tiles * step_elems;
         for (int m0 = c0; m0 < c1; m0 += 2 * TILE_ROWS) {
           const bool two = m0 + TILE_ROWS < c1;  // a second tile of rows
-          _tile_zero(0);
-          _tile_zero(1);
-          _tile_zero(2);
-          _tile_zero(3);
-          for (int kt = 0; kt < k_tiles; ++kt) {
-            const uint16_t* wk = w + kt * step_elems;
-            if constexpr (x3) {
+          if constexpr (!x3) {
+            bf16_pair_sums(reinterpret_cast<const uint16_t*>(x), x_stride, m0, k_tiles, w, two);
+          } else {
+            zero_sums();
+            for (int kt = 0; kt < k_tiles; ++kt) {
+              const uint16_t* wk = w + kt * step_elems;
               const uint16_t* xk = xs + (static_cast<int64_t>((m0 - c0) / (2 * TILE_ROWS)) * k_tiles + kt) * step_elems;
               const auto x_part = [&](int part) {  // x's part's two tiles of rows by w's tiles
                 _tile_loadd(4, xk + part * 2 * TILE_ELEMS, 64);
@@ -162,19 +190,9 @@ void product(const T* x, int64_t x_stride, int M, int K, const uint16_t* wp, int
               x_part(1), x_part(0);
               load_w(wk + 4 * TILE_ELEMS);  // w2 by x0, still in tiles 4-5
               times_w(two);
-            } else {
-              const uint16_t* xk = reinterpret_cast<const uint16_t*>(x) + m0 * x_stride + kt * TILE_K;
-              _tile_loadd(4, xk, x_stride * 2);  // before w's tiles: ~5% faster than after
-              load_w(wk);
-              times_w(two, xk + TILE_ROWS * x_stride, x_stride * 2);
             }
           }
-          _tile_stored(0, sums[0], 64);
-          _tile_stored(1, sums[1], 64);
-          if (two) {
-            _tile_stored(2, sums[2], 64);
-            _tile_stored(3, sums[3], 64);
-          }
+          store_sums(sums, two);
           for (int t = 0; t < (two ? 4 : 2); ++t) {
             const int row0 = m0 + (t / 2) * TILE_ROWS;
             if (row0 < M)
@@ -214,22 +232,8 @@ void head_argmax(const uint16_t* x, int64_t x_stride, int M, int K, const uint16
       const uint16_t* w = wp + pair * pair_elems;
       for (int m0 = 0; m0 < M; m0 += 2 * TILE_ROWS) {
         const bool two = m0 + TILE_ROWS < M;
-        _tile_zero(0);
-        _tile_zero(1);
-        _tile_zero(2);
-        _tile_zero(3);
-        for (int kt = 0; kt < k_tiles; ++kt) {
-          const uint16_t* xk = x + m0 * x_stride + kt * TILE_K;
-          _tile_loadd(4, xk, x_stride * 2);
-          load_w(w + kt * 2 * TILE_ELEMS);
-          times_w(two, xk + TILE_ROWS * x_stride, x_stride * 2);
-        }
-        _tile_stored(0, sums[0], 64);
-        _tile_stored(1, sums[1], 64);
-        if (two) {
-          _tile_stored(2, sums[2], 64);
-          _tile_stored(3, sums[3], 64);
-        }
+        bf16_pair_sums(x, x_stride, m0, k_tiles, w, two);
+        store_sums(sums, two);
         for (int t = 0; t < (two ? 4 : 2); ++t) {
           const int row0 = m0 + (t / 2) * TILE_ROWS;
           const __m512i columns = _mm512_add_epi32(lanes, _mm512_set1_epi32(pair * 32 + (t % 2) * 16));

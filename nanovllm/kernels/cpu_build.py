@@ -228,11 +228,11 @@ class GreedyHead:
     every logit in float32; with a HeadDraw, sampled rows' tokens the same way (the race's). The
     head float32 or bfloat16; float32 rows' logits are float32, bfloat16 rows' (a bf16 model's,
     its head bf16 or held in float32) are rounded to bfloat16 as their product writes them, and the
-    token is the first of the largest rounded logits. Holds the head's int8 form, made once: each vocabulary row scaled by
-    max|w_v| / 127 and rounded, packed per GREEDY_HEAD_CHUNK rows as [K/4][4][16][4] (what VNNI's
-    dot products read), the vocabulary padded with zero rows; per row its scale, the sum of its
-    int8 values, ||w_v|| and ||w_v - w^_v|| (upper bounds: float32's rounding error added). The
-    plain weight stays (the recheck reads it, other steps multiply it)."""
+    token is the first of the largest rounded logits. Holds the head's int8 form, made once: each
+    vocabulary row scaled by max|w_v| / 127 and rounded, packed per GREEDY_HEAD_CHUNK rows as
+    [K/4][4][16][4] (what VNNI's dot products read), the vocabulary padded with zero rows; per row
+    its scale, the sum of its int8 values, ||w_v|| and ||w_v - w^_v|| (upper bounds: float32's
+    rounding error added). The plain weight stays (the recheck reads it, other steps multiply it)."""
 
     samples = True  # with a HeadDraw it draws sampled rows' tokens too (the race)
 
@@ -250,8 +250,8 @@ class GreedyHead:
         # q inside the difference): upper bounds, whatever order the kernel's sums take.
         widen = 1 + (k + 8) * 2.0 ** -23
         rc = pack(self.weight.data_ptr(), DTYPE_CODES[self.weight.dtype], v, k, widen, self.packed.data_ptr(),
-                  self.scale.data_ptr(),
-                  self.qsum.data_ptr(), self.norm.data_ptr(), self.err.data_ptr(), torch.get_num_threads())
+                  self.scale.data_ptr(), self.qsum.data_ptr(), self.norm.data_ptr(), self.err.data_ptr(),
+                  torch.get_num_threads())
         assert rc == 0, f"nanovllm_greedy_head_pack returned {rc}"
         self.max_norm = float(self.norm.max())
         self.candidates = torch.zeros((), dtype=torch.int64)  # tokens rechecked by the latest call (for tests)
@@ -263,11 +263,11 @@ class GreedyHead:
 
     def __call__(self, x: torch.Tensor, draw=None) -> torch.Tensor | None:
         """[rows] int64 tokens of rows x [rows, K] (float32, or bfloat16: logits rounded to
-        bfloat16): the greedy tokens, or with `draw` (a
-        runner/step_inputs.py HeadDraw: temperatures, keys, counters, one per row) each
-        row's token as FusedKernels.race_tokens would draw it from the row's float32 logits (its
-        temperature, 0 = greedy, and noise key and counter). None where the float32 logits must
-        decide (rows neither float32 nor bfloat16, a row not finite, or logits near the sampler's clamp)."""
+        bfloat16): the greedy tokens, or with `draw` (a runner/step_inputs.py HeadDraw:
+        temperatures, keys, counters, one per row) each
+        row's token as FusedKernels.race_tokens would draw it from the row's logits (its
+        temperature, 0 = greedy, and noise key and counter). None where the logits must decide (rows
+        neither float32 nor bfloat16, a row not finite, or logits near the sampler's clamp)."""
         if x.dtype not in GREEDY_HEAD_DTYPES:
             return None
         if x.stride(-1) != 1:

@@ -388,10 +388,11 @@ inline const float* weight_row(const void* w, int w_dtype, int v, int K, float* 
 extern "C" {
 
 // The head's int8 form (GreedyHead), one pass over w [V, K] float32 or bfloat16 (w_dtype 0 or 1;
-// K a multiple of 4), rows in parallel: per vocabulary row v its scale max|w_v| / 127 (1 for a zero row), q_v = round(w_v /
-// scale) in [-127, 127] written to `packed` in the panels' layout ([V/64][K/4][4][16][4], the
-// caller's zeroed buffer of whole panels), the sum of q_v, and upper bounds of ||w_v|| and of
-// ||w_v - scale q_v|| (computed in double, then widened by `widen` and rounded up to float32).
+// K a multiple of 4), rows in parallel: per vocabulary row v its scale max|w_v| / 127 (1 for a zero
+// row), q_v = round(w_v / scale) in [-127, 127] written to `packed` in the panels' layout
+// ([V/64][K/4][4][16][4], the caller's zeroed buffer of whole panels), the sum of q_v, and upper
+// bounds of ||w_v|| and of ||w_v - scale q_v|| (computed in double, then widened by `widen` and
+// rounded up to float32).
 // Returns 0, or -1 where this build has no greedy head.
 int nanovllm_greedy_head_pack(const void* w, int w_dtype, int V, int K, double widen, int8_t* packed, float* scale,
                               int32_t* qsum, float* norm, float* err, int num_threads) {
@@ -464,7 +465,8 @@ int nanovllm_greedy_head(const void* x_, int x_dtype, int64_t x_stride, int rows
                          const int64_t* keys, const int64_t* counters, int64_t* out, int64_t* candidates,
                          int num_threads) {
 #ifndef NANOVLLM_GREEDY_HEAD
-  (void)x_, (void)x_dtype, (void)w_dtype, (void)x_stride, (void)rows, (void)K, (void)w, (void)V, (void)q, (void)scale, (void)qsum, (void)norm;
+  (void)x_, (void)x_dtype, (void)w_dtype, (void)x_stride, (void)rows, (void)K, (void)w, (void)V, (void)q;
+  (void)scale, (void)qsum, (void)norm;
   (void)err, (void)max_weight_norm, (void)limit, (void)temperatures, (void)keys, (void)counters, (void)out;
   (void)candidates, (void)num_threads;
   return -1;
@@ -474,9 +476,10 @@ int nanovllm_greedy_head(const void* x_, int x_dtype, int64_t x_stride, int rows
   const float* x = static_cast<const float*>(x_);
   if (x_dtype == 1) {
     xf.resize(static_cast<size_t>(rows) * K);
+    const uint16_t* xb = static_cast<const uint16_t*>(x_);
     for (int r = 0; r < rows; ++r)
       for (int k = 0; k < K; ++k)
-        xf[static_cast<size_t>(r) * K + k] = nanovllm_cpu::bf16_to_float(static_cast<const uint16_t*>(x_)[r * x_stride + k]);
+        xf[static_cast<size_t>(r) * K + k] = nanovllm_cpu::bf16_to_float(xb[r * x_stride + k]);
     x = xf.data();
     x_stride = K;
   }

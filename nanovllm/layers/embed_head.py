@@ -49,8 +49,9 @@ class ParallelLMHead(VocabParallelEmbedding):
     amx: Callable | None = None  # the weight packed for the CPU's AMX product (layers/linear.py linear())
     half_rows: HalfRows | None = None  # the few-row product over a bf16 copy of a float32-held head (enable_cpu)
     # Rows (and a HeadDraw, or None: greedy) -> their tokens, without every logit, set by enable_cpu
-    # for a head on one rank: a float32 one's where the CPU has AVX512-VNNI or AVX2 (kernels/cpu_build.py
-    # GreedyHead), a bf16 one's greedy rows where it has AMX (AmxGreedyHead); None where the logits must decide.
+    # for a float32 or bf16 head on one rank where the CPU has AVX512-VNNI or AVX2 (kernels/cpu_build.py
+    # GreedyHead; a bf16 head's greedy steps of many rows on AMX tiles where it has AMX: AmxGreedyHead);
+    # returns None where the logits must decide.
     greedy: Callable[..., torch.Tensor | None] | None = None
 
     def enable_cpu(self, kernels) -> None:
