@@ -28,10 +28,10 @@ from typing import NamedTuple
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from nanovllm import llm_engine  # noqa: E402
+from nanovllm.engine import llm_engine  # noqa: E402
 from nanovllm.config import Config  # noqa: E402
-from nanovllm.engine.sequence import Sequence  # noqa: E402
-from nanovllm.llm_engine import LLMEngine  # noqa: E402
+from nanovllm.scheduling.sequence import Sequence  # noqa: E402
+from nanovllm.engine.llm_engine import LLMEngine  # noqa: E402
 from nanovllm.runner.decode_inputs import DecodeInputs  # noqa: E402
 from nanovllm.runner.protocol import RunnerOutput  # noqa: E402
 from nanovllm.runner.sampling_inputs import prepare_sampling  # noqa: E402

@@ -33,7 +33,7 @@ sys.path.insert(0, REPO)  # run as a script: nanovllm and bench.py from this che
 
 import bench  # noqa: E402  (the workload, the model choice)
 from nanovllm import LLM, SamplingParams  # noqa: E402
-from nanovllm.engine.scheduler import SCHEDULING_POLICIES  # noqa: E402
+from nanovllm.scheduling.scheduler import SCHEDULING_POLICIES  # noqa: E402
 from nanovllm.runner.model_runner import ModelRunner  # noqa: E402
 from nanovllm.runner.step_inputs import StepMessage  # noqa: E402
 

@@ -23,7 +23,7 @@ except ImportError:  # an older huggingface_hub: its configs raise ValueError an
     StrictDataclassError = ValueError
 
 from nanovllm.attention.kv_quant import FP8_DTYPES
-from nanovllm.engine.scheduler import DEFAULT_SCHEDULING_POLICY, PREEMPTION_MODES, RECOMPUTE, SCHEDULING_POLICIES
+from nanovllm.scheduling.scheduler import DEFAULT_SCHEDULING_POLICY, PREEMPTION_MODES, RECOMPUTE, SCHEDULING_POLICIES
 from nanovllm.kernels import MIN_DOT_SIZE, cpu_build
 from nanovllm.speculative_config import DRAFT_MODEL, SpeculativeConfig
 from nanovllm.utils.cpu import available_cores

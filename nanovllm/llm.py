@@ -15,7 +15,7 @@ from nanovllm.engine.chat import ChatOptions
 from nanovllm.engine.outputs import to_nanovllm_dict
 from nanovllm.engine.request import Request
 from nanovllm.engine.request_builder import Prompt
-from nanovllm.llm_engine import LLMEngine
+from nanovllm.engine.llm_engine import LLMEngine
 from nanovllm.sampling_params import SamplingParams
 
 

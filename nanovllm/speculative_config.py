@@ -6,7 +6,7 @@ Two ways to propose the tokens the target model then verifies in one forward pas
 - "draft_model": a small model sharing the target's vocabulary proposes them one by one; it has
   its own paged KV cache, with the same block ids as the target's, sized from the same budget.
 This module owns the checks and the resolved settings (`SpeculativeConfig`); the proposers live
-in engine/ngram_proposer.py and runner/speculative.py. It knows nothing of how either runs.
+in scheduling/ngram_proposer.py and runner/speculative.py. It knows nothing of how either runs.
 """
 from dataclasses import dataclass
 

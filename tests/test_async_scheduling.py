@@ -10,7 +10,7 @@ import pytest
 
 from helpers import greedy, random_prompts, spanning_stop_string
 from nanovllm import LLM, SamplingParams
-from nanovllm.engine.scheduler import MIXED, PREFILL_FIRST, RECOMPUTE, SWAP
+from nanovllm.scheduling.scheduler import MIXED, PREFILL_FIRST, RECOMPUTE, SWAP
 
 BLOCK = 16
 LENGTHS = [1, 3, 5, 9, 15, 16, 17, 33, 48, 70, 2, 7]

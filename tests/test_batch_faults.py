@@ -12,7 +12,7 @@ import pytest
 from nanovllm.entrypoints.batch import job as batch_module
 from nanovllm.entrypoints.batch.job import BatchJob, BatchJobError, EngineBatcher, run_batch
 from nanovllm.entrypoints.cli.main import main
-from nanovllm.llm_engine import LLMEngine
+from nanovllm.engine.llm_engine import LLMEngine
 from nanovllm.runner.model_runner import ModelRunner
 from batching import GREEDY, JOB_ENGINE, JOB_FLAGS, by_line, read_results, request_lines, write_lines
 

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from nanovllm.config import VOCABULARIES, Config
-from nanovllm.engine.scheduler import DEFAULT_SCHEDULING_POLICY
+from nanovllm.scheduling.scheduler import DEFAULT_SCHEDULING_POLICY
 
 REPO = Path(__file__).resolve().parents[1]
 # 4 sequences of 8..16 tokens: seconds of work, while still batching and padding on the HF side.

@@ -10,7 +10,8 @@ import shutil
 import pytest
 
 from helpers import greedy, random_prompts
-from nanovllm import LLM, SamplingParams, llm_engine
+from nanovllm import LLM, SamplingParams
+from nanovllm.engine import llm_engine
 from nanovllm.config import Config
 from nanovllm.sampling_params import MAX_SEED, MIN_SEED
 

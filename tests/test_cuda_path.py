@@ -7,7 +7,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from nanovllm.engine.sequence import Sequence
+from nanovllm.scheduling.sequence import Sequence
 from nanovllm.runner.decode_inputs import DecodeInputs
 from nanovllm.runner.graph import bucket_for, graph_batch_sizes
 from nanovllm.runner.model_runner import GIB, MemoryReserve, ModelRunner, blocks_in_budget, gpu_kv_budget

@@ -9,10 +9,10 @@ from collections import Counter
 
 import pytest
 
-from nanovllm.engine.block_manager import BlockManager
-from nanovllm.engine.scheduler import MIXED, PREFILL_FIRST, RECOMPUTE, SWAP, ScheduledBatch, Scheduler
-from nanovllm.engine.sequence import Sequence, SequenceStatus
-from nanovllm.engine.stop_checker import StopChecker
+from nanovllm.scheduling.block_manager import BlockManager
+from nanovllm.scheduling.scheduler import MIXED, PREFILL_FIRST, RECOMPUTE, SWAP, ScheduledBatch, Scheduler
+from nanovllm.scheduling.sequence import Sequence, SequenceStatus
+from nanovllm.scheduling.stop_checker import StopChecker
 from nanovllm.runner.step_inputs import decode_slot, token_slots
 from nanovllm.sampling_params import SamplingParams
 

@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 
 from helpers import random_prompts
 from nanovllm import LLM, SamplingParams
-from nanovllm.engine.sequence import Sequence
+from nanovllm.scheduling.sequence import Sequence
 from nanovllm.layers.sampler import Sampler
 from nanovllm.runner.sampling_inputs import prepare_sampling
 from nanovllm.sampling_params import MAX_REPETITION_PENALTY, MIN_REPETITION_PENALTY

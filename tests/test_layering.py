@@ -1,9 +1,10 @@
 """The folder tree states the layering, and the imports keep to it (read with ast, nothing run).
 
-From the top down: the loop (`llm_engine.py`), then `runner/` (everything that builds or runs
-tensors), then `engine/` (plain-Python bookkeeping, no torch), and beside it the model side
-(`models/`, `layers/`, `attention/`, `kernels/`), which knows nothing of sequences, scheduling
-or the runner. No import runs back up.
+From the top down: the offline API (`llm.py`), then `engine/` (LLMEngine, EngineCore and the
+request side), then `runner/` (everything that builds or runs tensors), then `scheduling/`
+(plain-Python bookkeeping, no torch), and beside it the model side (`models/`, `layers/`,
+`attention/`, `kernels/`), which knows nothing of sequences, scheduling or the runner. No import
+runs back up.
 """
 import ast
 from pathlib import Path
@@ -12,7 +13,7 @@ import pytest
 
 PACKAGE = Path(__file__).resolve().parents[1] / "nanovllm"
 MODEL_SIDE = ("layers", "models", "kernels", "attention")
-ABOVE_THE_MODEL_SIDE = ("nanovllm.engine", "nanovllm.runner", "nanovllm.engine_core", "nanovllm.llm_engine", "nanovllm.llm")
+ABOVE_THE_MODEL_SIDE = ("nanovllm.scheduling", "nanovllm.engine", "nanovllm.runner", "nanovllm.llm")
 
 
 def module_name(path: Path) -> str:
@@ -51,19 +52,24 @@ def test_the_import_reader_sees_what_files_import():
     """The rules below hold only if imports_of finds imports at all: checked on files whose
     imports are known (the runner uses torch and the engine; the loop uses both below it)."""
     runner = imports_of(PACKAGE / "runner" / "model_runner.py")
-    assert "torch" in runner and "nanovllm.engine.sequence" in runner
-    loop = imports_of(PACKAGE / "llm_engine.py")
-    assert "nanovllm.engine.scheduler" in loop and any(within(m, ("nanovllm.runner",)) for m in loop)
-    assert "nanovllm.llm_engine" in imports_of(PACKAGE / "llm.py")
+    assert "torch" in runner and "nanovllm.scheduling.sequence" in runner
+    loop = imports_of(PACKAGE / "engine" / "llm_engine.py")
+    assert "nanovllm.scheduling.scheduler" in loop and any(within(m, ("nanovllm.runner",)) for m in loop)
+    assert "nanovllm.engine.llm_engine" in imports_of(PACKAGE / "llm.py")
+
+
+@pytest.mark.parametrize("path", modules_under("scheduling"), ids=lambda p: p.name)
+def test_scheduling_is_plain_python_below_the_runner(path: Path):
+    imported = imports_of(path)
+    assert not [m for m in imported if within(m, ("torch",))], f"{path.name} imports torch"
+    above = [m for m in imported if within(m, ("nanovllm.runner", "nanovllm.engine", "nanovllm.llm"))]
+    assert not above, f"{path.name} imports {above}, which sit above scheduling/"
 
 
 @pytest.mark.parametrize("path", modules_under("engine"), ids=lambda p: p.name)
-def test_engine_is_plain_python_below_the_runner(path: Path):
-    imported = imports_of(path)
-    assert not [m for m in imported if within(m, ("torch",))], f"{path.name} imports torch"
-    above = [m for m in imported if within(m, ("nanovllm.runner", "nanovllm.engine_core", "nanovllm.llm_engine",
-                                               "nanovllm.llm"))]
-    assert not above, f"{path.name} imports {above}, which sit above engine/"
+def test_engine_never_imports_the_offline_api(path: Path):
+    above = [m for m in imports_of(path) if within(m, ("nanovllm.llm",))]
+    assert not above, f"engine/{path.name} imports {above}"
 
 
 @pytest.mark.parametrize("path", [p for folder in MODEL_SIDE for p in modules_under(folder)],
@@ -75,7 +81,7 @@ def test_model_side_never_imports_engine_or_runner(path: Path):
 
 @pytest.mark.parametrize("path", modules_under("runner"), ids=lambda p: p.name)
 def test_runner_never_imports_the_loop(path: Path):
-    above = [m for m in imports_of(path) if within(m, ("nanovllm.engine_core", "nanovllm.llm_engine", "nanovllm.llm"))]
+    above = [m for m in imports_of(path) if within(m, ("nanovllm.engine", "nanovllm.llm"))]
     assert not above, f"runner/{path.name} imports {above}"
 
 
@@ -142,9 +148,9 @@ def test_structured_outputs_sit_beside_the_engine_and_the_engine_never_imports_t
     """structured_outputs/ (xgrammar, which imports torch) is used by the loop and the server and
     read by the sampling pipeline through an interface; engine/ holds its matchers as opaque
     objects and never imports it, and it knows nothing of sequences, the runner or the loop."""
-    for path in modules_under("engine"):
+    for path in modules_under("scheduling"):
         found = [m for m in imports_of(path) if within(m, ("xgrammar", "nanovllm.structured_outputs"))]
-        assert not found, f"engine/{path.name} imports {found}"
+        assert not found, f"scheduling/{path.name} imports {found}"
     files = modules_under("structured_outputs")
     assert files
     for path in files:

@@ -428,7 +428,7 @@ def test_error_code_is_a_string_on_every_path(server, monkeypatch):
 
 
 def test_priority_reaches_the_scheduler(server, offline, monkeypatch):
-    from nanovllm.llm_engine import LLMEngine
+    from nanovllm.engine.llm_engine import LLMEngine
     seen = []
     add_requests = LLMEngine.add_requests
 

@@ -9,10 +9,10 @@ import pytest
 from helpers import greedy, hf_greedy, random_prompts
 from nanovllm import LLM, RequestDelta, SamplingParams
 from nanovllm.engine.outputs import to_nanovllm_dict
-from nanovllm.engine.block_manager import BlockManager
-from nanovllm.engine.scheduler import Scheduler
-from nanovllm.engine.sequence import Sequence
-from nanovllm.engine.stop_checker import StopChecker
+from nanovllm.scheduling.block_manager import BlockManager
+from nanovllm.scheduling.scheduler import Scheduler
+from nanovllm.scheduling.sequence import Sequence
+from nanovllm.scheduling.stop_checker import StopChecker
 
 BLOCK = 16
 THREAD_WAIT_S = 60.0  # generous bound on waiting for the other thread (never reached when all is well)

@@ -9,13 +9,13 @@ import pytest
 
 from helpers import greedy, random_prompts
 from nanovllm import LLM
-from nanovllm.engine.scheduler import Scheduler
+from nanovllm.scheduling.scheduler import Scheduler
 from nanovllm.runner.model_runner import ModelRunner
 from nanovllm.runner.protocol import OverlappedRunner, Runner, RunnerOutput
 from nanovllm.runner.speculative import SpeculativeRunner
 from nanovllm.runner.tensor_parallel import TensorParallelRunner
 
-LOOP = Path(__file__).resolve().parents[1] / "nanovllm" / "engine_core.py"
+LOOP = Path(__file__).resolve().parents[1] / "nanovllm" / "engine" / "engine_core.py"
 STEP_FUNCTIONS = ("step", "_run_step", "drain", "_resolve", "_report", "_no_tokens")
 NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
 

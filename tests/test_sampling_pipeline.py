@@ -14,7 +14,7 @@ import torch
 
 from helpers import _hf_model, kernel_test_device, random_prompts
 from nanovllm import LLM, SamplingParams
-from nanovllm.engine.sequence import Sequence
+from nanovllm.scheduling.sequence import Sequence
 from nanovllm.layers import rejection_sampler, sampler
 from nanovllm.layers.logits_processors import LogitBias, SamplingTensors
 from nanovllm.layers.rejection_sampler import RejectionSampler

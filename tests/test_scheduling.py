@@ -7,9 +7,9 @@ worked out by hand in each test's comments.
 """
 import pytest
 
-from nanovllm.engine.block_manager import BlockManager
-from nanovllm.engine.scheduler import MIXED, PREFILL_FIRST, RECOMPUTE, SWAP, Scheduler
-from nanovllm.engine.sequence import SHARED_BLOCK, SequenceStatus
+from nanovllm.scheduling.block_manager import BlockManager
+from nanovllm.scheduling.scheduler import MIXED, PREFILL_FIRST, RECOMPUTE, SWAP, Scheduler
+from nanovllm.scheduling.sequence import SHARED_BLOCK, SequenceStatus
 from test_engine_units import (FakeModel, ShadowCache, drive, drive_arrivals, make_scheduler, make_seq, prefill,
                                reference_output)
 

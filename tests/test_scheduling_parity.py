@@ -15,7 +15,7 @@ import torch
 from helpers import AUTO_DEVICE, GPU_ONLY, greedy, hf_greedy, random_prompts
 from nanovllm import LLM
 from nanovllm.attention.torch_backend import TorchBackend, causal_attention, gather_kv
-from nanovllm.engine.scheduler import MIXED, PREFILL_FIRST
+from nanovllm.scheduling.scheduler import MIXED, PREFILL_FIRST
 from nanovllm.utils.context import AttentionMetadata
 
 BLOCK = 16

@@ -10,9 +10,9 @@ import time
 
 import pytest
 
-from nanovllm.llm_engine import LLMEngine
+from nanovllm.engine.llm_engine import LLMEngine
 from nanovllm.engine.detokenizer import Detokenizer
-from nanovllm.engine.stop_checker import StopChecker
+from nanovllm.scheduling.stop_checker import StopChecker
 from serving import httpx, metric, server_thread
 
 PROMPT = "Hello world! How are"

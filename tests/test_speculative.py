@@ -14,11 +14,11 @@ from scipy.stats import chisquare
 
 from helpers import greedy, hf_greedy, random_prompts
 from nanovllm import LLM, SamplingParams
-from nanovllm.engine.block_manager import BlockManager
-from nanovllm.engine.ngram_proposer import ngram_proposal
-from nanovllm.engine.scheduler import Scheduler
-from nanovllm.engine.sequence import Sequence
-from nanovllm.engine.stop_checker import StopChecker
+from nanovllm.scheduling.block_manager import BlockManager
+from nanovllm.scheduling.ngram_proposer import ngram_proposal
+from nanovllm.scheduling.scheduler import Scheduler
+from nanovllm.scheduling.sequence import Sequence
+from nanovllm.scheduling.stop_checker import StopChecker
 from nanovllm.layers.rejection_sampler import RejectionSampler
 from nanovllm.layers.logits_processors import SamplingTensors
 from nanovllm.testing.synthetic import build_checkpoint

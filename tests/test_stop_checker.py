@@ -8,8 +8,8 @@ import pytest
 
 from helpers import spanning_stop_string
 from nanovllm.engine.detokenizer import Detokenizer
-from nanovllm.engine.sequence import Sequence
-from nanovllm.engine.stop_checker import Finish, StopChecker, banned_token_ids
+from nanovllm.scheduling.sequence import Sequence
+from nanovllm.scheduling.stop_checker import Finish, StopChecker, banned_token_ids
 from nanovllm.sampling_params import SamplingParams
 from nanovllm.testing.synthetic import build_tokenizer
 from nanovllm.utils.tokenizer import load_tokenizer

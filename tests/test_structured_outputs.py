@@ -16,7 +16,7 @@ import xgrammar
 
 from nanovllm import LLM, SamplingParams, StructuredOutputsParams
 from nanovllm import sampling_params as sampling_params_module
-from nanovllm.engine.sequence import Sequence
+from nanovllm.scheduling.sequence import Sequence
 from nanovllm.layers.rejection_sampler import RejectionSampler
 from nanovllm.runner.sampling_inputs import prepare_sampling
 from nanovllm.structured_outputs import GrammarCompiler

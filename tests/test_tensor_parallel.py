@@ -21,7 +21,7 @@ import torch.distributed as dist
 
 from helpers import greedy, hf_greedy, random_prompts
 from nanovllm import LLM, SamplingParams
-from nanovllm.engine.sequence import Sequence
+from nanovllm.scheduling.sequence import Sequence
 from nanovllm.runner import worker_group
 from nanovllm.runner.decode_inputs import DecodeInputs
 from nanovllm.runner.model_runner import ModelRunner

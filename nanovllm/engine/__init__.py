@@ -1,4 +1,4 @@
-"""Plain-Python bookkeeping of requests: sequences, the KV cache's blocks, scheduling, stopping
-rules, detokenization and what each caller is handed. No torch here (tests/test_layering.py
-checks it), so all of it is unit-tested without a model; `runner/` turns its sequences into
-tensors, and the loop (`nanovllm/llm_engine.py`) drives both."""
+"""The engine: `LLMEngine` (engine/llm_engine.py) and the step it drives (`EngineCore`,
+engine/engine_core.py), and what turns callers' input into requests and steps' results into
+outputs: the request builder and table, detokenization, chat rendering, outputs and stats.
+It sits above `runner/` and `scheduling/`; the products (nanovllm/llm.py, entrypoints/) sit on it."""

@@ -17,7 +17,7 @@ from transformers import PreTrainedTokenizerBase
 
 from nanovllm.engine.detokenizer import decode_after
 from nanovllm.engine.outputs import CompletionOutput, RequestDelta, RequestOutput, SampleDelta
-from nanovllm.engine.sequence import Sequence
+from nanovllm.scheduling.sequence import Sequence
 from nanovllm.sampling_params import SamplingParams
 
 logger = logging.getLogger("nanovllm")

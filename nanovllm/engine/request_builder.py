@@ -17,7 +17,7 @@ from transformers import PreTrainedTokenizerBase
 from nanovllm.engine.chat import ChatOptions, render_chat
 from nanovllm.engine.detokenizer import Detokenizer
 from nanovllm.engine.request import Request
-from nanovllm.engine.sequence import Sequence, SequenceStatus
+from nanovllm.scheduling.sequence import Sequence, SequenceStatus
 from nanovllm.sampling_params import SamplingParams, StructuredOutputsParams
 from nanovllm.utils.math_utils import cdiv
 from nanovllm.utils.validation import ParamError, first_surrogate, is_int, shown

@@ -13,11 +13,11 @@ from itertools import count
 
 from transformers import PreTrainedTokenizerBase
 
-from nanovllm.engine.block_manager import BlockManager
+from nanovllm.scheduling.block_manager import BlockManager
 from nanovllm.engine.outputs import RequestDelta, RequestOutput
 from nanovllm.engine.request import Request
-from nanovllm.engine.scheduler import Scheduler
-from nanovllm.engine.sequence import Sequence
+from nanovllm.scheduling.scheduler import Scheduler
+from nanovllm.scheduling.sequence import Sequence
 from nanovllm.utils.validation import ParamError
 
 logger = logging.getLogger("nanovllm")

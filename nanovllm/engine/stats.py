@@ -6,9 +6,9 @@ import logging
 from dataclasses import asdict, dataclass
 from time import perf_counter
 
-from nanovllm.engine.block_manager import BlockManager
-from nanovllm.engine.scheduler import Scheduler, SchedulerStats
-from nanovllm.engine.sequence import Sequence
+from nanovllm.scheduling.block_manager import BlockManager
+from nanovllm.scheduling.scheduler import Scheduler, SchedulerStats
+from nanovllm.scheduling.sequence import Sequence
 
 logger = logging.getLogger("nanovllm")
 

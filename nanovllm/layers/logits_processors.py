@@ -30,7 +30,7 @@ from nanovllm.utils.math_utils import cdiv
 
 
 class SamplingRow(Protocol):
-    """What a processor may read of a row (engine/sequence.py's Sequence, which this module does not import)."""
+    """What a processor may read of a row (scheduling/sequence.py's Sequence, which this module does not import)."""
     sampling_params: SamplingParams
     prompt_token_ids: list[int]
     completion_token_ids: list[int]

@@ -13,7 +13,7 @@ p is the sampler's own distribution: the same pipeline of logits processors
 (layers/logits_processors.py) the Sampler applies, and greedy rows take the argmax of its
 adjusted logits. Rows whose processors depend on the tokens before each proposed one (penalties,
 min_tokens bans) or that want logprobs are never speculated on (the runner samples those with the
-Sampler: engine/scheduler.py, may_speculate). A structured-outputs row's grammar mask is built
+Sampler: scheduling/scheduler.py, may_speculate). A structured-outputs row's grammar mask is built
 for each row after the proposals before it (RowsView.drafts), so a proposal the grammar forbids
 has p = 0 and is rejected, and the token drawn in its place is one the grammar allows. This module never sees a sequence: it gets
 tensors and returns, per row, whether its proposed token is accepted and the token to emit if

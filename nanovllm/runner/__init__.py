@@ -2,6 +2,6 @@
 per-step inputs it builds from scheduled sequences, CUDA graphs, tensor parallelism and
 speculative decoding. Every runner is a `Runner` (`protocol.py`): the loop drives them alike.
 
-It sits below the engine loop (`nanovllm/llm_engine.py`) and above `engine/` (plain-Python
-bookkeeping), whose sequences it reads but never changes except for their sampling generator.
+It sits below the engine (`engine/`) and above `scheduling/` (plain-Python bookkeeping), whose
+sequences it reads but never changes except for their sampling generator.
 """

@@ -25,7 +25,7 @@ import dataclasses
 
 import torch
 
-from nanovllm.engine.sequence import Sequence
+from nanovllm.scheduling.sequence import Sequence
 from nanovllm.runner.step_inputs import StepMessage
 from nanovllm.sampling_params import SamplingParams
 from nanovllm.utils.compile import compiling

@@ -20,9 +20,9 @@ import torch.distributed as dist
 
 from nanovllm.attention import create_backend
 from nanovllm.config import Config
-from nanovllm.engine.block_manager import NO_COPIES, BlockCopies
-from nanovllm.engine.scheduler import SWAP
-from nanovllm.engine.sequence import Sequence
+from nanovllm.scheduling.block_manager import NO_COPIES, BlockCopies
+from nanovllm.scheduling.scheduler import SWAP
+from nanovllm.scheduling.sequence import Sequence
 from nanovllm.kernels import cpu_build
 from nanovllm.layers.activation import SiluAndMul
 from nanovllm.layers.attention import Attention

@@ -4,7 +4,7 @@ Async scheduling (the engine's overlapped loop) launches step N+1 before step N'
 the host. `PendingTokens` holds step N's tokens as the sampler left them on the device, copied
 to pinned host memory without blocking and marked by an event; `result()` waits for that event
 alone, so the host works on while the device runs. The scheduler meanwhile gives each sequence
-that goes on a placeholder token id, -(row + 1) (engine/sequence.py), and
+that goes on a placeholder token id, -(row + 1) (scheduling/sequence.py), and
 `fill_placeholders` reads the real ids of a step's placeholder rows on the device, from the
 previous step's sampled tokens, before the forward pass. On CPU the same code runs; there the
 copy is the tensor itself and nothing waits.

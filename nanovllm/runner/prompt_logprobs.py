@@ -15,7 +15,7 @@ from typing import NamedTuple
 import torch
 from torch import nn
 
-from nanovllm.engine.sequence import Sequence
+from nanovllm.scheduling.sequence import Sequence
 
 # Rows of [rows, vocab] float32 logits made at once: a long prompt's positions go through the LM
 # head in slices of this many, so its memory stays bounded (2048 x 152k vocab x 4 B = 1.2 GB).

@@ -12,8 +12,8 @@ with the single-rank ModelRunner).
 """
 from typing import TYPE_CHECKING, NamedTuple, Protocol, runtime_checkable
 
-from nanovllm.engine.block_manager import BlockCopies
-from nanovllm.engine.sequence import Sequence
+from nanovllm.scheduling.block_manager import BlockCopies
+from nanovllm.scheduling.sequence import Sequence
 from nanovllm.layers.sampler import TokenLogprobs
 
 if TYPE_CHECKING:  # pending_tokens builds RunnerOutputs, so it imports this module

@@ -3,15 +3,15 @@
 The host side of sampling (as mini-sglang's `prepare`): the batch's pipeline of logits
 processors (layers/logits_processors.py), built from the rows' parameters and tokens only when
 some row needs one (the common temperature-only case is one copy), with the tokens min_tokens
-forbids as engine/stop_checker.py decides them; and each seeded row's own generator (made on the
+forbids as scheduling/stop_checker.py decides them; and each seeded row's own generator (made on the
 sampling device at its first use), or with `philox` (a race kernel: Triton's, or the CPU's) each
 row's noise key and counter instead. The device side is
 `layers/sampler.py`, which knows nothing of sequences.
 """
 import torch
 
-from nanovllm.engine.sequence import Sequence
-from nanovllm.engine.stop_checker import banned_token_ids
+from nanovllm.scheduling.sequence import Sequence
+from nanovllm.scheduling.stop_checker import banned_token_ids
 from nanovllm.layers.logits_processors import RowsView, SamplingTensors
 
 INT64_SPAN = 1 << 64  # seeds run over int64 and uint64 (SamplingParams); a key is their 64 bits

@@ -5,7 +5,7 @@ A SpeculativeRunner is a Runner (runner/protocol.py), used by the engine as any 
 RunnerOutput carries each sequence's accepted proposals and how many were proposed. A step:
 1. The swap copies (the target's cache, and the draft's, which mirrors it block for block).
 2. Proposals for the sequences the scheduler gave lookahead slots (`num_lookahead_slots`): the
-   n-gram proposer (engine/ngram_proposer.py), or the draft model decoding one token per pass
+   n-gram proposer (scheduling/ngram_proposer.py), or the draft model decoding one token per pass
    (greedy rows take its argmax; sampled rows draw from its distribution q, kept for step 4).
 3. One target forward pass over the step's message, each proposal after its sequence's newest
    token (a varlen step over the cache: the attention backends' prefill-with-prefix path), and,
@@ -22,10 +22,10 @@ import logging
 import torch
 
 from nanovllm.config import Config
-from nanovllm.engine.block_manager import NO_COPIES, BlockCopies
-from nanovllm.engine.ngram_proposer import NgramProposer
-from nanovllm.engine.scheduler import RECOMPUTE
-from nanovllm.engine.sequence import Sequence
+from nanovllm.scheduling.block_manager import NO_COPIES, BlockCopies
+from nanovllm.scheduling.ngram_proposer import NgramProposer
+from nanovllm.scheduling.scheduler import RECOMPUTE
+from nanovllm.scheduling.sequence import Sequence
 from nanovllm.layers.attention import Attention
 from nanovllm.layers.rejection_sampler import RejectionSampler
 from nanovllm.layers.sampler import TokenLogprobs, draw

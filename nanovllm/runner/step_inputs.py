@@ -15,8 +15,8 @@ from typing import NamedTuple
 
 import torch
 
-from nanovllm.engine.block_manager import NO_COPIES, BlockCopies
-from nanovllm.engine.sequence import Sequence
+from nanovllm.scheduling.block_manager import NO_COPIES, BlockCopies
+from nanovllm.scheduling.sequence import Sequence
 from nanovllm.runner.prompt_logprobs import PromptTargets, prompt_targets
 from nanovllm.runner.sampling_inputs import philox_keys
 from nanovllm.utils.context import AttentionMetadata

@@ -9,8 +9,8 @@ once for all of them), then runs the same message itself; the parallel layers' c
 the ranks in step, and only rank 0 samples. It registers no exit hook: the engine's is the one.
 """
 from nanovllm.config import Config
-from nanovllm.engine.block_manager import NO_COPIES, BlockCopies
-from nanovllm.engine.sequence import Sequence
+from nanovllm.scheduling.block_manager import NO_COPIES, BlockCopies
+from nanovllm.scheduling.sequence import Sequence
 from nanovllm.runner.model_runner import ModelRunner
 from nanovllm.runner.protocol import Runner, RunnerOutput
 from nanovllm.runner.speculative import SpeculativeRunner

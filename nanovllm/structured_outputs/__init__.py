@@ -7,7 +7,7 @@ one with a ValueError naming the field. It is called where requests are built, n
 step: the server compiles in its prompt thread first, so the engine's call finds it cached.
 `GrammarState` (state.py) is one sample's matcher: the sampling pipeline reads its token bitmask
 (layers/logits_processors.py, GrammarMask), and the stop checker advances it with each token
-the sequence keeps (engine/stop_checker.py). engine/ holds it as an opaque object and never
+the sequence keeps (scheduling/stop_checker.py). engine/ holds it as an opaque object and never
 imports this package (xgrammar imports torch).
 """
 from nanovllm.structured_outputs.compiler import GrammarCompiler

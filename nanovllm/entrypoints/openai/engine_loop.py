@@ -41,7 +41,7 @@ from nanovllm.config import Config
 from nanovllm.engine.outputs import CompletionOutput, RequestDelta, RequestOutput, SampleDelta
 from nanovllm.engine.stats import EngineStats
 from nanovllm.entrypoints.openai.metrics import ServerMetrics
-from nanovllm.llm_engine import LLMEngine
+from nanovllm.engine.llm_engine import LLMEngine
 from nanovllm.sampling_params import SamplingParams
 from nanovllm.structured_outputs import GrammarCompiler
 from nanovllm.utils.validation import ParamError

@@ -23,15 +23,15 @@ from contextlib import contextmanager
 from typing import Iterator
 
 from nanovllm.config import Config
-from nanovllm.engine.block_manager import BlockManager
-from nanovllm.engine_core import EngineCore, StepOutput
+from nanovllm.scheduling.block_manager import BlockManager
+from nanovllm.engine.engine_core import EngineCore, StepOutput
 from nanovllm.engine.outputs import RequestDelta
 from nanovllm.engine.request import Request
 from nanovllm.engine.request_builder import Prompt, RequestBuilder
 from nanovllm.engine.request_table import RequestTable
-from nanovllm.engine.scheduler import Scheduler
+from nanovllm.scheduling.scheduler import Scheduler
 from nanovllm.engine.stats import EngineStats, engine_stats, log_speculation
-from nanovllm.engine.stop_checker import StopChecker
+from nanovllm.scheduling.stop_checker import StopChecker
 from nanovllm.runner.protocol import Runner
 from nanovllm.runner.tensor_parallel import create_model_runner
 from nanovllm.sampling_params import SamplingParams

@@ -19,7 +19,7 @@ from typing import NamedTuple
 
 import xxhash
 
-from nanovllm.engine.sequence import SHARED_BLOCK, Sequence
+from nanovllm.scheduling.sequence import SHARED_BLOCK, Sequence
 
 
 class BlockCopies(NamedTuple):

@@ -52,9 +52,9 @@ from dataclasses import dataclass
 from itertools import count
 from typing import Iterator, NamedTuple
 
-from nanovllm.engine.block_manager import NO_COPIES, BlockCopies, BlockManager
-from nanovllm.engine.sequence import Sequence, SequenceStatus
-from nanovllm.engine.stop_checker import StopChecker
+from nanovllm.scheduling.block_manager import NO_COPIES, BlockCopies, BlockManager
+from nanovllm.scheduling.sequence import Sequence, SequenceStatus
+from nanovllm.scheduling.stop_checker import StopChecker
 
 FINISHED = SequenceStatus.FINISHED
 WAITING, SWAPPED = SequenceStatus.WAITING, SequenceStatus.SWAPPED

@@ -21,7 +21,7 @@ queues (the scheduler finishes the sequence and frees its blocks).
 """
 from typing import NamedTuple
 
-from nanovllm.engine.sequence import Sequence
+from nanovllm.scheduling.sequence import Sequence
 from nanovllm.sampling_params import SamplingParams
 
 

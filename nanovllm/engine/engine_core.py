@@ -3,7 +3,7 @@ step in flight: `step()` schedules a batch, runs it through the runner (any runn
 tensor-parallel or speculative, one `Runner` protocol) or, with async scheduling, launches it
 and resolves the step before; hands the tokens to `Scheduler.postprocess`; keeps the logprobs
 asked for; tells each request with news through its inbox; and fails a faulty step's requests
-alone (the engine serves on). `LLMEngine` (nanovllm/llm_engine.py) wraps it with the request
+alone (the engine serves on). `LLMEngine` (engine/llm_engine.py) wraps it with the request
 API and the single-thread rule.
 """
 from time import perf_counter
@@ -11,8 +11,8 @@ from typing import NamedTuple
 
 from nanovllm.config import Config
 from nanovllm.engine.request_table import RequestTable
-from nanovllm.engine.scheduler import ScheduledBatch, Scheduler
-from nanovllm.engine.sequence import Sequence
+from nanovllm.scheduling.scheduler import ScheduledBatch, Scheduler
+from nanovllm.scheduling.sequence import Sequence
 from nanovllm.engine.stats import InterTokenLatency
 from nanovllm.runner.pending_tokens import PendingTokens
 from nanovllm.runner.protocol import OverlappedRunner, Runner, RunnerOutput

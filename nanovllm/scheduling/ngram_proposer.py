@@ -6,7 +6,7 @@ proposes the (up to k) tokens that followed it. Nothing matches: nothing is prop
 sequence decodes one token as usual. The proposal is a deterministic draft (probability 1 on
 each proposed token), which the rejection sampler accounts for. Plain Python, no tensors.
 """
-from nanovllm.engine.sequence import Sequence
+from nanovllm.scheduling.sequence import Sequence
 
 
 def ngram_proposal(token_ids: list[int], num_tokens: int, min_n: int, max_n: int) -> list[int]:
