@@ -31,8 +31,9 @@ def time_ms(fn, warmup: int, iters: int) -> float:
     """Mean milliseconds per call of `fn` on the GPU alone: `iters` back-to-back calls captured in one
     CUDA graph (as the engine runs decode steps), replayed between CUDA events. Timed eagerly, a
     small call measures the host's launch cost instead (~70 us for one Triton launch, ~110 us for
-    the split kernel and its reduce: the first H200 sweep, 2026-11-26, BENCHMARKS). Not for the
-    copy reference (step_profile.copy_bandwidth times it eagerly: captured, it ran slow)."""
+    the split kernel and its reduce on an H200; docs/BENCHMARKS.md, GPU decode attention kernel).
+    Not for the copy reference (step_profile.copy_bandwidth times it eagerly: captured, it ran
+    slow)."""
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):  # warm-up (compiles) off the capturing stream, as torch asks

@@ -25,7 +25,7 @@ BASELINE_FRACTION = 0.1
 # line (about 150 bytes as a Python bytes object) would add over 3 MiB across 22,500 requests.
 # Judged only while results are still coming: on an H200 machine (16 cores) RSS stayed within
 # 0.15 MB over 21,000 lines and then rose 0.1-38 MB in the second after the last result was
-# written, as the process shut down (BENCHMARKS, "Fifth H200 run"): that is no growth over the input.
+# written, as the process shut down (docs/BENCHMARKS.md, Memory): that is no growth over the input.
 RSS_GROWTH_BOUND_KIB = 2048
 MEMORY_MAX_NUM_SEQS = 64
 POLL_S = 0.1

@@ -3,7 +3,7 @@
 //
 // The AVX-512 path (attend_prefill_lanes) runs a bf16 prefill's attention at ~140 GFLOP/s on a
 // 2-vCPU Intel Xeon with AMX, 42% of a bf16 prefill of the real-proportion model
-// (docs/BENCHMARKS.md, "Tenth 2026-11-26 session"); AMX multiplies bf16 tiles an order faster,
+// (docs/BENCHMARKS.md, CPU kernels); AMX multiplies bf16 tiles an order faster,
 // which leaves the softmax's vector work as most of the time. Per KV head:
 //   1. The keys the item sees, in chunks of 32 tokens (a chunk lies in one block: block_size a
 //      multiple of 32), are laid out once for all its rows as the products' B operands: K^T (K's

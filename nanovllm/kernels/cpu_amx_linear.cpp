@@ -4,14 +4,14 @@
 //
 // oneDNN's packed product (layers/linear.py) is fast when called back to back, but in a decode
 // step each call follows the attention's read of tens of MB of K/V, and then its first call costs
-// ~60-110 us more whatever its data (docs/BENCHMARKS.md, "Tenth 2026-11-26 session"): a bf16
+// ~60-110 us more whatever its data (docs/BENCHMARKS.md, CPU kernels): a bf16
 // step of the real-proportion model spent 8.1 ms in products that take 3.1 ms back to back (a
 // 2-vCPU Intel Xeon with AMX). This kernel is a few hundred bytes of code and no state between
 // calls: per thread one tile configuration, then for each pair of 16-column blocks of w (threads
 // share the pairs) the rows of x two tiles of 16 at a time, K in steps of 32 (TDPBF16PS per tile
 // pair), sums in float32 tiles, bias added in float32, out in x's dtype (bf16 rounded to nearest
 // even). Float32 runs as bf16x3 (product() below): on that machine 0.5-0.9x oneDNN's float32 time
-// at 16-256 rows and ~0.5-0.9x on prefill chunks ("Eleventh 2026-11-27 session"), where oneDNN's
+// at 16-256 rows and ~0.5-0.9x on prefill chunks (same section), where oneDNN's
 // float32 FMAs run at their peak.
 //
 // w is packed once (AmxProduct in cpu_build.py) into AMX's pair-interleaved layout, tile after

@@ -48,28 +48,28 @@ BUILD_TIMEOUT_S = 120  # a build takes ~1 s alone; a loaded machine may stretch 
 DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 # The dtypes the few-row product takes (its most rows of x: cpu_linear.cpp's MAX_ROWS). Against
 # oneDNN's packed product (a whole model's products in a row, 2 threads, AMD EPYC Zen 4;
-# docs/BENCHMARKS.md): float32 ~20% faster at 1 row, ~10% at 2, ~5% slower at 3-4; bfloat16
-# 35-40% faster at 1-3 rows, ~5% at 4. Float32 takes 3-4 rows too: with them every decode step of
-# up to 4 sequences can run as one call (layers/cpu_decode.py), which saves ~1 ms a step of Python
-# (real-proportion model) where the slower products cost ~0.4 ms.
+# docs/BENCHMARKS.md, CPU kernels): float32 ~20% faster at 1 row, ~10% at 2, ~5% slower at 3-4;
+# bfloat16 35-40% faster at 1-3 rows, ~5% at 4. Float32 takes 3-4 rows too: with them every decode
+# step of up to 4 sequences can run as one call (layers/cpu_decode.py), which saves ~1 ms a step of
+# Python (real-proportion model) where the slower products cost ~0.4 ms.
 # How many rows it takes the library says (nanovllm_few_rows_supported): 4, or 128 for float32 in
 # an AVX2-only build (cpu_linear.cpp many_rows, faster than oneDNN there up to ~128 rows).
 FEW_ROWS_DTYPES = (torch.float32, torch.bfloat16)
 # The most rows the AMX product takes (cpu_amx_linear.cpp): decode steps of up to 256 sequences.
 # bfloat16: on a 2-vCPU Intel Xeon with AMX, after a 24 MB read (an attention layer's), the real
 # model's layer shapes took 0.45-0.75x oneDNN's packed time at 16-64 rows, 0.6-0.9x at 128-256, and
-# were level at 512 (docs/BENCHMARKS.md, "Tenth 2026-11-26 session"); prefill chunks on it ran 0.91x
+# were level at 512 (docs/BENCHMARKS.md, CPU kernels); prefill chunks on it ran 0.91x
 # end to end. float32 (bf16x3) weights of AMX_PREFILL_MIN_K columns or more take every row count,
 # prefill chunks too (ANY_ROWS), where oneDNN's float32 products run at the FMAs' peak and bf16x3
 # on AMX tiles beyond it: real model (K 512 and 1,536), 64 prompts, in one process, +8.6% end to end
-# ("Eleventh 2026-11-27 session"); so such layers keep no oneDNN copy (LinearBase.enable_cpu). With
+# (same machine); so such layers keep no oneDNN copy (LinearBase.enable_cpu). With
 # fewer columns a tile of sums has too few K steps to pay for its set-up: the tiny model's (K 128)
 # prefill chunks ran 0.92x.
 # The bf16 LM head's logits (32,000 columns) stay on oneDNN: level at 64 rows, slower above; its
 # greedy steps of AMX_GREEDY_HEAD_MIN_ROWS rows or more take their tokens from AMX tiles without
-# the logits (AmxGreedyHead: 0.57-0.8x oneDNN's product and argmax at 16-256 rows from memory),
-# fewer rows from the int8 greedy head (GreedyHead: level at 16 rows, 0.5-0.6x at 1-4 rows of the
-# few-row product and argmax; docs/BENCHMARKS.md). The float32
+# the logits (AmxGreedyHead: 0.6-0.9x oneDNN's product and argmax at 16-256 rows from memory),
+# fewer rows from the int8 greedy head (GreedyHead: level at 16 rows, 0.55-0.65x at 1-4 rows of the
+# few-row product and argmax; docs/BENCHMARKS.md, CPU kernels). The float32
 # one takes it from AMX_HEAD_MIN_ROWS rows: its three bf16 parts are 1.5x the float32 weight's
 # bytes, and below 64 rows, where reading the 65 MB weight bounds the product, that was slower than
 # oneDNN (0.87-0.89x at 16-32 rows, 1.07x at 64, 1.3-1.7x at 128-256).

@@ -2,7 +2,8 @@
 // one to a few sequences, where the product is bound by reading the weight from memory.
 //
 // oneDNN's packed product (layers/linear.py) costs ~15 us a call before it reads anything and
-// streams a weight of one row at ~60-75% of the machine's read rate (docs/BENCHMARKS.md). Here
+// streams a weight of one row at ~60-75% of the machine's read rate (docs/BENCHMARKS.md, CPU
+// kernels). Here
 // each thread takes a contiguous run of the weight's rows (x: [M, K], w: [N, K], both row-major)
 // and reads it front to back, one row at a time, prefetching PREFETCH_BYTES ahead of its loads:
 // a single sequential stream per thread, which the measured ceiling of this kind of read needs
@@ -192,7 +193,7 @@ void few_rows(const typename T::storage* x, int64_t x_stride, const typename T::
 // block of x passes (x, M x K floats, from L2), and the next block of w is requested as it goes.
 // Measured against oneDNN's packed product on issue 29's real-proportion shapes (8 layers' weights,
 // capped at AVX2, 2 threads): 1.6x at 16 rows, 1.3x at 32, 1.2x at 64, 1.1x at 128, 0.9x at 256
-// (docs/BENCHMARKS.md "Sixteenth 2026-11-27 session"). An AVX-512 form measured level with oneDNN.
+// (docs/BENCHMARKS.md, CPU kernels). An AVX-512 form measured level with oneDNN.
 constexpr int MANY_ROWS = 128;
 constexpr int MR = 4, NR = 3;
 constexpr int64_t X_BLOCK_BYTES = 1 << 20;  // x rows a pass over w: ~1 MB, inside L2

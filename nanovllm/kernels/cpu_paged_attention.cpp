@@ -39,8 +39,9 @@ using namespace nanovllm_cpu;
 constexpr int MAX_ROWS = 4;
 // Lines Ahead::step() requests per 16-bit element's worth of cache (float32 twice as many): the
 // loops step ~256 times a 32-token block, and its K, V and the next block's K and V must all be
-// asked for by its end (decode, 64 sequences: bf16 ~5-20%, float32 ~12-15% faster than bursts,
-// docs/BENCHMARKS.md "Fifth 2026-11-26 session"; 1 line left most to the end, 4 ran slower).
+// asked for by its end (decode, 64 sequences: bf16 ~5-20%, float32 ~12-15% faster than bursts on
+// a 2-vCPU AMD EPYC Zen 4, docs/BENCHMARKS.md, CPU kernels; 1 line left most to the end, 4 ran
+// slower).
 constexpr int AHEAD_LINES_PER_STEP = 2;
 // A head's rows (queries x group, padded to ROWS) from which the block's K is transposed to
 // [head_dim][tokens] so scores are vectors over tokens (no horizontal sums); fewer rows (decode)
@@ -69,7 +70,7 @@ struct Item {
 // block's K, read first) goes to L1; then `l2`'s runs (the next block's V, the block after's K
 // and V) to L2, offset by offset. A step asks for whole groups of lines with one test per group,
 // not one per line: decode, 64 sequences, data from memory, bf16 ~15% and float32 ~6% faster on a
-// 2-vCPU Intel Xeon with AMX (docs/BENCHMARKS.md "Tenth 2026-11-26 session"); a group may reach a
+// 2-vCPU Intel Xeon with AMX (docs/BENCHMARKS.md, CPU kernels); a group may reach a
 // few lines past a run's end, which a prefetch never faults on.
 struct Ahead {
   const char* l1 = nullptr;
@@ -215,7 +216,7 @@ inline void accumulate_pv_vectors(float* __restrict__ acc, const float* __restri
 // float32, the scale is applied to the sums) with AVX512-BF16, else K widened to float32 for FMAs
 // with qf (scaled). HD: head_dim when known at compile time (0: the runtime value), so the loop
 // unrolls; two accumulators halve the chain of dependent FMAs (decode, bf16: ~17% less compute
-// with the data in cache, docs/BENCHMARKS.md "Sixth 2026-11-26 session").
+// with the data in cache, 2-vCPU AMD EPYC Zen 4, docs/BENCHMARKS.md, CPU kernels).
 template <typename T, int HD>
 inline __m512 dot_lanes(const float* __restrict__ qf, const uint16_t* __restrict__ qb,
                         const typename T::storage* __restrict__ kp, int runtime_head_dim) {
@@ -770,7 +771,7 @@ void attend_item(const Item& item, const typename T::storage* q, typename T::sto
         const int64_t bytes = block_stride * static_cast<int64_t>(sizeof(S));
         // And the block after it, K and V, to L2: decode is memory-bound (cache-resident, a bf16
         // layer at 64 sequences takes 0.63 ms against 1.8 from memory), and the earlier request
-        // keeps more lines in flight (bf16 ~15% faster, docs/BENCHMARKS.md).
+        // keeps more lines in flight (bf16 ~15% faster, docs/BENCHMARKS.md, CPU kernels).
         const bool third = b + 2 < num_blocks;
         const char* kp2 = third ? reinterpret_cast<const char*>(k_cache + static_cast<int64_t>(table[b + 2]) * block_stride) : nullptr;
         const char* vp2 = third ? reinterpret_cast<const char*>(v_cache + static_cast<int64_t>(table[b + 2]) * block_stride) : nullptr;

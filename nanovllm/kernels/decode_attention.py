@@ -31,14 +31,15 @@ from nanovllm.kernels.reductions import MAX, SUM, online_softmax_step
 # scratch cost more than the extra parallelism gains.
 MAX_SPLITS = 64
 # Below this many tokens a split's fixed costs (its partial write, its share of the reduce)
-# rival the K/V it reads. 64 from the graph-timed sweep on an H100 (docs/BENCHMARKS.md, fifth
-# session): batch 1 x 1024 tokens took 6.0 us in 16 splits against 8.8 us in the 4 that 256 gave;
-# no shape of batch 1-64 x context 1024/4096 was slower with 64.
+# rival the K/V it reads. 64 from the graph-timed sweep on an H100 (docs/BENCHMARKS.md, GPU decode
+# attention kernel): batch 1 x 1024 tokens took 6.0 us in 16 splits against 8.8 us in the 4 that
+# 256 gave; no shape of batch 1-64 x context 1024/4096 was slower with 64.
 MIN_TOKENS_PER_SPLIT = 64
-# Programs per SM we aim for. 4 from the eager-timed sweep on an H200 (docs/BENCHMARKS.md, "Fifth
-# H200 run"): the splits it gives read more of copy bandwidth than 2's at every batch of 4-32 and
-# context 1,024 / 4,096 measured (batch 16 x 1,024: 67.8% against 60.5%; batch 8 x 4,096: 82.7%
-# against 72.4%; batch 32 x 4,096: 100.9% against 87.9%), the same at batch 1 x 1,024 and >= 64.
+# Programs per SM we aim for. 4 from the eager-timed sweep on an H200 (docs/BENCHMARKS.md, GPU
+# decode attention kernel): the splits it gives read more of copy bandwidth than 2's at every batch
+# of 4-32 and context 1,024 / 4,096 measured (batch 16 x 1,024: 67.8% against 60.5%; batch 8 x
+# 4,096: 82.7% against 72.4%; batch 32 x 4,096: 100.9% against 87.9%), the same at batch 1 x 1,024
+# and >= 64.
 PROGRAMS_PER_SM = 4
 # Without a GPU to ask (the CPU interpreter) the split rule pretends to have this many SMs.
 FALLBACK_SM_COUNT = 64

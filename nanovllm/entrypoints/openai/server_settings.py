@@ -61,7 +61,8 @@ class ServerSettings:
     tool_call_parser: str | None = None
     # run the engine in a process of its own, as vLLM does: a crash or kill of the engine leaves the
     # server answering 503s; on 2 CPU cores it served no faster than the engine thread of the
-    # server's process, and starts ~2 s later (docs/BENCHMARKS.md, ninth session), so off by default
+    # server's process, and starts ~2 s later (docs/BENCHMARKS.md, "Serving: the engine in its own
+    # process"), so off by default
     engine_process: bool = False
 
     def __post_init__(self):
