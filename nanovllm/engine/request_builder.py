@@ -103,8 +103,9 @@ class RequestBuilder:
                   request_ids: list[str | None] | None = None, live: Collection[str] = (),
                   name: str = "prompts") -> list[Request]:
         """Check a whole call and build its requests (one per prompt, in order), or raise a
-        ValueError; an admitted prompt is built as admitted. With `deltas`, every sample detokenizes as it goes (for stream() and
-        pop_output()). `live`: the request ids in use, which a given id must not repeat."""
+        ValueError; an admitted prompt is built as admitted. With `deltas`, every sample
+        detokenizes as it goes (for stream() and pop_output()). `live`: the request ids in use,
+        which a given id must not repeat."""
         if not isinstance(prompts, (list, tuple)):
             raise ParamError("prompt", f"prompts={prompts!r:.80} is not allowed; prompts must be a list of str or of token-id lists")
         if isinstance(sampling_params, (list, tuple)):

@@ -7,7 +7,8 @@ given to xgrammar as the text each token adds after others (structured_outputs/w
 its decoder puts a space before every word token and glues "##" pieces on, so the grammar
 constrains the text the caller gets. Compiling is thread-safe and cached by xgrammar per constraint text
 (the schema is kept as canonical JSON, so equal schemas hit the cache): the server compiles in
-its prompt thread, and the engine's own call as it builds the request finds the result there.
+its prompt thread as it admits a request, and the engine builds the request with that grammar
+(an engine in a process of its own compiles it again: a compiled grammar does not pickle).
 A constraint xgrammar cannot compile is a ValueError naming the field and xgrammar's reason, as
 is (`check_satisfiable`, asked by the server) one no output can begin to follow.
 """

@@ -20,7 +20,7 @@ from nanovllm.sampling_params import SamplingParams
 Tokenize = Callable[[PreTrainedTokenizerBase], list[list[int]]]
 
 
-def admit(tokenizer: PreTrainedTokenizerBase, state, tokenize: Tokenize, params: SamplingParams,
+def admit(tokenizer: PreTrainedTokenizerBase, *, state, tokenize: Tokenize, params: SamplingParams,
           constraint_source: str | None, keep: int | None, requested: int | None, default: int | None,
           prompt_field: str, max_tokens_field: str) -> list[AdmittedPrompt]:
     """The request's prompts admitted (run in the prompt thread, with its tokenizer). `keep`: its

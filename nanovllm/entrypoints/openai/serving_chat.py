@@ -8,6 +8,7 @@ chat shape. A request is admitted in the prompt thread (admission.py) and queued
 engine client.
 """
 from collections.abc import AsyncIterator, Callable
+from functools import partial
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
@@ -60,9 +61,10 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
         params = body.to_sampling_params(default_max_tokens=client.config.max_model_len, structured=structured)
         source = "tools" if structured is not None else (body.constraint() or (None,))[0]
         tools = plan.tools if plan is not None else None
-        admitted = await in_prompt_thread(
-            request, admit, state, lambda tokenizer: _chat_prompt(tokenizer, body, state.chat_template, tools),
-            params, source, body.truncate_prompt_tokens, getattr(body, given), None, "messages", given)
+        admitted = await in_prompt_thread(request, partial(
+            admit, state=state, tokenize=lambda tokenizer: _chat_prompt(tokenizer, body, state.chat_template, tools),
+            params=params, constraint_source=source, keep=body.truncate_prompt_tokens, requested=getattr(body, given),
+            default=None, prompt_field="messages", max_tokens_field=given))
     except ValueError as exc:
         raise request_error(exc, _CHAT_FIELDS, "messages") from None
     params = admitted[0].params

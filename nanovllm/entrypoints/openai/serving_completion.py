@@ -6,6 +6,7 @@ A request is admitted in the prompt thread (admission.py) and queued through the
 this module turns its outputs into the response.
 """
 from collections.abc import AsyncIterator
+from functools import partial
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
@@ -44,10 +45,10 @@ async def create_completion(body: CompletionRequest, request: Request) -> Respon
         requested = 1
     try:
         params = body.to_sampling_params()
-        admitted = await in_prompt_thread(
-            request, admit, state, lambda tokenizer: _encode(tokenizer, prompts, body.add_special_tokens), params,
-            (body.constraint() or (None,))[0], body.truncate_prompt_tokens, requested, params.max_tokens, "prompt",
-            "max_tokens")
+        admitted = await in_prompt_thread(request, partial(
+            admit, state=state, tokenize=lambda tokenizer: _encode(tokenizer, prompts, body.add_special_tokens),
+            params=params, constraint_source=(body.constraint() or (None,))[0], keep=body.truncate_prompt_tokens,
+            requested=requested, default=params.max_tokens, prompt_field="prompt", max_tokens_field="max_tokens"))
     except ValueError as exc:
         raise request_error(exc, _COMPLETION_FIELDS) from None
     if body.truncate_prompt_tokens is not None:  # echo shows the prompt the model saw
