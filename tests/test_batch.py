@@ -16,7 +16,7 @@ import pytest
 
 from nanovllm import LLM, SamplingParams
 from nanovllm.config import Config
-from nanovllm.entrypoints.batch.job import BatchJob, run_batch
+from nanovllm.entrypoints.batch.job import BatchJob, EngineBatcher, run_batch
 from nanovllm.entrypoints.batch.lines import BatchRequest, LineError, parse_line, resolve_sampling_defaults
 from nanovllm.entrypoints.batch.log import DoneLines, ResultLog, pending_lines, stamp_input
 from nanovllm.entrypoints.cli.main import main
@@ -368,3 +368,18 @@ def test_progress_shows_lines_done_of_total_and_rates(job_input, qwen3_tiny, tmp
     bar = [line for line in last if line.startswith("batch:")][-1]
     assert f" {total}/{total} " in bar and ("line/s" in bar or "s/line" in bar) and "tok/s=" in bar, bar
     assert f"errors={len(BAD_LINES)}" in bar, bar
+
+
+def test_the_engines_refusal_of_a_line_names_its_field(llm):
+    """A line the engine refuses is an error line naming the field at fault: top_k past the
+    vocabulary (within what a request may carry) is "top_k", a token id outside it "prompt"."""
+    batcher = EngineBatcher(lambda: llm)
+    vocab_size = llm.config.hf_config.vocab_size
+    for body, param, needle in (({"prompt": "hi", "top_k": vocab_size + 1}, "top_k", f"top_k={vocab_size + 1}"),
+                                ({"messages": [{"role": "user", "content": "hi"}], "top_k": vocab_size + 1}, "top_k",
+                                 f"top_k={vocab_size + 1}"),
+                                ({"prompt": [vocab_size]}, "prompt", f"token id {vocab_size}")):
+        refused = batcher.submit(parse_line(json.dumps({"custom_id": "x", "body": body}), 3))
+        error = json.loads(refused.text)["error"]
+        assert not refused.ok and error["param"] == param and needle in error["message"], error
+    assert batcher.num_in_flight == 0

@@ -146,3 +146,89 @@ def test_the_engines_request_checks_are_param_errors(qwen3_tiny, case, param):
         assert not llm._requests  # nothing was queued
     finally:
         llm.exit()
+
+
+def post_json(server, path: str, body: dict) -> httpx.Response:
+    return httpx.post(server.url + path, content=json.dumps(body), headers={"Content-Type": "application/json"},
+                      timeout=WAIT_S)
+
+
+def test_the_server_admits_a_request_once(server, monkeypatch):
+    """One admission per request, in the server's prompt thread: the constraint is compiled, the
+    prompt tokenized and the vocabulary checks (top_k among them) made once, not again as the
+    engine builds the request (this server's engine runs in a thread of its process, so its calls
+    are counted too)."""
+    from nanovllm.structured_outputs import GrammarCompiler
+    calls = {"compile": 0, "encode": 0, "check_vocabulary": 0}
+
+    def counted(cls, name):
+        original = getattr(cls, name)
+
+        def wrapper(*args, **kwargs):
+            calls[name] += 1
+            return original(*args, **kwargs)
+        monkeypatch.setattr(cls, name, wrapper)
+    counted(GrammarCompiler, "compile")
+    counted(type(server.app.state.prompt_tokenizer), "encode")  # the engine's tokenizer is of the same class
+    counted(SamplingParams, "check_vocabulary")
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+    requests = [
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, "top_k": 5,
+                                  "response_format": {"type": "json_schema",
+                                                      "json_schema": {"name": "a", "schema": schema}}}),
+        ("/v1/completions", {"prompt": "Hello world", "max_tokens": 4, "top_k": 5, "guided_regex": "[a-z]+"}),
+        ("/v1/completions", {"prompt": "Hello world", "max_tokens": 4, "stream": True}),
+    ]
+    for path, body in requests:
+        before = dict(calls)
+        response = post_json(server, path, body)
+        assert response.status_code == 200, response.text
+        constrained = "response_format" in body or "guided_regex" in body
+        assert {name: calls[name] - before[name] for name in calls} == {
+            "compile": int(constrained), "encode": 1, "check_vocabulary": 1}, (path, body)
+
+
+@pytest.mark.parametrize("path,field,stream", [("/v1/completions", "guided_regex", False),
+                                               ("/v1/completions", "structured_outputs", False),
+                                               ("/v1/chat/completions", "structured_outputs", True)])
+def test_a_grammar_no_output_can_satisfy_is_a_400_naming_its_field(server, path, field, stream):
+    """A regex no text matches compiles, but no output can begin: refused as the request is
+    admitted (not a 500, or a failed stream, from its first step), naming the field that gave it."""
+    def body(regex: str) -> dict:
+        prompt = {"prompt": "hi"} if path == "/v1/completions" else {"messages": [{"role": "user", "content": "hi"}]}
+        return {**prompt, field: regex if field == "guided_regex" else {"regex": regex}, "max_tokens": 4,
+                "stream": stream}
+    response = post_json(server, path, body(r"[^\s\S]"))
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["param"] == field and error["type"] == "invalid_request_error"
+    named = "guided_regex" if field == "guided_regex" else "structured_outputs.regex"
+    assert error["message"].startswith(f"{named} cannot be satisfied"), error["message"]
+    assert post_json(server, path, body("[a-z]+")).status_code == 200
+
+
+def test_an_admitted_prompt_is_built_as_admitted(qwen3_tiny, monkeypatch):
+    """The engine builds an admitted prompt without checking or compiling it again, and only with
+    the params it was admitted with; one that crossed to another process (pickled) arrives without
+    its compiled grammar, which is then compiled where it is built."""
+    import pickle
+    from nanovllm import LLM
+    from nanovllm.structured_outputs import GrammarCompiler
+    llm = LLM(qwen3_tiny, device="cpu", kvcache_block_size=16, num_kvcache_blocks=20)
+    try:
+        params = SamplingParams(max_tokens=3, temperature=0, structured_outputs={"regex": "[a-z]+"})
+        admitted = llm._builder.admit([1, 2, 3], params)
+        with pytest.raises(ParamError) as refused:
+            llm.add_request(admitted, SamplingParams(max_tokens=3, temperature=0))
+        assert refused.value.param == "sampling_params" and not llm._requests
+        crossed = pickle.loads(pickle.dumps(admitted))
+        assert crossed.grammar is None and crossed.token_ids == [1, 2, 3] and crossed.params == params
+        compiles = []
+        compile_ = GrammarCompiler.compile
+        monkeypatch.setattr(GrammarCompiler, "compile", lambda self, p: compiles.append(p) or compile_(self, p))
+        monkeypatch.setattr(SamplingParams, "check_vocabulary", lambda self, size: pytest.fail("checked again"))
+        as_admitted, as_crossed = llm.generate([admitted, crossed], params, use_tqdm=False)
+        assert compiles == [params.structured_outputs]  # the crossed one's only
+        assert as_admitted["token_ids"] == as_crossed["token_ids"] and as_admitted["prompt_token_ids"] == [1, 2, 3]
+    finally:
+        llm.exit()

@@ -13,8 +13,8 @@ import threading
 
 import pytest
 
-from nanovllm import LLM
-from nanovllm.entrypoints.openai import http_guard, api_server as openai_server
+from nanovllm import LLM, SamplingParams
+from nanovllm.entrypoints.openai import http_guard, serving_completion
 from nanovllm.entrypoints.openai.http_guard import RateLimitFilter
 from nanovllm.entrypoints.openai.api_server import build_app
 from nanovllm.entrypoints.openai.server_settings import API_KEY_ENV, ServerSettings, api_key_from_env
@@ -154,14 +154,14 @@ def test_tokenizing_a_long_prompt_does_not_stall_a_running_stream(server, monkey
     event loop nor the engine waits for it."""
     marker = "MARKER "
     entered, release = threading.Event(), threading.Event()
-    encode = openai_server._encode
+    encode = serving_completion._encode
 
     def held_encode(tokenizer, prompts, *args):
         if any(isinstance(p, str) and p.startswith(marker) for p in prompts):
             entered.set()
             release.wait(WAIT_S)
         return encode(tokenizer, prompts, *args)
-    monkeypatch.setattr(openai_server, "_encode", held_encode)
+    monkeypatch.setattr(serving_completion, "_encode", held_encode)
     stream_body = {"prompt": [7, 8, 9], "max_tokens": 24, "ignore_eos": True, "temperature": 0, "stream": True,
                    "stream_options": {"include_usage": True}}
 
@@ -190,7 +190,7 @@ def test_error_bodies_hold_a_request_id_and_no_internals(server, monkeypatch, ca
     def broken_encode(tokenizer, prompts, *args):
         raise RuntimeError("cannot read /secret/weights/model.safetensors")
     with monkeypatch.context() as patch:
-        patch.setattr(openai_server, "_encode", broken_encode)
+        patch.setattr(serving_completion, "_encode", broken_encode)
         with caplog.at_level(logging.ERROR, logger="nanovllm"):
             response = post(server, "/v1/completions", GOOD["/v1/completions"])
     assert response.status_code == 500
@@ -341,7 +341,7 @@ def test_tensor_parallel_store_listens_on_loopback_only(qwen3_tiny):
                 if state == "0A" and int(local.rsplit(":", 1)[1], 16) == port:  # 0A: LISTEN
                     listening.append(local.rsplit(":", 1)[0])
         assert listening == ["0100007F"]  # 127.0.0.1 only; not 0.0.0.0, not ::
-        assert len(llm.generate([[7, 8, 9]], openai_server.SamplingParams(max_tokens=3, ignore_eos=True),
+        assert len(llm.generate([[7, 8, 9]], SamplingParams(max_tokens=3, ignore_eos=True),
                                 use_tqdm=False)[0]["token_ids"]) == 3
     finally:
         llm.exit()

@@ -5,10 +5,17 @@ batch jobs call), so each refuses the same input with the same ValueError, namin
 the value and what is allowed, and the prompt's index when the call has several. Nothing is
 queued here: a call is built in full before any of it is submitted.
 
+Checking is `admit` (tokenize, check, compile the constraint), building is the rest. The server
+admits a request in its prompt thread with a builder of its own (`AdmittedPrompt`), and the
+engine builds what was admitted without checking or compiling it again.
+
 A fault that is not bad input (a tokenizer or detokenizer raising on valid input) fails its
 request alone: it is built already failed (`Request.fault`), and its caller gets its error
 output. It knows nothing of scheduling, the model or tensors.
 """
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, replace
 from itertools import count
 from typing import Collection, Protocol
 
@@ -50,6 +57,33 @@ def encode_text(tokenizer: PreTrainedTokenizerBase, text: str, name: str, **kwar
                          "accepts") from exc
 
 
+@dataclass(frozen=True, eq=False)
+class AdmittedPrompt:
+    """A prompt `RequestBuilder.admit` accepted with its params: its token ids and its compiled
+    constraint (None without one). Built with those params, it is not checked again. A compiled
+    grammar does not cross to an engine process (it does not pickle, and xgrammar's serialized
+    form costs more than compiling): an admitted prompt arrives there without it, and its
+    constraint is compiled where it is built."""
+    token_ids: list[int]
+    params: SamplingParams
+    grammar: object | None = None
+    text: str | None = None  # the prompt as given, when it was text
+
+    def __reduce__(self):
+        return AdmittedPrompt, (self.token_ids, self.params, None, self.text)
+
+
+@contextmanager
+def _naming(i: int, total: int, name: str) -> Iterator[None]:
+    """A refusal of one of several prompts says which (the message still opens with the field at fault)."""
+    try:
+        yield
+    except ValueError as exc:
+        if total > 1:
+            exc.args = (f"{exc.args[0] if exc.args else exc} ({name}[{i}])", *exc.args[1:])
+        raise
+
+
 class RequestBuilder:
     """Checks and builds the requests of one engine: its tokenizer (None: token ids only), its
     vocabulary and context length, and the KV cache a request must fit in."""
@@ -64,13 +98,14 @@ class RequestBuilder:
         self.num_blocks = num_blocks
         self._seq_ids = count()
 
-    def build_all(self, prompts: list[Prompt], sampling_params: SamplingParams | list[SamplingParams],
+    def build_all(self, prompts: list[Prompt | AdmittedPrompt], sampling_params: SamplingParams | list[SamplingParams],
                   inbox: dict[str, None], deltas: bool = False, priority: list[int] | None = None,
                   request_ids: list[str | None] | None = None, live: Collection[str] = (),
                   name: str = "prompts") -> list[Request]:
         """Check a whole call and build its requests (one per prompt, in order), or raise a
-        ValueError. With `deltas`, every sample detokenizes as it goes (for stream() and
-        pop_output()). `live`: the request ids in use, which a given id must not repeat."""
+        ValueError; an admitted prompt is built as admitted. With `deltas`, every sample
+        detokenizes as it goes (for stream() and pop_output()). `live`: the request ids in use,
+        which a given id must not repeat."""
         if not isinstance(prompts, (list, tuple)):
             raise ParamError("prompt", f"prompts={prompts!r:.80} is not allowed; prompts must be a list of str or of token-id lists")
         if isinstance(sampling_params, (list, tuple)):
@@ -91,14 +126,19 @@ class RequestBuilder:
                              f"for a new one) per prompt ({len(prompts)}), or None")
         requests, taken = [], set()
         for i, (prompt, params, pr, request_id) in enumerate(zip(prompts, sampling_params, priority, request_ids)):
-            try:
+            with _naming(i, len(prompts), name):
                 self._check_request_id(request_id, live, taken)
                 requests.append(self.build(i, prompt, params, inbox, deltas, request_id, pr))
-            except ValueError as exc:
-                if len(prompts) > 1:  # say which prompt; the message still opens with the field at fault
-                    exc.args = (f"{exc.args[0] if exc.args else exc} ({name}[{i}])", *exc.args[1:])
-                raise
         return requests
+
+    def admit_all(self, prompts: list[list[int]], params: SamplingParams, grammar: object | None = None,
+                  name: str = "prompts") -> list[AdmittedPrompt]:
+        """admit() each prompt of a call with the same params (and the grammar compiled from them)."""
+        admitted = []
+        for i, prompt in enumerate(prompts):
+            with _naming(i, len(prompts), name):
+                admitted.append(self.admit(prompt, params, grammar))
+        return admitted
 
     @staticmethod
     def _check_request_id(request_id: str | None, live: Collection[str], taken: set[str]) -> None:
@@ -110,7 +150,7 @@ class RequestBuilder:
             raise ParamError("request_id", f"request_id={request_id!r} is already a live request; request ids must be unique")
         taken.add(request_id)
 
-    def build(self, index: int, prompt: Prompt, params: SamplingParams, inbox: dict[str, None],
+    def build(self, index: int, prompt: Prompt | AdmittedPrompt, params: SamplingParams, inbox: dict[str, None],
               deltas: bool = False, request_id: str | None = None, priority: int = 0) -> Request:
         """_make, where a fault other than bad input (a ValueError, which refuses the call)
         fails this request alone: it is built already failed and fails once submitted."""
@@ -119,21 +159,52 @@ class RequestBuilder:
         except ValueError:
             raise
         except Exception as exc:
-            token_ids = list(prompt) if isinstance(prompt, (list, tuple)) else []
+            if isinstance(prompt, AdmittedPrompt):
+                token_ids, text = prompt.token_ids, prompt.text
+            else:
+                token_ids = list(prompt) if isinstance(prompt, (list, tuple)) else []
+                text = prompt if isinstance(prompt, str) else None
             seqs = [Sequence(next(self._seq_ids), token_ids, params, self.block_size, priority=priority)
                     for _ in range(params.n)]
             for seq in seqs:
                 seq.status, seq.finish_reason = SequenceStatus.FINISHED, "abort"
-            request = Request(index, token_ids, params, seqs, request_id, inbox,
-                              prompt if isinstance(prompt, str) else None)
+            request = Request(index, token_ids, params, seqs, request_id, inbox, text)
             request.fault = exc
             return request
 
-    def _make(self, index: int, prompt: Prompt, params: SamplingParams, inbox: dict[str, None],
+    def _make(self, index: int, prompt: Prompt | AdmittedPrompt, params: SamplingParams, inbox: dict[str, None],
               deltas: bool, request_id: str | None, priority: int) -> Request:
-        """Check one prompt and build its sequences."""
+        """Check one prompt (unless it was admitted already) and build its sequences."""
         if not isinstance(priority, int) or isinstance(priority, bool):
             raise ParamError("priority", f"priority={priority!r} is not allowed; a priority must be an int (lower runs first)")
+        if not isinstance(prompt, AdmittedPrompt):
+            prompt = self.admit(prompt, params)
+        elif prompt.params != params:
+            raise ParamError("sampling_params", "an admitted prompt is built with the sampling params it was admitted "
+                             "with; give those, or the prompt itself")
+        elif params.structured_outputs and prompt.grammar is None:  # admitted in another process
+            prompt = replace(prompt, grammar=self.grammars.compile(params.structured_outputs))
+        token_ids, grammar = prompt.token_ids, prompt.grammar
+        # A constrained request's text is the grammar's text: some vocabularies decode it themselves.
+        own_decoder = self.grammars.text_tokenizer() if grammar is not None else None
+        seqs = []
+        for i in range(params.n):
+            seq = Sequence(next(self._seq_ids), token_ids, params, self.block_size, priority=priority)
+            seq.seed = None if params.seed is None else params.seed + i
+            if i > 0:  # the prompt's logprobs are the request's: sample 0 computes them
+                seq.prompt_logprobs = None
+            seq.grammar = None if grammar is None else self.grammars.new_state(grammar)  # one matcher per sample
+            # generate() decodes a sample's text once, at the end, unless stop strings need it on the
+            # way. A sample with a detokenizer reports each new token to its caller (LLMEngine._report):
+            # so every sample of stream() and add_requests() does.
+            if deltas or params.stop_strings:
+                seq.detokenizer = Detokenizer(own_decoder or self.tokenizer, params, token_ids)
+            seqs.append(seq)
+        return Request(index, token_ids, params, seqs, request_id, inbox, prompt.text, own_decoder)
+
+    def admit(self, prompt: Prompt, params: SamplingParams, grammar: object | None = None) -> AdmittedPrompt:
+        """Check one prompt with its params and compile their constraint (`grammar`: compiled from
+        them already), or raise a ValueError naming the field."""
         if not isinstance(params, SamplingParams):
             raise ParamError("sampling_params", f"sampling_params={params!r} is not allowed; it must be a SamplingParams")
         if isinstance(prompt, str):
@@ -168,26 +239,11 @@ class RequestBuilder:
             raise ParamError("max_tokens", f"a request of {len(token_ids)} prompt tokens and max_tokens={params.max_tokens} "
                              f"needs {needed} KV blocks of {bs} tokens, more than the whole cache "
                              f"({self.num_blocks} blocks); shorten it or enlarge the cache")
-        # Compiled once per request (a cache hit when the server compiled it already); a constraint
-        # that does not compile is a ParamError naming it, before anything is queued.
-        grammar = self.grammars.compile(params.structured_outputs) if params.structured_outputs else None
-        # A constrained request's text is the grammar's text: some vocabularies decode it themselves.
-        own_decoder = self.grammars.text_tokenizer() if grammar is not None else None
-        seqs = []
-        for i in range(params.n):
-            seq = Sequence(next(self._seq_ids), token_ids, params, bs, priority=priority)
-            seq.seed = None if params.seed is None else params.seed + i
-            if i > 0:  # the prompt's logprobs are the request's: sample 0 computes them
-                seq.prompt_logprobs = None
-            seq.grammar = None if grammar is None else self.grammars.new_state(grammar)  # one matcher per sample
-            # generate() decodes a sample's text once, at the end, unless stop strings need it on the
-            # way. A sample with a detokenizer reports each new token to its caller (LLMEngine._report):
-            # so every sample of stream() and add_requests() does.
-            if deltas or params.stop_strings:
-                seq.detokenizer = Detokenizer(own_decoder or self.tokenizer, params, token_ids)
-            seqs.append(seq)
-        return Request(index, token_ids, params, seqs, request_id, inbox, prompt if isinstance(prompt, str) else None,
-                       own_decoder)
+        # Compiled once per request (xgrammar caches it: the other prompts of a call find it); a
+        # constraint that does not compile is a ParamError naming it, before anything is queued.
+        if params.structured_outputs and grammar is None:
+            grammar = self.grammars.compile(params.structured_outputs)
+        return AdmittedPrompt(token_ids, params, grammar, prompt if isinstance(prompt, str) else None)
 
     def chat_prompts(self, messages: list[dict] | list[list[dict]], options: ChatOptions) -> list[list[int]]:
         """One conversation (a list of {"role", "content"} dicts) or a list of them, checked and

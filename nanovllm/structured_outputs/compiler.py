@@ -7,8 +7,10 @@ given to xgrammar as the text each token adds after others (structured_outputs/w
 its decoder puts a space before every word token and glues "##" pieces on, so the grammar
 constrains the text the caller gets. Compiling is thread-safe and cached by xgrammar per constraint text
 (the schema is kept as canonical JSON, so equal schemas hit the cache): the server compiles in
-its prompt thread, and the engine's own call as it builds the request finds the result there.
-A constraint xgrammar cannot compile is a ValueError naming the field and xgrammar's reason.
+its prompt thread as it admits a request, and the engine builds the request with that grammar
+(an engine in a process of its own compiles it again: a compiled grammar does not pickle).
+A constraint xgrammar cannot compile is a ValueError naming the field and xgrammar's reason, as
+is (`check_satisfiable`, asked by the server) one no output can begin to follow.
 """
 import json
 import re
@@ -86,6 +88,17 @@ class GrammarCompiler:
         except RuntimeError as exc:
             reason = _XGRAMMAR_PREFIX.sub("", str(exc).strip()).strip()
             raise ParamError("structured_outputs", f"structured_outputs.{kind} could not be compiled: {reason}") from None
+
+    def check_satisfiable(self, compiled: xgrammar.CompiledGrammar, params: StructuredOutputsParams) -> None:
+        """Refuse (a ValueError naming the field) a constraint whose output cannot even begin: no
+        token is allowed first, as for a regex no text matches. The server asks this as it admits
+        a request, so the client gets a 400; a request built without it fails alone at its first
+        step (GrammarState.fill_bitmask)."""
+        bitmask = xgrammar.allocate_token_bitmask(1, self.vocab_size)
+        xgrammar.GrammarMatcher(compiled).fill_next_token_bitmask(bitmask)
+        if not bool(bitmask.any()):
+            raise ParamError("structured_outputs", f"structured_outputs.{params.kind} cannot be satisfied: no output "
+                             "can begin as it requires (no text matches it, or this tokenizer cannot spell its start)")
 
     def new_state(self, compiled: xgrammar.CompiledGrammar) -> GrammarState:
         """A fresh matcher over a compiled grammar, for one sample."""

@@ -32,6 +32,7 @@ from nanovllm.entrypoints.batch.lines import (BatchRequest, LineError, line_cust
                                               resolve_sampling_defaults, result_line)
 from nanovllm.entrypoints.batch.log import (DEFAULT_FLUSH_INTERVAL, BatchJobError, InputStamp, ResultLog,
                                             pending_lines, stamp_input)
+from nanovllm.utils.validation import ParamError
 
 logger = logging.getLogger("nanovllm.batch")
 
@@ -141,28 +142,21 @@ class EngineBatcher:
     def submit(self, request: BatchRequest, tag: Any = None) -> Finished | None:
         """Queue a request in the engine; an error line if the engine refuses it. `tag` comes back
         in the request's Finished."""
-        if (refused := self._refuse(request)) is not None:
-            return _error(refused, tag)
         try:
             prompt = request.prompt if request.messages is None else self._render(request)
             request_id = self.llm.add_request(prompt, request.params)
         except ValueError as exc:  # the engine's checks: prompt too long, token ids outside the vocabulary, ...
-            param = "messages" if request.messages is not None else "prompt"
+            # A ParamError names its field (top_k past the vocabulary: "top_k"); the engine's prompt is
+            # the line's prompt or messages.
+            param = exc.param if isinstance(exc, ParamError) else "prompt"
+            if param == "prompt" and request.messages is not None:
+                param = "messages"
             return _error(LineError(request.line, request.custom_id, str(exc), param), tag)
         except Exception as exc:  # a check the engine lacks: this request's fault alone (a request is
             # built and checked in full before it is queued, so the engine is as it was)
             return _error(LineError(request.line, request.custom_id, "the engine could not take this request "
                                     f"({type(exc).__name__}: {exc})"), tag)
         self._requests[request_id] = (request, tag)
-        return None
-
-    def _refuse(self, request: BatchRequest) -> LineError | None:
-        """What the job refuses whether or not the engine checks it: a top_k beyond the vocabulary
-        (which the sampler would put in an int64 tensor)."""
-        vocab_size = self.llm.config.hf_config.vocab_size
-        if request.params.top_k > vocab_size:
-            return LineError(request.line, request.custom_id, f"top_k={request.params.top_k} is not allowed; it must "
-                             f"be -1 or 0 (off) or in [1, {vocab_size}] (the vocabulary size)", "top_k")
         return None
 
     def _render(self, request: BatchRequest) -> list[int]:

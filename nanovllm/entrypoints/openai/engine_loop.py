@@ -42,13 +42,14 @@ from nanovllm.engine.outputs import CompletionOutput, RequestDelta, RequestOutpu
 from nanovllm.engine.stats import EngineStats
 from nanovllm.entrypoints.openai.metrics import ServerMetrics
 from nanovllm.engine.llm_engine import LLMEngine
+from nanovllm.engine.request_builder import AdmittedPrompt
 from nanovllm.sampling_params import SamplingParams
 from nanovllm.structured_outputs import GrammarCompiler
 from nanovllm.utils.validation import ParamError
 
 logger = logging.getLogger("nanovllm")
 
-Prompt = str | list[int]
+Prompt = str | list[int] | AdmittedPrompt  # the server's are admitted: the engine builds them unchecked
 
 # engine.step() raising this many times in a row means the engine cannot step at all (each
 # failure already failed every live request): the loop stops, and the server reports unhealthy.

@@ -1,21 +1,32 @@
-"""What every route that reads a prompt shares: the model-name check, the prompt thread, and
-chat rendering with its errors as the client should see them.
+"""What every route that reads a prompt shares: the model-name check, the prompt thread, chat
+rendering with its errors as the client should see them; and what the generation routes share:
+queueing a request, aborting it when its client goes away, and the pieces of their responses
+(SSE events, the engine's failures as errors, usage, a token's text).
 
-Its own module so route modules (api_server.py's generation routes, serving_tokens.py's
-tokenizer routes) use one copy without importing each other. It knows the app's state
-(settings, prompt pool, prompt tokenizer) but no route.
+Its own module so route modules (serving_completion.py, serving_chat.py, serving_tokens.py) use
+one copy without importing each other. It knows the app's state (settings, prompt pool, prompt
+tokenizer, engine client) but no route.
 """
 import asyncio
+import json
 import logging
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 
 from fastapi import Request
+from fastapi.responses import Response, StreamingResponse
+from pydantic import BaseModel
 from transformers import PreTrainedTokenizerBase
 
 from nanovllm.engine.chat import BrokenChatTemplateError, ChatOptions, render_chat
-from nanovllm.entrypoints.openai.protocol import APIError
+from nanovllm.engine.outputs import RequestOutput
+from nanovllm.engine.request_builder import AdmittedPrompt
+from nanovllm.entrypoints.openai.engine_loop import EngineClient, QueueFullError, Submission
+from nanovllm.entrypoints.openai.protocol import APIError, UsageInfo, request_error
+from nanovllm.entrypoints.openai.server_settings import RETRY_AFTER_SECONDS
 
 logger = logging.getLogger("nanovllm")
+
+SSE_DONE = "data: [DONE]\n\n"  # OpenAI's end of a stream
 
 
 def check_model(request: Request, model: str | None) -> None:
@@ -54,3 +65,89 @@ def check_request_template(request: Request, template: str | None) -> None:
         raise APIError(400, "chat_template in a request is not allowed by this server (it was started without "
                             "--trust-request-chat-template); leave it out", param="chat_template",
                        code="unsupported_parameter")
+
+
+# ---- queueing and waiting ----
+
+async def submit(request: Request, prompts: list[AdmittedPrompt], request_id: str, fields: set[str],
+                 prompt_field: str, priority: int = 0) -> Submission:
+    """Queue the admitted prompts; the engine's refusal is a 400, a full queue a 503."""
+    client: EngineClient = request.app.state.engine_client
+    try:
+        return await client.add(prompts, prompts[0].params, request_id, priority)
+    except ValueError as exc:
+        raise request_error(exc, fields, prompt_field) from None
+    except QueueFullError as exc:
+        request.app.state.metrics.requests_rejected.inc()
+        raise APIError(503, str(exc), type="server_error", code="queue_full",
+                       headers={"Retry-After": str(RETRY_AFTER_SECONDS)}) from None
+
+
+async def _wait_for_disconnect(request: Request) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+async def unless_disconnected(request: Request, work: Awaitable[Response], submission: Submission) -> Response:
+    """Await a non-streaming response, aborting the requests if the client goes away first (or
+    the handler is cancelled, as at the end of a shutdown's grace period)."""
+    work_task = asyncio.ensure_future(work)
+    watch_task = asyncio.ensure_future(_wait_for_disconnect(request))
+    try:
+        await asyncio.wait({work_task, watch_task}, return_when=asyncio.FIRST_COMPLETED)
+        if work_task.done():
+            return work_task.result()
+        logger.info("client went away; aborting %s", submission.request_ids)
+        return Response(status_code=499)  # nobody reads it; nginx's "client closed request"
+    finally:
+        work_task.cancel()
+        watch_task.cancel()
+        request.app.state.engine_client.abort(list(submission.unfinished))
+
+
+# ---- pieces of responses ----
+
+def sse(payload: BaseModel | dict, with_usage: bool = True) -> str:
+    """One SSE event. A stream chunk carries "usage" only when the client asked for it
+    (stream_options.include_usage), as OpenAI's."""
+    if isinstance(payload, BaseModel):
+        data = payload.model_dump_json(exclude=None if with_usage else {"usage"})
+    else:
+        data = json.dumps(payload)
+    return f"data: {data}\n\n"
+
+
+def sse_response(events: AsyncIterator[str]) -> StreamingResponse:
+    return StreamingResponse(events, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+
+
+def check_finals(state, finals: list[RequestOutput], request_id: str) -> None:
+    """A non-streaming response's outcome when it is not a plain success: a request the engine
+    failed is a 500 with the engine's message (its request id in it), one the shutdown aborted a
+    503; both in OpenAI's error JSON."""
+    error = next((final.error for final in finals if final.error is not None), None)
+    if error is not None:
+        raise APIError(500, error, type="server_error")
+    aborted = any(s.finish_reason == "abort" for final in finals for s in final.outputs)
+    if aborted and state.engine_client.shutting_down:
+        raise APIError(503, f"the server is shutting down; request {request_id} was aborted before it finished",
+                       type="server_error")
+
+
+def error_event(error: str) -> str:
+    """The SSE event that ends a stream whose request the engine failed (after its "abort" chunk)."""
+    return sse(APIError(500, error, type="server_error").body())
+
+
+def dead_engine_event(exc: Exception) -> str:
+    """The SSE event that ends a stream whose engine stopped."""
+    return sse(APIError(503, str(exc), type="server_error").body())
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> UsageInfo:
+    return UsageInfo(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
+                     total_tokens=prompt_tokens + completion_tokens)
+
+
+def token_text(tokenizer: PreTrainedTokenizerBase, token_id: int) -> str:
+    return tokenizer.decode([token_id])
