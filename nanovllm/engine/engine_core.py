@@ -2,10 +2,11 @@
 step in flight: `step()` schedules a batch, runs it through the runner (any runner: plain,
 tensor-parallel or speculative, one `Runner` protocol) or, with async scheduling, launches it
 and resolves the step before; hands the tokens to `Scheduler.postprocess`; keeps the logprobs
-asked for; tells each request with news through its inbox; and fails a faulty step's requests
-alone (the engine serves on). `LLMEngine` (engine/llm_engine.py) wraps it with the request
+asked for; marks each request with news (the request table's one news set); and fails a
+faulty step's requests alone (the engine serves on). `LLMEngine` (engine/llm_engine.py) wraps it with the request
 API and the single-thread rule.
 """
+import logging
 from time import perf_counter
 from typing import NamedTuple
 
@@ -17,6 +18,8 @@ from nanovllm.engine.stats import InterTokenLatency
 from nanovllm.runner.pending_tokens import PendingTokens
 from nanovllm.runner.protocol import OverlappedRunner, Runner, RunnerOutput
 from nanovllm.runner.worker_group import TensorParallelError
+
+logger = logging.getLogger("nanovllm")
 
 MODEL_PASS = "running the model over its step"
 
@@ -67,7 +70,7 @@ class EngineCore:
                 seqs += self.in_flight.batch.seqs
                 self.in_flight = None
             queued = [*self.scheduler.running, *self.scheduler.waiting, *self.scheduler.swapped]
-            self.table.fail_seqs(exc, seqs + queued, "stepping the engine")
+            self._fail_seqs(exc, seqs + queued, "stepping the engine")
             if isinstance(exc, TensorParallelError):  # the group is stopped: the caller must know
                 raise
             return self._no_tokens(True)
@@ -136,7 +139,7 @@ class EngineCore:
 
     def _report(self, batch: ScheduledBatch, out: RunnerOutput, advanced: list[Sequence], num_tokens: int,
                 start: float) -> StepOutput:
-        """A step's news: logprobs kept, each request with news told through its inbox, the counters."""
+        """A step's news: logprobs kept, each request with news marked, the failed ones reported, the counters."""
         self.itl.observe(advanced, batch.num_prefill_seqs > 0)
         # The runner returns logprobs exactly for the rows that sampled; those of sequences that
         # finished before them (async scheduling) are not kept, as their tokens are not.
@@ -149,26 +152,26 @@ class EngineCore:
             if prompt is not None and 0 <= prompt.first <= have:  # entries it has already are skipped
                 seq.prompt_logprobs.extend(prompt.entries[have - prompt.first:])
         requests, finished = self.table.requests, []
+        news = self.table.news
         for seq in advanced:
             if seq.is_finished:
                 finished.append(seq)
             elif seq.detokenizer is None:  # no text deltas (generate()): its caller needs only its finish
                 continue
-            request = requests.get(seq.request_id)
-            if request is not None:  # a benchmark may step bare sequences
-                request.inbox[seq.request_id] = None
+            if seq.request_id in requests:  # a benchmark may step bare sequences
+                news[seq.request_id] = None
         tps = num_tokens / max(perf_counter() - start, 1e-9)
         if batch.is_prefill:
             self.prefill_tps = tps
         else:
             self.decode_tps = tps
-        self.table.settle_faults()
+        self.table.report_failed(self.scheduler.take_failed())
         return StepOutput(advanced, finished, num_tokens, batch.is_prefill, list(self.table.news))
 
     def _no_tokens(self, is_prefill: bool) -> StepOutput:
         """A step's output when no tokens came back (nothing ran, or its pass failed): the faults
         settled, the requests with news listed."""
-        self.table.settle_faults()
+        self.table.report_failed(self.scheduler.take_failed())
         return StepOutput([], [], 0, is_prefill, list(self.table.news))
 
     # --- failing a step's requests ---
@@ -186,6 +189,18 @@ class EngineCore:
         host_blocks = {h for batch in batches for h in batch.swap_out.dst}
         if host_blocks:
             seqs += [seq for seq in self.scheduler.swapped if host_blocks.intersection(seq.host_block_table)]
-        self.table.fail_seqs(error, seqs, MODEL_PASS)
+        self._fail_seqs(error, seqs, MODEL_PASS)
         if isinstance(error, TensorParallelError):  # the group is stopped: no later step can run either
             raise error  # (_step fails what is left and lets it through)
+
+    def _fail_seqs(self, error: Exception, seqs: list[Sequence], phase: str) -> None:
+        """Fail these sequences (and so their requests), logging the error once. Blocks only they
+        hold leave the prefix cache first: their K/V may never have been written."""
+        seqs = [seq for seq in seqs if not seq.is_finished]  # one that finished normally keeps its output
+        request_ids = list(dict.fromkeys(seq.request_id for seq in seqs))
+        logger.error("a fault while %s fails %d request(s): %s", phase, len(request_ids),
+                     ", ".join(map(str, request_ids[:20])), exc_info=error)
+        self.scheduler.block_manager.unpublish(seqs)
+        for seq in seqs:
+            if not seq.is_finished:  # a sample of a request failed with an earlier one is aborted already
+                self.scheduler.fail(seq, None, phase)

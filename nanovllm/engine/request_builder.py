@@ -65,7 +65,7 @@ class RequestBuilder:
         self._seq_ids = count()
 
     def build_all(self, prompts: list[Prompt], sampling_params: SamplingParams | list[SamplingParams],
-                  inbox: dict[str, None], deltas: bool = False, priority: list[int] | None = None,
+                  deltas: bool = False, priority: list[int] | None = None,
                   request_ids: list[str | None] | None = None, live: Collection[str] = (),
                   name: str = "prompts") -> list[Request]:
         """Check a whole call and build its requests (one per prompt, in order), or raise a
@@ -93,7 +93,7 @@ class RequestBuilder:
         for i, (prompt, params, pr, request_id) in enumerate(zip(prompts, sampling_params, priority, request_ids)):
             try:
                 self._check_request_id(request_id, live, taken)
-                requests.append(self.build(i, prompt, params, inbox, deltas, request_id, pr))
+                requests.append(self.build(i, prompt, params, deltas, request_id, pr))
             except ValueError as exc:
                 if len(prompts) > 1:  # say which prompt; the message still opens with the field at fault
                     exc.args = (f"{exc.args[0] if exc.args else exc} ({name}[{i}])", *exc.args[1:])
@@ -110,12 +110,12 @@ class RequestBuilder:
             raise ParamError("request_id", f"request_id={request_id!r} is already a live request; request ids must be unique")
         taken.add(request_id)
 
-    def build(self, index: int, prompt: Prompt, params: SamplingParams, inbox: dict[str, None],
-              deltas: bool = False, request_id: str | None = None, priority: int = 0) -> Request:
+    def build(self, index: int, prompt: Prompt, params: SamplingParams, deltas: bool = False,
+              request_id: str | None = None, priority: int = 0) -> Request:
         """_make, where a fault other than bad input (a ValueError, which refuses the call)
         fails this request alone: it is built already failed and fails once submitted."""
         try:
-            return self._make(index, prompt, params, inbox, deltas, request_id, priority)
+            return self._make(index, prompt, params, deltas, request_id, priority)
         except ValueError:
             raise
         except Exception as exc:
@@ -124,13 +124,13 @@ class RequestBuilder:
                     for _ in range(params.n)]
             for seq in seqs:
                 seq.status, seq.finish_reason = SequenceStatus.FINISHED, "abort"
-            request = Request(index, token_ids, params, seqs, request_id, inbox,
+            request = Request(index, token_ids, params, seqs, request_id,
                               prompt if isinstance(prompt, str) else None)
             request.fault = exc
             return request
 
-    def _make(self, index: int, prompt: Prompt, params: SamplingParams, inbox: dict[str, None],
-              deltas: bool, request_id: str | None, priority: int) -> Request:
+    def _make(self, index: int, prompt: Prompt, params: SamplingParams, deltas: bool,
+              request_id: str | None, priority: int) -> Request:
         """Check one prompt and build its sequences."""
         if not isinstance(priority, int) or isinstance(priority, bool):
             raise ParamError("priority", f"priority={priority!r} is not allowed; a priority must be an int (lower runs first)")
@@ -186,7 +186,7 @@ class RequestBuilder:
             if deltas or params.stop_strings:
                 seq.detokenizer = Detokenizer(own_decoder or self.tokenizer, params, token_ids)
             seqs.append(seq)
-        return Request(index, token_ids, params, seqs, request_id, inbox, prompt if isinstance(prompt, str) else None,
+        return Request(index, token_ids, params, seqs, request_id, prompt if isinstance(prompt, str) else None,
                        own_decoder)
 
     def chat_prompts(self, messages: list[dict] | list[list[dict]], options: ChatOptions) -> list[list[int]]:
