@@ -336,3 +336,23 @@ def test_scheduler_that_cannot_admit_raises_even_without_asserts():
     with pytest.raises(RuntimeError, match="cannot be admitted|can be admitted"):
         scheduler.schedule()
     assert Scheduler(8, 256, BlockManager(4, BLOCK), StopChecker(-1, 256)).schedule().seqs == []  # idle: empty batch
+
+
+def test_run_yields_only_its_own_requests_news(llm):
+    """LLMEngine.run, every caller's driver: it pops the news of the requests it drives; another
+    caller's news waits for that caller, whole."""
+    mine = llm.add_request([1, 2, 3], greedy(3))
+    other = llm.add_request([4, 5], greedy(2))
+    live = {mine}
+    seen = []
+    for outputs in llm.run(live):
+        seen += outputs
+        live -= {out.request_id for out in outputs if out.finished}
+        if not live:
+            break
+    assert {out.request_id for out in seen} == {mine} and seen[-1].finished
+    assert sum(len(s.token_ids) for out in seen for s in out.samples) == 3
+    assert other in llm.step().request_ids
+    out = llm.pop_output(other)
+    assert out.finished and len(out.samples[0].token_ids) == 2
+    assert_all_free(llm)

@@ -29,8 +29,8 @@ class StepOutput(NamedTuple):
     finished: list[Sequence]  # those among them that finished
     num_tokens: int  # tokens the model computed
     is_prefill: bool
-    # Requests made by add_requests() with news not yet popped (new tokens, finished or aborted),
-    # in the order their news came; the requests of generate()/stream()/chat() go to their calls.
+    # Live requests with news not yet popped (new tokens, finished, aborted or failed), in the order
+    # their news came (LLMEngine.step lists only those made by add_requests()).
     request_ids: list[str]
 
 
@@ -42,19 +42,24 @@ class InFlightStep(NamedTuple):
     start: float  # perf_counter() when it was scheduled
 
 
-
 class EngineCore:
-    """Schedules, runs and reports one step at a time; never raises for a request's fault."""
+    """Schedules, runs and reports one step at a time; never raises for a request's fault.
+
+    Its step is chosen once, at construction: the plain step (schedule, run, wait for the tokens,
+    post-process) or, with async scheduling, the overlapped one, which launches a step and
+    resolves the one before while the device runs it. The overlapped loop's state, the step in
+    flight, is here alone (the scheduler's placeholders and the runner's tokens in transit are
+    its two halves: scheduling/sequence.py, runner/pending_tokens.py)."""
 
     def __init__(self, config: Config, scheduler: Scheduler, model_runner: Runner, table: RequestTable):
         self.scheduler = scheduler
         self.model_runner = model_runner
         self.table = table
-        # The overlapped loop (Config.async_scheduling): the step launched last, not yet resolved.
         self.async_scheduling = config.async_scheduling == "on"
         assert not self.async_scheduling or isinstance(model_runner, OverlappedRunner), \
             "Config allows async scheduling only with a runner that launches (the single-rank ModelRunner)"
-        self.in_flight: InFlightStep | None = None
+        self._step = self._overlapped_step if self.async_scheduling else self._plain_step
+        self.in_flight: InFlightStep | None = None  # the overlapped loop's step launched last, not yet resolved
         self.itl = InterTokenLatency()
         self.prefill_tps = self.decode_tps = 0.0  # the latest step's throughput, for the progress bar
 
@@ -63,7 +68,7 @@ class EngineCore:
         pin on a sequence or a batch (a bug in the bookkeeping itself) fails every live request,
         as nothing else is known to be sound, and leaves the engine empty and usable."""
         try:
-            return self._run_step()
+            return self._step()
         except Exception as exc:
             seqs = [seq for request in self.table.requests.values() for seq in request.seqs]
             if self.in_flight is not None:
@@ -75,38 +80,42 @@ class EngineCore:
                 raise
             return self._no_tokens(True)
 
-    def _run_step(self) -> StepOutput:
+    def _plain_step(self) -> StepOutput:
+        """Schedule a batch, run it, wait for its tokens and post-process them."""
         start = perf_counter()
-        overlap = self.async_scheduling and not self.table.num_plain_only
-        if self.in_flight is not None and not overlap:
-            return self.drain()  # a plain step must find every token on the host
         batch = self.scheduler.schedule()  # a sequence's own fault fails it alone (scheduler.fail)
         if not batch.seqs:  # idle, or everything was preempted (the next step prefills again)
-            if batch.has_copies:  # a swap-out's K/V must reach host memory before its blocks are reused
-                try:
-                    self.model_runner.run([], True, batch.swap_out, batch.swap_in)
-                except Exception as exc:
-                    self._fail_step(exc, [batch])
-            return self.drain()
+            self._copy_blocks(batch)
+            return self._no_tokens(True)
         num_tokens = batch.num_tokens  # before postprocess clears the scheduled counts
-        if not overlap:
-            try:
-                out = self.model_runner.run(batch.seqs, batch.is_prefill, batch.swap_out, batch.swap_in)
-            except Exception as exc:
-                self._fail_step(exc, [batch])
-                return self._no_tokens(batch.is_prefill)
-            self._fail_rows(batch, out.failed)
-            # One path for every runner: a speculative one's output adds each sequence's accepted proposals.
-            advanced = self.scheduler.postprocess(batch, out.token_ids, out.accepted, out.num_proposed)
-            return self._report(batch, out, advanced, num_tokens, start)
+        try:
+            out = self.model_runner.run(batch.seqs, batch.is_prefill, batch.swap_out, batch.swap_in)
+        except Exception as exc:
+            self._fail_step(exc, [batch])
+            return self._no_tokens(batch.is_prefill)
+        self._fail_rows(batch, out.failed)
+        # One path for every runner: a speculative one's output adds each sequence's accepted proposals.
+        advanced = self.scheduler.postprocess(batch, out.token_ids, out.accepted, out.num_proposed)
+        return self._report(batch, out, advanced, num_tokens, start)
+
+    def _overlapped_step(self) -> StepOutput:
+        """Launch a batch, and while the device runs it, resolve the one before (its tokens, stop
+        checks, outputs); then advance this one with placeholders so the next can be scheduled.
+        While a live request reads its output tokens on the host (penalties), plain steps."""
+        if self.table.num_plain_only:
+            return self.drain() if self.in_flight is not None else self._plain_step()
+        start = perf_counter()
+        batch = self.scheduler.schedule()
+        if not batch.seqs:
+            self._copy_blocks(batch)
+            return self.drain()
+        num_tokens = batch.num_tokens
         try:
             tokens = self.model_runner.launch(batch.seqs, batch.is_prefill, batch.swap_out, batch.swap_in)
         except Exception as exc:
             in_flight, self.in_flight = self.in_flight, None
             self._fail_step(exc, [batch] + ([in_flight.batch] if in_flight is not None else []))
             return self._no_tokens(batch.is_prefill)
-        # The overlapped loop: while the device runs this step, resolve the one before (its tokens,
-        # stop checks, outputs), then advance this one with placeholders so the next can be scheduled.
         previous, self.in_flight = self.in_flight, InFlightStep(batch, tokens, num_tokens, start)
         # Faults found by now (this step's scheduling, the previous step's sampling and stop checks)
         # are settled before `advance`, so a failed sequence gets no placeholder.
@@ -115,6 +124,15 @@ class EngineCore:
             return step
         self.scheduler.advance(batch, tokens.sample_indices)
         return step
+
+    def _copy_blocks(self, batch: ScheduledBatch) -> None:
+        """A batch with no sequences may still swap: a swap-out's K/V must reach host memory
+        before its blocks are reused."""
+        if batch.has_copies:
+            try:
+                self.model_runner.run([], True, batch.swap_out, batch.swap_in)
+            except Exception as exc:
+                self._fail_step(exc, [batch])
 
     def drain(self) -> StepOutput:
         """Resolve the step in flight, if any (async scheduling), so no placeholder is left."""
