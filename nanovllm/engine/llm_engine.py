@@ -80,7 +80,7 @@ class LLMEngine:
         self.grammars = GrammarCompiler(self.tokenizer, config.hf_config.vocab_size, config.eos)
         self._builder = RequestBuilder(self.tokenizer, config.hf_config.vocab_size, config.max_model_len,
                                        config.kvcache_block_size, self.block_manager.num_blocks, self.grammars)
-        self._table = RequestTable(self.scheduler, self.block_manager, self.tokenizer, config.enable_prefix_caching)
+        self._table = RequestTable(self.scheduler, self.tokenizer, config.enable_prefix_caching)
         self.core = EngineCore(config, self.scheduler, self.model_runner, self._table)
         self._requests = self._table.requests  # every live request, whoever made it
         self._news = self._table.news  # live requests with news not yet popped, whoever made them

@@ -14,8 +14,7 @@ from itertools import count
 
 from transformers import PreTrainedTokenizerBase
 
-from nanovllm.scheduling.block_manager import BlockManager
-from nanovllm.engine.outputs import RequestDelta, RequestOutput
+from nanovllm.engine.outputs import RequestDelta
 from nanovllm.engine.request import Request
 from nanovllm.scheduling.scheduler import Scheduler, SequenceFault
 from nanovllm.utils.validation import ParamError
@@ -34,10 +33,9 @@ OUTPUT = "building its output (detokenization)"
 
 class RequestTable:
 
-    def __init__(self, scheduler: Scheduler, block_manager: BlockManager, tokenizer: PreTrainedTokenizerBase | None,
+    def __init__(self, scheduler: Scheduler, tokenizer: PreTrainedTokenizerBase | None,
                  enable_prefix_caching: bool):
         self.scheduler = scheduler
-        self.block_manager = block_manager
         self.tokenizer = tokenizer
         self.enable_prefix_caching = enable_prefix_caching
         self.requests: dict[str, Request] = {}  # every live request, whoever made it

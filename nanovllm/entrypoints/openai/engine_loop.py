@@ -52,8 +52,8 @@ logger = logging.getLogger("nanovllm")
 
 Prompt = str | list[int]
 
-# engine.step() raising this many times in a row means the engine cannot step at all (each
-# failure already failed every live request): the loop stops, and the server reports unhealthy.
+# A step raising this many times in a row means the engine cannot step at all (each failure
+# already failed every live request, LLMEngine.run): the loop stops, and the server reports unhealthy.
 MAX_CONSECUTIVE_STEP_FAILURES = 3
 ADD_FAILED_MESSAGE = "an internal error while queueing the request; it was not queued (the server log has details)"
 LOOP_FAILED_MESSAGE = "the engine loop stopped on an internal error (the server log has details)"
