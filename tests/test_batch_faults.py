@@ -125,7 +125,7 @@ def test_an_engine_whose_step_raises_is_rebuilt_and_the_fault_isolated(clean, qw
     lines, clean_results = clean
     fault = json.dumps({"custom_id": "fault", "body": {"prompt": FAULT_PROMPT, "max_tokens": 4}})
     inp = write_lines(tmp_path / "in.jsonl", with_poison(lines, [fault]))
-    step = LLMEngine.step
+    step = LLMEngine._step
     raised: list[int] = []
 
     def raising_step(self):
@@ -135,7 +135,7 @@ def test_an_engine_whose_step_raises_is_rebuilt_and_the_fault_isolated(clean, qw
             raise RuntimeError("injected fault")
         return step(self)
 
-    monkeypatch.setattr(LLMEngine, "step", raising_step)
+    monkeypatch.setattr(LLMEngine, "_step", raising_step)
     built = []
     factory = batch_module.engine_factory
     monkeypatch.setattr(batch_module, "engine_factory", lambda *a: lambda: built.append(1) or factory(*a)())
@@ -182,17 +182,17 @@ def test_an_output_with_an_error_key_is_an_error_line(qwen3_tiny, tmp_path, monk
     """The engine's own report of a failed request: a final output with `error` set."""
     from nanovllm import LLM
 
-    pop_output = LLM.pop_output
+    pop = LLM._pop
 
     def pop_with_error(self, request_id):
-        output = pop_output(self, request_id)
+        output = pop(self, request_id)
         if output.finished and output.final.prompt_token_ids == FAULT_PROMPT:
             output.final.error = "internal error (request id x)"
             for sample in output.final.outputs:
                 sample.finish_reason = "abort"
         return output
 
-    monkeypatch.setattr(LLM, "pop_output", pop_with_error)
+    monkeypatch.setattr(LLM, "_pop", pop_with_error)
     inp = write_lines(tmp_path / "in.jsonl", [json.dumps({"custom_id": "ok", "prompt": [5, 6], "max_tokens": 3}),
                                               json.dumps({"custom_id": "bad", "prompt": FAULT_PROMPT,
                                                           "max_tokens": 3})])

@@ -6,11 +6,13 @@ import asyncio
 import os
 import pickle
 import time
+from contextlib import nullcontext
 from types import SimpleNamespace
 
 import pytest
 
 from nanovllm.engine.outputs import CompletionOutput, RequestDelta, RequestOutput, SampleDelta
+from nanovllm.engine.llm_engine import LLMEngine
 from nanovllm.engine.stats import EngineStats
 from nanovllm.entrypoints.openai.engine_loop import (MAX_CONSECUTIVE_STEP_FAILURES, EngineClient, EngineDeadError,
                                               QueueFullError, _portable)
@@ -25,8 +27,11 @@ SILENT = "silent"  # a prompt that never gets a token (it stays queued until abo
 
 class StandInEngine:
     """LLMEngine's online API, single-threaded like it: each request gets one token per step
-    (the token is its step count) until max_tokens; a prompt "bad" is refused."""
+    (the token is its step count) until max_tokens; a prompt "bad" is refused. The loop drives it
+    with LLMEngine's own driver (run: its fault policy), over the stand-in's step, pop and abort."""
     STEP_SECONDS = 0.001  # a step that produced nothing still takes a little while, as a real one
+    run, _drive, _fail_live = LLMEngine.run, LLMEngine._drive, LLMEngine._fail_live
+    _entered = staticmethod(nullcontext)
 
     def __init__(self):
         self.config = SimpleNamespace(max_model_len=64, kvcache_block_size=16)
@@ -51,7 +56,7 @@ class StandInEngine:
     def has_unfinished_requests(self) -> bool:
         return any(entry[3] is None for entry in self.live.values())
 
-    def step(self):
+    def _step(self):
         time.sleep(self.STEP_SECONDS)
         self.num_steps += 1
         for request_id, entry in self.live.items():
@@ -64,6 +69,9 @@ class StandInEngine:
                 self.news[request_id] = None
         news, self.news = list(self.news), {}
         return SimpleNamespace(request_ids=news)
+
+    def _num_samples(self, request_id) -> int:
+        return self.live[request_id][1].n
 
     def abort(self, request_id) -> bool:
         entry = self.live.get(request_id)
@@ -81,6 +89,8 @@ class StandInEngine:
         final = RequestOutput(request_id, prompt, [1, 2], None, [CompletionOutput(0, "", tokens, None, None, reason,
                                                                                   None)], True)
         return RequestDelta(request_id, [1, 2], [sample], finished, final if finished else None)
+
+    _abort, _pop = abort, pop_output
 
     def exit(self):
         self.exited = True
@@ -160,7 +170,7 @@ def test_a_failing_step_fails_live_requests_and_the_loop_serves_on():
 
 def test_an_engine_that_cannot_step_stops_the_loop():
     class Broken(StandInEngine):
-        def step(self):
+        def _step(self):
             raise RuntimeError("the device is gone")
 
     async def test(client):

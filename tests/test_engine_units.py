@@ -46,7 +46,7 @@ def prefill(bm: BlockManager, seq: Sequence, sampled: int | None = None) -> None
     seq.num_computed_tokens = len(seq)
     bm.cache_blocks(seq, first, seq.num_computed_tokens // bm.block_size)
     if sampled is not None:
-        seq.append_token(sampled)
+        seq.token_ids.append(sampled)
 
 
 def decode(bm: BlockManager, seq: Sequence, sampled: int) -> None:
@@ -57,7 +57,7 @@ def decode(bm: BlockManager, seq: Sequence, sampled: int) -> None:
     first = seq.num_computed_tokens // bm.block_size
     seq.num_computed_tokens += 1
     bm.cache_blocks(seq, first, seq.num_computed_tokens // bm.block_size)
-    seq.append_token(sampled)
+    seq.token_ids.append(sampled)
 
 
 def manager_state(bm: BlockManager) -> tuple:
@@ -183,7 +183,7 @@ def test_block_manager_invariants_random_rounds(prefix_caching: bool, block_size
             seq.num_computed_tokens += chunk
             bm.cache_blocks(seq, nc // block_size, seq.num_computed_tokens // block_size)
             if seq.num_computed_tokens == len(seq):  # a non-final chunk samples nothing
-                seq.append_token(rng.randrange(1, VOCAB))
+                seq.token_ids.append(rng.randrange(1, VOCAB))
                 if len(seq) > max_len:
                     bm.deallocate(seq)
                     live.remove(seq)

@@ -3,6 +3,7 @@ the step, so interleaved generate()/stream() calls each get what they would get 
 online API (add_request / step / pop_output / abort); a second thread is refused, never served
 half-way; the scheduler's "cannot admit" case is an error, not an assert."""
 import threading
+from pathlib import Path
 
 import pytest
 
@@ -336,3 +337,40 @@ def test_scheduler_that_cannot_admit_raises_even_without_asserts():
     with pytest.raises(RuntimeError, match="cannot be admitted|can be admitted"):
         scheduler.schedule()
     assert Scheduler(8, 256, BlockManager(4, BLOCK), StopChecker(-1, 256)).schedule().seqs == []  # idle: empty batch
+
+
+def test_run_yields_only_its_own_requests_news(llm):
+    """LLMEngine.run, every caller's driver: it pops the news of the requests it drives; another
+    caller's news waits for that caller, whole."""
+    mine = llm.add_request([1, 2, 3], greedy(3))
+    other = llm.add_request([4, 5], greedy(2))
+    live = {mine}
+    seen = []
+    for outputs in llm.run(live):
+        seen += outputs
+        live -= {out.request_id for out in outputs if out.finished}
+        if not live:
+            break
+    assert {out.request_id for out in seen} == {mine} and seen[-1].finished
+    assert sum(len(s.token_ids) for out in seen for s in out.samples) == 3
+    assert other in llm.step().request_ids
+    out = llm.pop_output(other)
+    assert out.finished and len(out.samples[0].token_ids) == 2
+    assert_all_free(llm)
+
+
+# Per driver of the engine: how it must drive it (LLMEngine.run, or _drive from inside the engine)
+# and the step calls of its own it must not make.
+DRIVERS = {"llm.py": (["self.run(", "self._drive("], ["self.step(", "self._step(", "self.core.step("]),
+           "entrypoints/openai/engine_loop.py": (["engine.run("], ["engine.step(", "engine._step("]),
+           "entrypoints/batch/job.py": (["self.llm.run("], ["llm.step(", "llm._step("])}
+
+
+def test_every_driver_steps_the_engine_through_run_only():
+    """One request lifecycle: LLM's calls, the server's engine loop and batch jobs step the engine
+    only through its one driver, so they share its fault policy."""
+    package = Path(__file__).resolve().parents[1] / "nanovllm"
+    for path, (required, forbidden) in DRIVERS.items():
+        text = (package / path).read_text()
+        assert all(call in text for call in required), f"{path} does not drive the engine with {required}"
+        assert not [call for call in forbidden if call in text], f"{path} steps the engine itself"

@@ -16,7 +16,7 @@ from nanovllm.runner.speculative import SpeculativeRunner
 from nanovllm.runner.tensor_parallel import TensorParallelRunner
 
 LOOP = Path(__file__).resolve().parents[1] / "nanovllm" / "engine" / "engine_core.py"
-STEP_FUNCTIONS = ("step", "_run_step", "drain", "_resolve", "_report", "_no_tokens")
+STEP_FUNCTIONS = ("step", "_plain_step", "_overlapped_step", "drain", "_resolve", "_report", "_no_tokens")
 NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
 
 

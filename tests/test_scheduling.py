@@ -309,3 +309,28 @@ def test_abort_frees_a_swapped_sequences_host_blocks():
     drive(sched, model, 50)
     check_reference([a, b, c])
     assert sched.block_manager.num_free_host_blocks == 4
+
+
+# ---------------------------------------------------------------------------------------------
+# Failing a request
+# ---------------------------------------------------------------------------------------------
+
+def test_a_failed_sample_fails_its_requests_other_samples_and_no_one_else():
+    """The scheduler fails a request as a whole: `fail` finishes the sequence at fault,
+    `take_failed` aborts the other samples of its request and hands the fault over."""
+    bs = 4
+    sched = make_scheduler(16, bs, policy=MIXED)
+    a, b = make_seq(0, [1, 2, 3], bs), make_seq(1, [1, 2, 3], bs)
+    a.samples = b.samples = [a, b]  # two samples of one request (engine/request.py links them so)
+    other = make_seq(2, [4, 5], bs)
+    for seq in (a, b, other):
+        sched.add(seq)
+    sched.schedule()
+    error = RuntimeError("injected")
+    sched.fail(a, error, "checking its stop conditions")
+    assert a.finish_reason == "abort" and not b.is_finished  # its sibling goes when the faults are taken
+    (fault,) = sched.take_failed()
+    assert (fault.seq, fault.error, fault.phase) == (a, error, "checking its stop conditions")
+    assert b.finish_reason == "abort" and b.block_table == [] and not other.is_finished
+    assert sched.running == [other] and sched.take_failed() == []
+    assert sched.block_manager.num_free_blocks == 16 - len(other.block_table)

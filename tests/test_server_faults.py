@@ -123,8 +123,8 @@ def test_shutdown_past_the_grace_period_ends_every_response(qwen3_tiny, monkeypa
     """A stream and a non-streaming request that cannot finish within the grace period: the
     stream ends with an "abort" chunk and [DONE], the other gets a 503; the log has no traceback."""
     # Each step takes at least STEP_S, so the context's worth of tokens outlasts the grace period.
-    step = LLMEngine.step
-    monkeypatch.setattr(LLMEngine, "step", lambda self: time.sleep(STEP_S) or step(self))
+    step = LLMEngine._step
+    monkeypatch.setattr(LLMEngine, "_step", lambda self: time.sleep(STEP_S) or step(self))
     records = Records()
     loggers = [logging.getLogger(name) for name in ("uvicorn", "uvicorn.error", "nanovllm")]
     with server_thread(qwen3_tiny, shutdown_timeout=2.0) as server:

@@ -42,7 +42,7 @@ def generate(seq: Sequence, tokens: list[int], checker: StopChecker | None = Non
     (None if none came) and how many tokens were appended."""
     checker = checker or StopChecker(EOS, MAX_MODEL_LEN)
     for n, token in enumerate(tokens, 1):
-        seq.append_token(token)
+        seq.token_ids.append(token)
         finish = checker.check(seq)
         if finish is not None:
             return finish, n
@@ -89,7 +89,7 @@ def test_min_tokens_holds_back_every_stop_rule_and_the_sampler_bans_agree():
     for n in range(min_tokens + 2):
         probe = sequence(min_tokens=min_tokens, stop_token_ids=[stop_id])
         for _ in range(n):
-            probe.append_token(10)
+            probe.token_ids.append(10)
         banned = banned_token_ids(probe, EOS)
         assert sorted(banned) == (sorted([stop_id, EOS]) if n < min_tokens else [])
         for token in (stop_id, EOS):

@@ -107,7 +107,7 @@ def test_step_message_carries_only_what_a_worker_runs():
     assert all(type(x) is int for table in chunk.block_tables for x in table)
 
     seq.num_computed_tokens, seq.num_scheduled_tokens = 1000, 1  # decode: the sampled token is last
-    seq.append_token(4242)
+    seq.token_ids.append(4242)
     decode = pickle.loads(pickle.dumps(StepMessage.of([seq], is_prefill=False)))
     assert (decode.token_ids, decode.starts, decode.lengths) == ([4242], [1000], [1001])
     # A decode step's size depends on the block table, not on how many tokens the sequence holds.
@@ -128,7 +128,7 @@ def test_step_message_round_trips_into_the_same_inputs():
     prefill = StepMessage.of(seqs, is_prefill=True)
     for seq in seqs:
         seq.num_computed_tokens, seq.num_scheduled_tokens = len(seq), 1
-        seq.append_token(seq.seq_id + 500)
+        seq.token_ids.append(seq.seq_id + 500)
     decode = StepMessage.of(seqs, is_prefill=False)
     buffers = [DecodeInputs(4, 8, BLOCK, torch.device("cpu")) for _ in range(2)]
     for step in (prefill, decode):
@@ -151,7 +151,7 @@ def test_deepcopy_of_a_sequence_is_a_full_working_copy():
     params = SamplingParams(temperature=0.7, stop_token_ids=[9], max_tokens=20)
     seq = Sequence(3, list(range(40)), params, BLOCK)
     seq.block_table, seq.num_computed_tokens = [4, 9, 2], 40
-    seq.append_token(77)
+    seq.token_ids.append(77)
     twin = copy.deepcopy(seq)
     for name in ("seq_id", "status", "token_ids", "num_prompt_tokens", "block_table", "num_computed_tokens",
                  "sampling_params", "seed", "finish_reason"):
@@ -159,7 +159,7 @@ def test_deepcopy_of_a_sequence_is_a_full_working_copy():
     assert (len(twin), twin.last_token, twin.num_blocks, twin.block(2)) == (41, 77, 3, list(range(32, 40)) + [77])
     assert twin.completion_token_ids == [77] and twin.prompt_token_ids == list(range(40))
     # Its own lists: changing the copy leaves the original alone, and it steps like the original.
-    twin.append_token(5)
+    twin.token_ids.append(5)
     twin.block_table.append(11)
     assert seq.token_ids[-1] == 77 and seq.block_table == [4, 9, 2]
     assert StepMessage.of([twin], is_prefill=False).token_ids == [5]

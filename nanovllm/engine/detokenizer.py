@@ -78,6 +78,7 @@ class Detokenizer:
         # While streaming, this many trailing characters could be the start of a stop string.
         self.hold_back = max((len(s) for s in params.stop_strings), default=1) - 1
         self.num_streamed = 0  # characters of `text` handed to a stream so far
+        self._final: str | None = None  # final_text(), made once: the last delta and the final output share it
 
     def _decode(self, ids: list[int]) -> str:
         if self.tokenizer is None:
@@ -87,6 +88,7 @@ class Detokenizer:
     def add_token(self, token_id: int, check_stop: bool) -> str | None:
         """Append one token's text; returns the stop string if it completes one."""
         self.token_ids.append(token_id)
+        self._final = None
         prefix_text = self._decode(self.token_ids[self.prefix_offset:self.read_offset])
         window_text = self._decode(self.token_ids[self.prefix_offset:])
         if len(window_text) <= len(prefix_text) or window_text.endswith(REPLACEMENT_CHAR):
@@ -114,12 +116,11 @@ class Detokenizer:
     def final_text(self) -> str:
         """The whole output text: the cut text after a stop string, else a full decode (which
         also renders a trailing incomplete character the incremental text held back)."""
-        if self.stopped is not None:
-            return self.text
-        if self.tokenizer is None:
-            return ""
-        return text_after(self.tokenizer, self.token_ids[:self.num_context], self.token_ids[self.num_context:],
-                          self.params.skip_special_tokens)
+        if self._final is None:
+            self._final = self.text if self.stopped is not None else "" if self.tokenizer is None else text_after(
+                self.tokenizer, self.token_ids[:self.num_context], self.token_ids[self.num_context:],
+                self.params.skip_special_tokens)
+        return self._final
 
     def stream_delta(self, finished: bool) -> str:
         """The text not yet handed to the stream; unfinished, it keeps back what might still

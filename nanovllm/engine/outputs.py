@@ -77,6 +77,15 @@ class RequestDelta:
         return None if self.final is None else self.final.error
 
 
+def failed_output(request_id: str, n: int, error: str) -> RequestDelta:
+    """A failed request's final output made without its samples (the engine could not even
+    abort it): n aborted samples, no tokens."""
+    samples = [SampleDelta(j, [], "", [], True, "abort", None) for j in range(n)]
+    final = RequestOutput(request_id, None, [], None, [CompletionOutput(j, "", [], None, None, "abort", None)
+                                                        for j in range(n)], True, error)
+    return RequestDelta(request_id, [], samples, True, final)
+
+
 def to_nanovllm_dict(output: RequestOutput) -> dict:
     """nano-vllm's output dict for a finished request, what LLM.generate() returns: sample 0's
     "text", "token_ids", "finish_reason", "stop_reason", "num_cached_tokens" (and "logprobs"

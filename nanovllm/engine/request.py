@@ -1,5 +1,5 @@
-"""One request as its caller sees it: a prompt, its n samples (sequences), what of their output
-the caller has already been handed, and where news of it is reported.
+"""One request as its caller sees it: a prompt, its n samples (sequences) and what of their
+output the caller has already been handed.
 
 Whoever drives a step, each sequence's new tokens land on the sequence itself; `Request.pop`
 hands the caller what is new since the last pop (a RequestDelta), so every caller gets exactly
@@ -27,16 +27,17 @@ class Request:
     """One prompt of a call (or of add_requests) and its n samples; sample i is seqs[i]."""
 
     def __init__(self, index: int, prompt_token_ids: list[int], params: SamplingParams, seqs: list[Sequence],
-                 request_id: str | None, inbox: dict[str, None], prompt: str | None = None,
+                 request_id: str | None, prompt: str | None = None,
                  text_tokenizer=None):
         self.index = index  # its position in the call that made it
         self.prompt = prompt  # its text, when it was given as text
         self.prompt_token_ids = prompt_token_ids
         self.params = params
         self.seqs = seqs
+        for seq in seqs:
+            seq.samples = seqs
         self.request_id = request_id  # None until the engine registers it
-        # The ordered set its news is reported into: the engine's (for add_request) or its call's.
-        self.inbox = inbox
+        self.online = False  # made by add_requests(): the online API (step, pop_output) sees it
         self.num_tokens_handed = [0] * len(seqs)  # completion tokens already popped, per sample
         self.num_logprobs_handed = [0] * len(seqs)
         self.finish_handed = [False] * len(seqs)

@@ -99,7 +99,7 @@ class RequestBuilder:
         self._seq_ids = count()
 
     def build_all(self, prompts: list[Prompt | AdmittedPrompt], sampling_params: SamplingParams | list[SamplingParams],
-                  inbox: dict[str, None], deltas: bool = False, priority: list[int] | None = None,
+                  deltas: bool = False, priority: list[int] | None = None,
                   request_ids: list[str | None] | None = None, live: Collection[str] = (),
                   name: str = "prompts") -> list[Request]:
         """Check a whole call and build its requests (one per prompt, in order), or raise a
@@ -128,7 +128,7 @@ class RequestBuilder:
         for i, (prompt, params, pr, request_id) in enumerate(zip(prompts, sampling_params, priority, request_ids)):
             with _naming(i, len(prompts), name):
                 self._check_request_id(request_id, live, taken)
-                requests.append(self.build(i, prompt, params, inbox, deltas, request_id, pr))
+                requests.append(self.build(i, prompt, params, deltas, request_id, pr))
         return requests
 
     def admit_all(self, prompts: list[list[int]], params: SamplingParams, grammar: object | None = None,
@@ -150,12 +150,12 @@ class RequestBuilder:
             raise ParamError("request_id", f"request_id={request_id!r} is already a live request; request ids must be unique")
         taken.add(request_id)
 
-    def build(self, index: int, prompt: Prompt | AdmittedPrompt, params: SamplingParams, inbox: dict[str, None],
+    def build(self, index: int, prompt: Prompt | AdmittedPrompt, params: SamplingParams,
               deltas: bool = False, request_id: str | None = None, priority: int = 0) -> Request:
         """_make, where a fault other than bad input (a ValueError, which refuses the call)
         fails this request alone: it is built already failed and fails once submitted."""
         try:
-            return self._make(index, prompt, params, inbox, deltas, request_id, priority)
+            return self._make(index, prompt, params, deltas, request_id, priority)
         except ValueError:
             raise
         except Exception as exc:
@@ -168,11 +168,11 @@ class RequestBuilder:
                     for _ in range(params.n)]
             for seq in seqs:
                 seq.status, seq.finish_reason = SequenceStatus.FINISHED, "abort"
-            request = Request(index, token_ids, params, seqs, request_id, inbox, text)
+            request = Request(index, token_ids, params, seqs, request_id, text)
             request.fault = exc
             return request
 
-    def _make(self, index: int, prompt: Prompt | AdmittedPrompt, params: SamplingParams, inbox: dict[str, None],
+    def _make(self, index: int, prompt: Prompt | AdmittedPrompt, params: SamplingParams,
               deltas: bool, request_id: str | None, priority: int) -> Request:
         """Check one prompt (unless it was admitted already) and build its sequences."""
         if not isinstance(priority, int) or isinstance(priority, bool):
@@ -200,7 +200,7 @@ class RequestBuilder:
             if deltas or params.stop_strings:
                 seq.detokenizer = Detokenizer(own_decoder or self.tokenizer, params, token_ids)
             seqs.append(seq)
-        return Request(index, token_ids, params, seqs, request_id, inbox, prompt.text, own_decoder)
+        return Request(index, token_ids, params, seqs, request_id, prompt.text, own_decoder)
 
     def admit(self, prompt: Prompt, params: SamplingParams, grammar: object | None = None) -> AdmittedPrompt:
         """Check one prompt with its params and compile their constraint (`grammar`: compiled from

@@ -1,23 +1,22 @@
-"""Every live request by id, and failing one alone.
+"""Every live request by id, their news, and the one owner of their outputs.
 
-The table registers built requests and queues their samples in the scheduler, hands out their
-outputs (a pop, the final output), and forgets them. A fault fails its request alone, by
-construction: whatever raises while one request is built, scheduled, sampled, stop-checked or
-turned into output fails that request (its samples finish with finish_reason "abort", its
-blocks are freed, its final output carries `error`, a message for its caller; the traceback
-goes to the log under its request id), and every other request goes on as if it had never been
-there. It knows nothing of steps or the model: the engine tells it which sequences failed.
+The table registers built requests and queues their samples in the scheduler, keeps the one
+ordered set of requests with news not yet popped, hands out their outputs (a pop, the final
+output), and forgets them. A fault fails its request alone, by construction: whatever raises
+while one request is built, scheduled, sampled, stop-checked or run fails that request (the
+scheduler finishes its samples with finish_reason "abort" and frees their blocks, and returns
+the fault, `Scheduler.take_failed`); the table reports it: its final output carries `error`, a
+message for its caller, and the traceback goes to the log under its request id. Every other
+request goes on as if it had never been there. It knows nothing of steps or the model.
 """
 import logging
 from itertools import count
 
 from transformers import PreTrainedTokenizerBase
 
-from nanovllm.scheduling.block_manager import BlockManager
-from nanovllm.engine.outputs import RequestDelta, RequestOutput
+from nanovllm.engine.outputs import RequestDelta
 from nanovllm.engine.request import Request
-from nanovllm.scheduling.scheduler import Scheduler
-from nanovllm.scheduling.sequence import Sequence
+from nanovllm.scheduling.scheduler import Scheduler, SequenceFault
 from nanovllm.utils.validation import ParamError
 
 logger = logging.getLogger("nanovllm")
@@ -34,14 +33,13 @@ OUTPUT = "building its output (detokenization)"
 
 class RequestTable:
 
-    def __init__(self, scheduler: Scheduler, block_manager: BlockManager, tokenizer: PreTrainedTokenizerBase | None,
+    def __init__(self, scheduler: Scheduler, tokenizer: PreTrainedTokenizerBase | None,
                  enable_prefix_caching: bool):
         self.scheduler = scheduler
-        self.block_manager = block_manager
         self.tokenizer = tokenizer
         self.enable_prefix_caching = enable_prefix_caching
         self.requests: dict[str, Request] = {}  # every live request, whoever made it
-        self.news: dict[str, None] = {}  # add_requests()'s requests with news not yet popped (an ordered set)
+        self.news: dict[str, None] = {}  # live requests with news not yet popped (an ordered set)
         # Live requests whose sampling reads their output tokens' values on the host (penalties):
         # while any is live, every step waits for its tokens (the plain loop).
         self.num_plain_only = 0
@@ -63,8 +61,8 @@ class RequestTable:
             first, *others = request.seqs
             for seq in request.seqs:
                 seq.request_id = request.request_id
-            if request.fault is not None:  # building it raised: it is failed, never queued
-                self.fail(request, BUILDING, request.fault)
+            if request.fault is not None:  # building it raised: it is failed (its samples finished), never queued
+                self._report(request, BUILDING, request.fault)
                 continue
             self.scheduler.add(first)
             # The other samples follow once the prompt is computed: so they hit its cached blocks,
@@ -79,10 +77,17 @@ class RequestTable:
         del self.requests[request.request_id]
         self.num_plain_only -= request.params.reads_output_tokens
 
-    def fail(self, request: Request, phase: str, error: Exception | None) -> None:
-        """Fail one request: its unfinished samples finish with "abort" (blocks freed at once), its
-        final output carries `error`, its caller is told. `error` is logged with its traceback
-        under the request id (None: the caller logged it already)."""
+    def report_failed(self, failed: list[SequenceFault]) -> None:
+        """Report the requests of the sequences the scheduler failed (a bare sequence, a
+        benchmark's, has no request to tell)."""
+        for fault in failed:
+            request = self.requests.get(fault.seq.request_id)
+            if request is not None:
+                self._report(request, fault.phase, fault.error)
+
+    def _report(self, request: Request, phase: str, error: Exception | None) -> None:
+        """A failed request: its final output carries an error message, its caller is told.
+        `error` is logged with its traceback under the request id (None: logged already)."""
         if request.error is None and isinstance(error, ParamError):
             request.error = REFUSED_MESSAGE.format(request_id=request.request_id, error=error)
             logger.warning("%s", request.error)
@@ -91,35 +96,12 @@ class RequestTable:
             if error is not None:
                 logger.error("request %s failed while %s; aborting it alone", request.request_id, phase,
                              exc_info=error)
-        unfinished = [seq for seq in request.seqs if not seq.is_finished]
-        if unfinished:
-            self.scheduler.abort(unfinished)
-        request.inbox[request.request_id] = None
+        self.news[request.request_id] = None
 
-    def settle_faults(self) -> None:
-        """Fail the requests of the sequences the scheduler failed alone (their other samples too)."""
-        if not self.scheduler.faults:
-            return
-        for fault in self.scheduler.take_faults():
-            request = self.requests.get(fault.seq.request_id)
-            if request is not None:  # a bare sequence (a benchmark's) is finished already
-                self.fail(request, fault.phase, fault.error)
-        self.scheduler.drop_finished()
-
-    def fail_seqs(self, error: Exception, seqs: list[Sequence], phase: str) -> None:
-        """Fail the requests these sequences belong to (bare sequences are aborted), logging the
-        error once. Blocks only they hold leave the prefix cache first: their K/V may never have
-        been written."""
-        seqs = [seq for seq in seqs if not seq.is_finished]  # one that finished normally keeps its output
-        requests = {seq.request_id: self.requests.get(seq.request_id) for seq in seqs}
-        logger.error("a fault while %s fails %d request(s): %s", phase, len(requests),
-                     ", ".join(map(str, list(requests)[:20])), exc_info=error)
-        self.block_manager.unpublish(seqs)
-        for request in requests.values():
-            if request is not None:
-                self.fail(request, phase, None)
-        self.scheduler.abort([seq for seq in seqs if not seq.is_finished])
-        self.settle_faults()  # sequences failed alone before this: their requests fail too
+    def _fail(self, request: Request, exc: Exception) -> None:
+        """Building a request's output raised: it fails (what is unfinished of it aborted)."""
+        self.scheduler.abort([seq for seq in request.seqs if not seq.is_finished])
+        self._report(request, OUTPUT, exc)
 
     def pop(self, request: Request) -> RequestDelta:
         """request.pop(); if building the output raises, the request fails alone and its error
@@ -127,14 +109,6 @@ class RequestTable:
         try:
             return request.pop(self.tokenizer)
         except Exception as exc:
-            self.fail(request, OUTPUT, exc)
-            request.inbox.pop(request.request_id, None)  # this very pop reports it
+            self._fail(request, exc)
+            self.news.pop(request.request_id, None)  # this very pop reports it
             return request.pop(self.tokenizer)
-
-    def final(self, request: Request) -> RequestOutput:
-        """request.final_output(), failing the request alone if building it raises."""
-        try:
-            return request.final_output(self.tokenizer)
-        except Exception as exc:
-            self.fail(request, OUTPUT, exc)
-            return request.final_output(self.tokenizer)

@@ -36,11 +36,6 @@ class EngineStats(SchedulerStats):
         return self.inter_token_latency_sum_s / self.inter_token_latency_count if self.inter_token_latency_count \
             else None
 
-    @property
-    def mean_inter_token_latency_during_prefill_s(self) -> float | None:
-        n = self.inter_token_latency_during_prefill_count
-        return self.inter_token_latency_during_prefill_sum_s / n if n else None
-
 
 class InterTokenLatency:
     """The time between each sequence's consecutive tokens, summed and counted, and apart for

@@ -45,9 +45,6 @@ class TokenLogprobs(NamedTuple):
 class SamplerOutput(NamedTuple):
     token_ids: list[int]
     logprobs: list[TokenLogprobs | None]
-    # Sequences (index into the step's) whose sampling inputs raised: no real token; the engine
-    # fails their requests alone. None: every row sampled.
-    failed: dict[int, Exception] | None = None
 
 
 # The pipeline's temperature step, compiled with the engine's compile mode (the torch path only:

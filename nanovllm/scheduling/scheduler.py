@@ -41,10 +41,11 @@ only the accepted proposals as computed, and gives back the lookahead blocks pas
 sequence's tokens: the rejected proposals leave nothing behind in the block table or the
 prefix cache.
 
-A fault in the work done for one sequence (its blocks at admission, a swap, its stop check)
-fails that sequence alone: `fail` finishes it with "abort", frees its blocks, takes it out of
-every queue and records a `SequenceFault`, which the engine turns into a failed request (its
-other samples aborted too, its caller told). The step goes on for every other sequence.
+A fault in the work done for one sequence (its blocks at admission, a swap, its stop check,
+or the step it ran in) fails its request alone: `fail` finishes it with "abort", frees its
+blocks, takes it out of every queue and records a `SequenceFault`; `take_failed` aborts the
+other samples of its request too and hands the faults over, the step's failed outcomes, which
+the engine's request table reports to their callers. The step goes on for every other sequence.
 """
 import heapq
 from bisect import insort
@@ -91,9 +92,9 @@ class ScheduledBatch(NamedTuple):
 
 
 class SequenceFault(NamedTuple):
-    """An exception raised while working for one sequence: the engine fails its request."""
+    """An exception raised while working for one sequence: its request failed (finish_reason "abort")."""
     seq: Sequence
-    error: Exception
+    error: Exception | None  # None: logged already (a step's fault, logged once for all its requests)
     phase: str  # what was being done for it ("checking its stop conditions"), for the log and its caller
 
 
@@ -219,7 +220,7 @@ class Scheduler:
         self.running: list[Sequence] = []  # sorted by sort_key
         self.stats = SchedulerStats()
         self.num_unswept_finished = 0  # finished since the last drop_finished()
-        self.faults: list[SequenceFault] = []  # sequences failed alone, until the engine takes them
+        self.failed: list[SequenceFault] = []  # sequences failed since the last take_failed()
 
     @property
     def num_preemptions(self) -> int:
@@ -554,11 +555,11 @@ class Scheduler:
         self.swapped.remove(doomed)
         self.drop_finished()
 
-    def fail(self, seq: Sequence, error: Exception, phase: str) -> None:
-        """A fault in the work for this sequence alone: finish it with "abort" now (its blocks
-        freed, out of `waiting` and `swapped`; out of `running` at the next drop_finished) and
-        record it for the engine (`take_faults`), which fails its whole request."""
-        self.faults.append(SequenceFault(seq, error, phase))
+    def fail(self, seq: Sequence, error: Exception | None, phase: str) -> None:
+        """A fault in the work for this sequence: finish it with "abort" now (its blocks freed,
+        out of `waiting` and `swapped`; out of `running` at the next drop_finished) and record it
+        (`take_failed` fails the other samples of its request with it)."""
+        self.failed.append(SequenceFault(seq, error, phase))
         if seq.is_finished:
             return
         status = seq.status
@@ -570,9 +571,13 @@ class Scheduler:
         elif status is SWAPPED:
             self.swapped.remove({id(seq)})
 
-    def take_faults(self) -> list[SequenceFault]:
-        faults, self.faults = self.faults, []
-        return faults
+    def take_failed(self) -> list[SequenceFault]:
+        """The sequences failed since the last call, each with its fault; the other samples of
+        their requests are aborted now (a request fails as a whole)."""
+        failed, self.failed = self.failed, []
+        if failed:
+            self.abort([s for fault in failed for s in fault.seq.samples if not s.is_finished])
+        return failed
 
 
 def _drop_placeholder(seq: Sequence) -> None:

@@ -69,6 +69,8 @@ class Sequence:
         # Other samples of the same prompt (n > 1): queued once this one's prompt is computed,
         # so they find its prefix blocks in the cache.
         self.pending_siblings: list["Sequence"] = []
+        # Every sample of its request, itself included: a fault in one fails them all.
+        self.samples: list["Sequence"] = [self]
         self.detokenizer = None  # an engine Detokenizer, for streaming or stop strings
         # Its structured_outputs matcher (a structured_outputs.GrammarState, which this module does
         # not import): the sampler masks its next token with it, the stop checker advances it.
@@ -131,9 +133,6 @@ class Sequence:
     def block(self, i: int) -> list[int]:
         assert 0 <= i < self.num_blocks
         return self.token_ids[i * self.block_size:(i + 1) * self.block_size]
-
-    def append_token(self, token_id: int) -> None:
-        self.token_ids.append(token_id)
 
     @property
     def num_known_tokens(self) -> int:

@@ -118,7 +118,8 @@ class _Fault(NamedTuple):
 
 
 class EngineBatcher:
-    """One engine's part of a job: submits requests, steps, and turns finished ones into result lines.
+    """One engine's part of a job: submits requests, drives the engine (its one driver,
+    `LLMEngine.run`), and turns finished ones into result lines.
 
     A request the engine fails on while it runs becomes an error line and every other request
     still gets its result. Either the engine reports the fault (a final output with an "error",
@@ -132,6 +133,8 @@ class EngineBatcher:
         self._make_llm = make_llm
         self.llm = make_llm()
         self._requests: dict[str, tuple[BatchRequest, Any]] = {}  # engine request id -> (request, tag)
+        self._steps: Iterator | None = None  # self.llm.run() over _requests, for the engine it was made for
+        self._driven = None
         self._broken = False  # a step raised: rebuild the engine before it runs anything again
         self._faults_without_a_result = 0
 
@@ -174,16 +177,17 @@ class EngineBatcher:
 
     def _step(self) -> tuple[list[Finished], list[_Fault]]:
         """One engine step: the results it finished, and the requests it failed on."""
+        if self._driven is not self.llm:  # a new engine (the first, or one rebuilt): drive it
+            self._driven, self._steps = self.llm, self.llm.run(self._requests)
         try:
-            request_ids = self.llm.step().request_ids
+            outputs = next(self._steps)
         except Exception as exc:  # the engine's state is unknown: every request in it is a suspect
             return [], self._lose_engine(exc)
         finished, faults = [], []
-        for request_id in request_ids:
-            output = self.llm.pop_output(request_id)
+        for output in outputs:
             if not output.finished:
                 continue
-            request, tag = self._requests.pop(request_id)
+            request, tag = self._requests.pop(output.request_id)
             if output.final.error:  # the engine failed this request alone and says why
                 faults.append(_Fault(request, tag, output.final.error))
                 continue

@@ -17,10 +17,12 @@ server parses requests, tokenizes prompts and writes streams (and the other way 
 commands and messages cross a pipe, pickled. In a thread (`engine_process=False`) they cross a
 queue and `call_soon_threadsafe`; tests that patch the engine use that.
 
-The loop never dies of one request's fault: the engine fails such a request alone (its final
-output carries `error`), and should `engine.step()` itself raise, the requests live then get a
-failed final output and the loop serves on. Only MAX_CONSECUTIVE_STEP_FAILURES failed steps in a
-row (an engine that cannot step at all) stop it, as does an engine process that dies (killed,
+The loop drives the engine with its one driver, `LLMEngine.run`, and keeps only what is its own:
+the commands, the idle sleep and the messages. It never dies of one request's fault: the engine
+fails such a request alone (its final output carries `error`), and should a step itself raise,
+the requests live then get a failed final output and the loop serves on. Only
+MAX_CONSECUTIVE_STEP_FAILURES failed steps in a row (an engine that cannot step at all) stop it,
+as does an engine process that dies (killed,
 out of memory): every live request then gets an `EngineDeadError`, and `is_serving` is False from
 then on, as it is from the start of a shutdown (`begin_shutdown`, which also aborts every live
 request). An engine process ignores SIGINT and SIGTERM (the server's shutdown stops it, with its
@@ -38,7 +40,7 @@ from multiprocessing.reduction import ForkingPickler
 from typing import AsyncIterator, Callable, NamedTuple, Protocol
 
 from nanovllm.config import Config
-from nanovllm.engine.outputs import CompletionOutput, RequestDelta, RequestOutput, SampleDelta
+from nanovllm.engine.outputs import RequestDelta
 from nanovllm.engine.stats import EngineStats
 from nanovllm.entrypoints.openai.metrics import ServerMetrics
 from nanovllm.engine.llm_engine import LLMEngine
@@ -51,11 +53,9 @@ logger = logging.getLogger("nanovllm")
 
 Prompt = str | list[int] | AdmittedPrompt  # the server's are admitted: the engine builds them unchecked
 
-# engine.step() raising this many times in a row means the engine cannot step at all (each
-# failure already failed every live request): the loop stops, and the server reports unhealthy.
+# A step raising this many times in a row means the engine cannot step at all (each failure
+# already failed every live request, LLMEngine.run): the loop stops, and the server reports unhealthy.
 MAX_CONSECUTIVE_STEP_FAILURES = 3
-STEP_FAILED_MESSAGE = ("request {request_id} failed: an internal error in the engine's step; it was aborted and "
-                       "the server goes on (the server log has the details under this request id)")
 ADD_FAILED_MESSAGE = "an internal error while queueing the request; it was not queued (the server log has details)"
 LOOP_FAILED_MESSAGE = "the engine loop stopped on an internal error (the server log has details)"
 # Seconds an engine process gets to exit once its loop has stopped (freeing the engine, its
@@ -513,8 +513,8 @@ def run_engine_loop(build_engine: Callable[[], LLMEngine], channel: _Channel, sh
 
 
 def _serve(engine: LLMEngine, channel: _Channel) -> None:
-    live: dict[str, int] = {}  # request id -> its samples (n), for an error output made without the engine
-    failures = 0  # consecutive steps that raised
+    live: dict[str, None] = {}  # the requests the loop has queued and not yet seen finish, in order
+    steps = engine.run(live, MAX_CONSECUTIVE_STEP_FAILURES)
     while True:
         # Idle: sleep until a command comes. Busy: take what has come, then step.
         commands = []
@@ -522,11 +522,11 @@ def _serve(engine: LLMEngine, channel: _Channel) -> None:
         while command is not None:
             commands.append(command)
             command = channel.receive(block=False)
-        outputs: list[tuple[str, RequestDelta]] = []
+        outputs: list[RequestDelta] = []
         for command in commands:
             if isinstance(command, _Stop):
                 _abort(engine, list(live), outputs, live)
-                channel.emit(_Outputs(outputs, engine.stats()))
+                channel.emit(_Outputs([(output.request_id, output) for output in outputs], engine.stats()))
                 return
             if isinstance(command, _Add):
                 _accept(engine, command, live, channel)
@@ -534,25 +534,14 @@ def _serve(engine: LLMEngine, channel: _Channel) -> None:
                 _abort(engine, list(live) if isinstance(command, _AbortAll) else command.request_ids, outputs, live)
         # A step after an add, even with nothing to run: a request failed as it was built has news.
         if engine.has_unfinished_requests() or any(isinstance(c, _Add) for c in commands):
-            try:
-                step = engine.step()
-                for request_id in step.request_ids:
-                    if request_id in live:  # not one a failed step already ended
-                        outputs.append((request_id, engine.pop_output(request_id)))
-                failures = 0
-            except Exception as exc:
-                failures += 1
-                if failures >= MAX_CONSECUTIVE_STEP_FAILURES:
-                    raise
-                logger.exception("an engine step failed; failing the %d live request(s), serving on", len(live))
-                _fail_live(engine, live, outputs)
-        for request_id, output in outputs:
-            if output.finished:
-                live.pop(request_id, None)
-        channel.emit(_Outputs(outputs, engine.stats()))
+            for output in next(steps):
+                outputs.append(output)
+                if output.finished:
+                    del live[output.request_id]
+        channel.emit(_Outputs([(output.request_id, output) for output in outputs], engine.stats()))
 
 
-def _accept(engine: LLMEngine, command: _Add, live: dict[str, int], channel: _Channel) -> None:
+def _accept(engine: LLMEngine, command: _Add, live: dict[str, None], channel: _Channel) -> None:
     request_ids, prompts, params = zip(*command.requests)
     try:  # all or none: the engine checks and builds every prompt before it queues any
         engine.add_requests(list(prompts), list(params), request_ids=list(request_ids),
@@ -563,42 +552,15 @@ def _accept(engine: LLMEngine, command: _Add, live: dict[str, int], channel: _Ch
             exc = RuntimeError(ADD_FAILED_MESSAGE)
         channel.emit(_Settled(command.add_id, exc))
         return
-    for request_id, _, sampling_params in command.requests:
-        live[request_id] = sampling_params.n
+    live.update(dict.fromkeys(request_ids))
     channel.emit(_Settled(command.add_id, None))
 
 
-def _fail_live(engine: LLMEngine, live: dict[str, int], outputs: list) -> None:
-    """engine.step() raised: every live request ends now, with an error output."""
-    done = {request_id for request_id, output in outputs if output.finished}
-    for request_id in list(live):
-        if request_id in done:
-            continue
-        output = None
-        try:
-            engine.abort(request_id)
-            output = engine.pop_output(request_id)
-        except Exception:
-            logger.exception("request %s could not be aborted; its caller gets an error output", request_id)
-        if output is None or not output.finished:
-            output = failed_output(request_id, live[request_id], STEP_FAILED_MESSAGE.format(request_id=request_id))
-        elif output.error is None:
-            output.final.error = STEP_FAILED_MESSAGE.format(request_id=request_id)
-        outputs.append((request_id, output))
-
-
-def _abort(engine: LLMEngine, request_ids: list[str], outputs: list, live: dict[str, int]) -> None:
+def _abort(engine: LLMEngine, request_ids: list[str], outputs: list[RequestDelta], live: dict[str, None]) -> None:
     for request_id in request_ids:
         if request_id in live and engine.abort(request_id):
-            outputs.append((request_id, engine.pop_output(request_id)))
-
-
-def failed_output(request_id: str, n: int, error: str) -> RequestDelta:
-    """A failed request's final output made without the engine: n aborted samples, no tokens."""
-    samples = [SampleDelta(j, [], "", [], True, "abort", None) for j in range(n)]
-    final = RequestOutput(request_id, None, [], None, [CompletionOutput(j, "", [], None, None, "abort", None)
-                                                        for j in range(n)], True, error)
-    return RequestDelta(request_id, [], samples, True, final)
+            outputs.append(engine.pop_output(request_id))
+            del live[request_id]
 
 
 def _settle(future: asyncio.Future, error: BaseException | None) -> None:
