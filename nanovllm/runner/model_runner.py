@@ -117,13 +117,13 @@ class ModelRunner:
         self.reserve = reserve
         hf_config = config.hf_config
         self.device = torch.device(config.device)
-        self.platform = device_platform(self.device)
+        self.device_platform = device_platform(self.device)
         self.block_size = config.kvcache_block_size
         # Built inside tensor_parallel_rank(...) for a rank of a tensor-parallel group, else rank 0 of 1.
         self.rank, self.world_size = tp_rank(), tp_size()
         self.compile = config.compile_mode == "on"  # the hot layer functions run compiled in every step
-        self.platform.prepare_process(config.cpu_threads, config.cpu_malloc_tuning)
-        lap = lap_timer(self.platform)
+        self.device_platform.prepare_process(config.cpu_threads, config.cpu_malloc_tuning)
+        lap = lap_timer(self.device_platform)
         # Weights and the smallest KV cache against the memory there is, before any is allocated.
         check_fits(config, self.device, reserve.fixed_bytes, reserve.per_block_bytes)
         default_dtype = torch.get_default_dtype()
@@ -192,7 +192,7 @@ class ModelRunner:
                                               self.device)
         kv_cache_s = lap()
         self.graphs = DecodeGraphs()
-        use_graphs = self.platform.supports_cuda_graphs and not config.enforce_eager
+        use_graphs = self.device_platform.supports_cuda_graphs and not config.enforce_eager
         captures = use_graphs and self.backend.supports_cuda_graphs
         if use_graphs and not captures and self.rank == 0:
             logger.warning("CUDA graphs off: the %s attention backend cannot be captured", self.backend.name)
@@ -211,8 +211,8 @@ class ModelRunner:
                         self.describe_cache_dtype(), self.world_size)
             if self.kv_quantized:
                 logger.info("KV-cache scales %s: %s", self.kv_scales_source, describe(kv_scales))
-            self.platform.log_startup(self.model, self.backend, config.dtype, half_in_float32,
-                                      (self.cache_dtype, self.head_dim, self.block_size))
+            self.device_platform.log_startup(self.model, self.backend, config.dtype, half_in_float32,
+                                             (self.cache_dtype, self.head_dim, self.block_size))
             if config.preemption_mode == SWAP:
                 logger.info("swap space %d host blocks (swap_space=%s GiB per rank, %s)", self.num_swap_blocks,
                             config.swap_space, "pinned" if self.swap_cache.is_pinned() else "not pinned")
@@ -225,19 +225,19 @@ class ModelRunner:
         for layer in self.attention_layers:
             layer.k_cache = layer.v_cache = torch.tensor([])
         self.kv_cache = self.swap_cache = None
-        self.platform.free_cached_memory()
+        self.device_platform.free_cached_memory()
 
     @torch.inference_mode()
     def warmup_model(self) -> None:
         config = self.config
-        seq_len, num_seqs = self.platform.warmup_shape(config.max_num_batched_tokens, config.max_model_len,
-                                                       config.max_num_seqs)
+        seq_len, num_seqs = self.device_platform.warmup_shape(config.max_num_batched_tokens,
+                                                              config.max_model_len, config.max_num_seqs)
         # Varied tokens: this forward is also what calibrates an fp8 cache's scales (kv_scales.py).
         prompt = calibration_token_ids(config.hf_config.vocab_size, seq_len)
         seqs = [Sequence(-1, prompt, SamplingParams(), self.block_size) for _ in range(num_seqs)]
         for seq in seqs:
             seq.num_scheduled_tokens = seq_len
-        with self.platform.measuring_peak():  # the activations' peak, which the KV cache leaves room for
+        with self.device_platform.measuring_peak():  # the activations' peak: the KV cache leaves room for it
             self.run(seqs, True)
 
     def _kv_block_bytes(self) -> int:
@@ -253,8 +253,8 @@ class ModelRunner:
 
     def _num_blocks_from_memory(self) -> int:
         config = self.config
-        budget, where = self.platform.kv_cache_budget(config.gpu_memory_utilization, config.cpu_kvcache_space_gib,
-                                                      self.reserve.fixed_bytes)
+        budget, where = self.device_platform.kv_cache_budget(config.gpu_memory_utilization,
+                                                             config.cpu_kvcache_space_gib, self.reserve.fixed_bytes)
         num_blocks = blocks_in_budget(budget, self._kv_block_bytes() + self.reserve.per_block_bytes,
                                       config.max_num_seqs, self.max_blocks_per_seq)
         if self.world_size > 1:  # block ids mean the same on every rank, so all take the smallest cache
@@ -288,8 +288,8 @@ class ModelRunner:
                 int(config.swap_space * GIB), self._kv_block_bytes(), config.max_num_seqs, self.max_blocks_per_seq)
         shape = list(self.kv_cache.shape)
         shape[2] = num_blocks
-        self.swap_cache = torch.empty(shape, dtype=self.kv_cache.dtype, pin_memory=self.platform.pin_memory and
-                                      num_blocks > 0)
+        self.swap_cache = torch.empty(shape, dtype=self.kv_cache.dtype,
+                                      pin_memory=self.device_platform.pin_memory and num_blocks > 0)
         return num_blocks
 
     @torch.inference_mode()
