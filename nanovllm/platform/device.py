@@ -12,7 +12,8 @@ objects instead. Which kernels the layers run is chosen by the rest of platform/
 import importlib.util
 import logging
 import os
-from contextlib import contextmanager
+from abc import ABC, abstractmethod
+from contextlib import AbstractContextManager, contextmanager
 from typing import Callable, Iterator, NamedTuple
 
 import torch
@@ -58,9 +59,9 @@ def unavailable(device: str) -> str | None:
     return None
 
 
-class DevicePlatform:
+class DevicePlatform(ABC):
     """What the engine asks of its device; CpuDevice and CudaDevice answer. The facts are class
-    attributes, the same for every device of the type; a method that differs is on both."""
+    attributes, the same for every device of the type."""
     # Host tensors bound for the device are pinned, so their copies need not block.
     pin_memory: bool
     # Host tensors are the device's: nothing to copy, and nothing to wait for.
@@ -83,6 +84,67 @@ class DevicePlatform:
     def upload(self, data: list, dtype: torch.dtype) -> torch.Tensor:
         """A host list as a tensor on this device, copied without blocking where there is a copy."""
         return torch.tensor(data, dtype=dtype, pin_memory=self.pin_memory).to(self.device, non_blocking=True)
+
+    @abstractmethod
+    def synchronize(self) -> None:
+        """Return once the work queued on the device is done."""
+
+    @abstractmethod
+    def copy_event(self) -> torch.cuda.Event | None:
+        """An event to record after non-blocking copies and wait on before reusing their source;
+        None where copies never wait."""
+
+    @abstractmethod
+    def copy_to_host(self, tensor: torch.Tensor) -> tuple[torch.Tensor, torch.cuda.Event | None]:
+        """`tensor` on the host, copied without blocking, and the event that marks the copy's end
+        (None: it is there already)."""
+
+    @abstractmethod
+    def capture_graph(self, run: Callable[[], None], pool: tuple | None) -> DeviceGraph:
+        """A graph of the work `run` launches, in the memory pool `pool` (None: a new one)."""
+
+    @abstractmethod
+    def prepare_process(self, threads: int | None, malloc_tuning: bool) -> None:
+        """Apply the process-wide settings (Config's cpu_threads, cpu_malloc_tuning) before the model is built."""
+
+    @abstractmethod
+    def warmup_shape(self, max_num_batched_tokens: int, max_model_len: int, max_num_seqs: int) -> WarmupShape:
+        """The start-up forward pass's prompts."""
+
+    @abstractmethod
+    def measuring_peak(self) -> AbstractContextManager[None]:
+        """Run the warm-up inside this, so that kv_cache_budget sees its activations' peak."""
+
+    @abstractmethod
+    def free_cached_memory(self) -> None:
+        """Give back what the allocator keeps after the runner's tensors are gone."""
+
+    @abstractmethod
+    def available_memory(self, gpu_memory_utilization: float) -> Available | None:
+        """Memory the model and KV cache may take, before any is allocated; None where it cannot be measured."""
+
+    @abstractmethod
+    def kv_cache_budget(self, gpu_memory_utilization: float, cpu_kvcache_space_gib: float,
+                        reserved_bytes: int) -> Available:
+        """Bytes the KV cache may take after the warm-up, `reserved_bytes` (a draft model's weights) aside."""
+
+    @abstractmethod
+    def log_startup(self, model: nn.Module, backend, dtype: torch.dtype, half_in_float32: bool,
+                    kv_layout: tuple[torch.dtype, int, int]) -> None:
+        """Log this device's own start-up facts, if it has any. `backend`: the attention backend;
+        `kv_layout`: the cache's (dtype, head_dim, block_size)."""
+
+    @abstractmethod
+    def default_fused_kernels(self) -> str:
+        """fused_kernels="auto"."""
+
+    @abstractmethod
+    def refuses_fused_kernels(self, choice: str) -> str | None:
+        """Why the fused_kernels `choice` cannot run here, or None."""
+
+    @abstractmethod
+    def refuses_tensor_parallel(self, ranks: int) -> str | None:
+        """Why `ranks` tensor-parallel ranks cannot run here, or None."""
 
 
 class CpuDevice(DevicePlatform):
@@ -119,16 +181,18 @@ class CpuDevice(DevicePlatform):
         return tensor, None
 
     def capture_graph(self, run: Callable[[], None], pool: tuple | None) -> DeviceGraph:
+        """Never called: supports_cuda_graphs is False."""
         raise RuntimeError("CUDA graphs capture CUDA work; a CPU runner runs every step eagerly")
 
-    def prepare_process(self, threads: int, malloc_tuning: bool) -> None:
-        """Process-wide, before the model is built: torch's threads (as OMP_NUM_THREADS would set
-        them) and, with `malloc_tuning`, glibc's treatment of freed activations."""
+    def prepare_process(self, threads: int | None, malloc_tuning: bool) -> None:
+        """torch's threads (as OMP_NUM_THREADS would set them; Config resolves them to an int here)
+        and, with `malloc_tuning`, glibc's treatment of freed activations."""
         torch.set_num_threads(threads)
         self.threads = threads
         self.malloc_tuned = malloc_tuning and device_host.keep_freed_memory()
 
     def warmup_shape(self, max_num_batched_tokens: int, max_model_len: int, max_num_seqs: int) -> WarmupShape:
+        """One short prompt: the warm-up only checks that the forward pass runs."""
         return WarmupShape(min(CPU_WARMUP_TOKENS, max_model_len), 1)
 
     @contextmanager
@@ -140,6 +204,7 @@ class CpuDevice(DevicePlatform):
         """torch's CPU allocator keeps no cache of its own."""
 
     def available_memory(self, gpu_memory_utilization: float) -> Available | None:
+        """The host's available memory (gpu_memory_utilization is the GPU's)."""
         have = device_host.available_host_memory()
         if have is None:
             return None
@@ -173,7 +238,7 @@ class CpuDevice(DevicePlatform):
         return "cpu" if cpu_build.compiler() is not None else "torch"
 
     def refuses_fused_kernels(self, choice: str) -> str | None:
-        """Why the fused_kernels `choice` cannot run here, or None."""
+        """Triton's kernels need a GPU, or its interpreter (tests)."""
         if choice == "triton" and os.environ.get("TRITON_INTERPRET") != "1":
             return ("fused_kernels='triton' needs a CUDA device (device is 'cpu'), or TRITON_INTERPRET=1 to run "
                     "the kernels on CPU (slowly, for tests)")
@@ -200,11 +265,10 @@ class CudaDevice(DevicePlatform):
         torch.cuda.synchronize(self.device)
 
     def copy_event(self) -> torch.cuda.Event:
-        """An event to record after non-blocking copies and wait on before reusing their source."""
         return torch.cuda.Event()
 
     def copy_to_host(self, tensor: torch.Tensor) -> tuple[torch.Tensor, torch.cuda.Event]:
-        """A pinned host copy of `tensor`, started without blocking, and the event that marks its end."""
+        """Into pinned memory, so the copy need not block."""
         host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
         host.copy_(tensor, non_blocking=True)
         ready = torch.cuda.Event()
@@ -212,7 +276,6 @@ class CudaDevice(DevicePlatform):
         return host, ready
 
     def capture_graph(self, run: Callable[[], None], pool: tuple | None) -> DeviceGraph:
-        """A graph of the CUDA work `run` launches, in the memory pool `pool` (None: a new one)."""
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool):
             run()
@@ -265,6 +328,7 @@ class CudaDevice(DevicePlatform):
         return "triton" if triton_installed() else "torch"
 
     def refuses_fused_kernels(self, choice: str) -> str | None:
+        """The CPU's C++ kernels read host memory."""
         if choice == "cpu":
             return "fused_kernels='cpu' runs on the CPU only (device is 'cuda')"
         return None
