@@ -70,6 +70,21 @@ def test_cuda_facts_without_a_gpu():
     assert not cuda.uses_cpu_threads and device_platform("cpu").uses_cpu_threads
 
 
+def test_tensor_parallel_ranks_get_their_backend_and_share():
+    cpu, cuda = device_platform("cpu"), device_platform("cuda")
+    assert (cpu.process_group_backend, cpu.collectives_hang_on_dead_rank, cpu.process_group_options(1)) == \
+        ("gloo", False, {})
+    assert (cuda.process_group_backend, cuda.collectives_hang_on_dead_rank, cuda.process_group_options(1)) == \
+        ("nccl", True, {"device_id": torch.device("cuda", 1)})
+    assert cpu.describe_ranks(3) == ", 3 CPU thread(s) per rank" and cuda.describe_ranks(None) == ""
+    before = torch.get_num_threads()
+    try:
+        cpu.bind_rank(1, 1)
+        assert torch.get_num_threads() == 1
+    finally:
+        torch.set_num_threads(before)
+
+
 def test_cuda_warms_up_on_the_largest_step():
     cuda = device_platform("cuda")
     assert cuda.warmup_shape(16384, 4096, 512) == (4096, 4)  # four full-length prompts fill one step

@@ -77,6 +77,9 @@ class DevicePlatform(ABC):
     # A prefill of max_num_batched_tokens takes seconds, not milliseconds: the warm-up runs a short
     # one (warmup_shape) and the server bounds a step's tokens (server_settings.py).
     slow_prefill: bool
+    process_group_backend: str  # torch.distributed's, for the tensor-parallel ranks' collectives
+    # A collective waiting on a dead rank never returns (NCCL's), so a dead rank's group is aborted.
+    collectives_hang_on_dead_rank: bool
 
     def __init__(self, device: torch.device):
         self.device = device
@@ -135,6 +138,19 @@ class DevicePlatform(ABC):
         `kv_layout`: the cache's (dtype, head_dim, block_size)."""
 
     @abstractmethod
+    def bind_rank(self, rank: int, threads: int | None) -> None:
+        """Give tensor-parallel rank `rank`'s process its share of the device, before it joins the
+        group: its own GPU, or `threads` compute threads (Config's cpu_threads)."""
+
+    @abstractmethod
+    def process_group_options(self, rank: int) -> dict:
+        """init_process_group's device arguments for rank `rank`."""
+
+    @abstractmethod
+    def describe_ranks(self, threads: int | None) -> str:
+        """What the tensor-parallel log line says of each rank's share ("" where bind_rank says it all)."""
+
+    @abstractmethod
     def default_fused_kernels(self) -> str:
         """fused_kernels="auto"."""
 
@@ -163,6 +179,8 @@ class CpuDevice(DevicePlatform):
     overlaps_host_by_default = False
     uses_cpu_threads = True
     slow_prefill = True
+    process_group_backend = "gloo"
+    collectives_hang_on_dead_rank = False  # gloo's fail at once
 
     def __init__(self, device: torch.device):
         super().__init__(device)
@@ -233,6 +251,16 @@ class CpuDevice(DevicePlatform):
                     "on AMX tiles" if amx_prefill else "in vector registers" if kernel is not None
                     else f"by the {backend.name} backend")
 
+    def bind_rank(self, rank: int, threads: int | None) -> None:
+        """Every rank computes at once, each on its share of the cores."""
+        torch.set_num_threads(threads)
+
+    def process_group_options(self, rank: int) -> dict:
+        return {}
+
+    def describe_ranks(self, threads: int | None) -> str:
+        return f", {threads} CPU thread(s) per rank"
+
     def default_fused_kernels(self) -> str:
         """The CPU's C++ kernels where a compiler can build them, else the torch functions."""
         return "cpu" if cpu_build.compiler() is not None else "torch"
@@ -259,6 +287,8 @@ class CudaDevice(DevicePlatform):
     overlaps_host_by_default = True
     uses_cpu_threads = False
     slow_prefill = False
+    process_group_backend = "nccl"
+    collectives_hang_on_dead_rank = True
 
     def synchronize(self) -> None:
         """Wait for the work queued on this CUDA device."""
@@ -322,6 +352,17 @@ class CudaDevice(DevicePlatform):
     def log_startup(self, model: nn.Module, backend, dtype: torch.dtype, half_in_float32: bool,
                     kv_layout: tuple[torch.dtype, int, int]) -> None:
         """Nothing beyond the runner's own line."""
+
+    def bind_rank(self, rank: int, threads: int | None) -> None:
+        """One GPU per rank: rank r computes on GPU r."""
+        torch.cuda.set_device(rank)
+
+    def process_group_options(self, rank: int) -> dict:
+        """NCCL binds the group to the rank's GPU at once, instead of at its first collective."""
+        return {"device_id": torch.device("cuda", rank)}
+
+    def describe_ranks(self, threads: int | None) -> str:
+        return ""
 
     def default_fused_kernels(self) -> str:
         """The Triton kernels where triton is installed, else the torch functions."""
