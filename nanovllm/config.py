@@ -3,11 +3,11 @@
 Owns validation of every user-facing knob and the facts read from the checkpoint: its
 `config.json`, its tokenizer (loaded and checked here, so a checkpoint without a usable one is
 refused before any weight loads) and the end-of-text id that comes from them. "auto" settings
-are resolved here, once (device, dtype, compile mode, fused kernels, async scheduling); the attention backend is resolved by the
-runner, which needs the backends' imports. It does not know how the model runs.
+are resolved here, once (device, dtype, compile mode, fused kernels, async scheduling), from the facts of
+the device's platform (platform/device.py); the attention backend is resolved by the runner, which needs
+the backends' imports. It does not know how the model runs.
 """
 import copy
-import importlib.util
 import json
 import logging
 import os
@@ -24,9 +24,10 @@ except ImportError:  # an older huggingface_hub: its configs raise ValueError an
 
 from nanovllm.attention.kv_quant import FP8_DTYPES
 from nanovllm.scheduling.scheduler import DEFAULT_SCHEDULING_POLICY, PREEMPTION_MODES, RECOMPUTE, SCHEDULING_POLICIES
-from nanovllm.kernels import MIN_DOT_SIZE, cpu_build
+from nanovllm.platform.device import (MIN_BLOCK_SIZE, DevicePlatform, auto_device, device_platform, triton_installed,
+                                      unavailable)
+from nanovllm.platform.device_host import available_cores
 from nanovllm.speculative_config import DRAFT_MODEL, SpeculativeConfig
-from nanovllm.utils.cpu import available_cores
 from nanovllm.utils.tokenizer import end_of_text_id, load_tokenizer
 from nanovllm.utils.validation import ParamError, is_int, is_number, literal_values, require
 
@@ -58,24 +59,11 @@ PreemptionMode = Literal[PREEMPTION_MODES]
 CLI_HIDDEN = {"cli_hidden": True}
 # The environment variable that sets cpu_threads when the field is None (before OMP_NUM_THREADS).
 CPU_THREADS_ENV = "NANOVLLM_CPU_THREADS"
-# The smallest paged-KV block the backends accept: Triton's tl.dot needs tiles of at least this.
-MIN_BLOCK_SIZE = MIN_DOT_SIZE
-# kvcache_block_size when none is given, per device. CUDA: nano-vllm's 256, a page size flash-attn
-# takes. CPU: the torch backend's decode gathers whole blocks, so smaller ones waste less; 16..64
-# measured alike and 256 slower (docs/BENCHMARKS.md); 32 keeps prefix caching fine-grained.
-DEFAULT_BLOCK_SIZE = {"cuda": 256, "cpu": 32}
 # Tensor parallelism spans at most one 8-GPU node.
 MAX_TENSOR_PARALLEL_SIZE = 8
 # A worker beats several times per timeout from a thread that competes with its compute for the
 # CPU; below a second, a busy but healthy worker could be taken for a silent one.
 MIN_HEARTBEAT_TIMEOUT_S = 1.0
-
-
-def auto_device(device: str) -> str:
-    """The device `device` names here: "auto" is cuda when torch sees a CUDA device, else cpu."""
-    if device == "auto":
-        return "cuda" if torch.cuda.is_available() else "cpu"
-    return device
 
 
 @dataclass
@@ -87,8 +75,9 @@ class Config:
     gpu_memory_utilization: float = 0.9  # share of GPU memory the engine may fill (weights, activations, KV cache)
     tensor_parallel_size: int = 1  # ranks (processes; GPUs on CUDA) the model is sharded over
     enforce_eager: bool = False  # True: never capture CUDA graphs (CPU runs are always eager)
-    # Tokens per KV-cache block, a power of two >= 16; None = the device's (DEFAULT_BLOCK_SIZE:
-    # 256 on CUDA, which flash-attn can page; 32 on CPU). Always an int once the Config is made.
+    # Tokens per KV-cache block, a power of two >= 16; None = the device's (default_block_size in
+    # platform/device.py: 256 on CUDA, which flash-attn can page; 32 on CPU). Always an int once
+    # the Config is made.
     kvcache_block_size: int | None = None
     num_kvcache_blocks: int = -1  # -1: size the KV cache from memory; > 0: exactly this many blocks
     device: Device = "auto"  # "auto" = cuda when available, else cpu
@@ -151,7 +140,7 @@ class Config:
     # int on CPU when the Config is made.
     cpu_threads: int | None = None
     # CPU only. True: keep freed activation memory for reuse instead of glibc returning it to the
-    # OS after each op and faulting it in again (utils/cpu.py keep_freed_memory); the process keeps
+    # OS after each op and faulting it in again (platform/device_host.py keep_freed_memory); the process keeps
     # its peak heap. No effect with another allocator preloaded (tcmalloc) or off glibc.
     cpu_malloc_tuning: bool = field(default=True, metadata=CLI_HIDDEN)
     # Overlap the host's work with the device's (as vLLM's async scheduling and SGLang's overlap
@@ -188,21 +177,22 @@ class Config:
             logger.info("max_model_len=%d capped to %d: the checkpoint's %s", self.max_model_len, positions, name)
             self.max_model_len = positions
         self.device = self._resolve_device()
+        platform = device_platform(self.device)
         if self.kvcache_block_size is None:
-            self.kvcache_block_size = DEFAULT_BLOCK_SIZE[self.device]
-        if self.device == "cpu" and self.cpu_threads is None:
+            self.kvcache_block_size = platform.default_block_size
+        if platform.uses_cpu_threads and self.cpu_threads is None:
             self.cpu_threads = self._default_cpu_threads()
-        elif self.device != "cpu" and self.cpu_threads is not None:  # said, not silent
+        elif not platform.uses_cpu_threads and self.cpu_threads is not None:  # said, not silent
             logger.warning("cpu_threads=%d has no effect: it sets the CPU engine's threads, and this one runs on %s",
                            self.cpu_threads, self.device)
-        self.dtype = self._resolve_dtype()
+        self.dtype = self._resolve_dtype(platform)
         if self.compile_mode == "auto":
-            self.compile_mode = "on" if self.device == "cuda" else "off"
-        self.fused_kernels = self._resolve_fused_kernels()
-        self._check_tensor_parallel()
+            self.compile_mode = "on" if platform.compiles_by_default else "off"
+        self.fused_kernels = self._resolve_fused_kernels(platform)
+        self._check_tensor_parallel(platform)
         if self.async_scheduling == "auto":
             single = self.tensor_parallel_size == 1 and self.speculative is None
-            self.async_scheduling = "on" if self.device == "cuda" and single else "off"
+            self.async_scheduling = "on" if platform.overlaps_host_by_default and single else "off"
         self.tokenizer = None if self.skip_tokenizer_init else load_tokenizer(self.model)
         self.eos = end_of_text_id(self.tokenizer, self.hf_config)
         if self.speculative is not None and self.speculative.method == DRAFT_MODEL:
@@ -275,7 +265,7 @@ class Config:
                              f"positions, fewer than max_model_len={self.max_model_len}; lower max_model_len")
         return draft
 
-    def _check_tensor_parallel(self) -> None:
+    def _check_tensor_parallel(self, platform: DevicePlatform) -> None:
         """Each rank holds 1/tensor_parallel_size of these, so each must divide; checked here,
         before any worker process is spawned."""
         tp = self.tensor_parallel_size
@@ -286,9 +276,9 @@ class Config:
                 raise ParamError("tensor_parallel_size", f"tensor_parallel_size={tp} is not allowed for this model: its {name}={value} "
                                  f"does not divide by {tp}; tensor_parallel_size must divide "
                                  f"{', '.join(f'{n}={v}' for n, v in sizes.items())} (allowed: {allowed})")
-        if self.device == "cuda" and tp > torch.cuda.device_count():
-            raise ParamError("tensor_parallel_size", f"tensor_parallel_size={tp} needs {tp} GPUs, one per rank; torch sees "
-                             f"{torch.cuda.device_count()}")
+        refused = platform.refuses_tensor_parallel(tp)
+        if refused is not None:
+            raise ParamError("tensor_parallel_size", refused)
 
     def _load_hf_config(self) -> PretrainedConfig:
         if not isinstance(self.model, (str, os.PathLike)) or not os.path.isdir(self.model):
@@ -324,27 +314,21 @@ class Config:
         return hf_config
 
     def _resolve_device(self) -> str:
-        if self.device == "auto":
-            return auto_device(self.device)
-        if self.device == "cuda" and not torch.cuda.is_available():
-            raise ParamError("device", "device='cuda' but torch sees no CUDA device; use device='cpu' or 'auto'")
-        return self.device
+        refused = unavailable(self.device)
+        if refused is not None:
+            raise ParamError("device", refused)
+        return auto_device(self.device)
 
-    def _resolve_fused_kernels(self) -> str:
-        has_triton = importlib.util.find_spec("triton") is not None
+    def _resolve_fused_kernels(self, platform: DevicePlatform) -> str:
         if self.fused_kernels == "auto":
-            if self.device == "cpu":
-                return "cpu" if cpu_build.compiler() is not None else "torch"
-            return "triton" if has_triton else "torch"
-        if self.fused_kernels == "cpu" and self.device != "cpu":
-            raise ParamError("fused_kernels", f"fused_kernels='cpu' runs on the CPU only (device is {self.device!r})")
-        if self.fused_kernels == "triton":
-            if not has_triton:
-                raise ParamError("fused_kernels", "fused_kernels='triton' but triton is not installed (pip install triton)")
-            if self.device != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
-                raise ParamError("fused_kernels", f"fused_kernels='triton' needs a CUDA device (device is {self.device!r}), or "
-                                 "TRITON_INTERPRET=1 to run the kernels on CPU (slowly, for tests)")
+            return platform.default_fused_kernels()
+        if self.fused_kernels == "triton" and not triton_installed():
+            raise ParamError("fused_kernels", "fused_kernels='triton' but triton is not installed (pip install triton)")
+        refused = platform.refuses_fused_kernels(self.fused_kernels)
+        if refused is not None:
+            raise ParamError("fused_kernels", refused)
         return self.fused_kernels
+
     def _default_cpu_threads(self) -> int:
         """cpu_threads=None: $NANOVLLM_CPU_THREADS when set, else OMP_NUM_THREADS when set (which
         torch follows anyway), else one thread per available physical core, the cores shared among
@@ -356,13 +340,13 @@ class Config:
                 return int(value)
         return max(1, available_cores() // self.tensor_parallel_size)
 
-    def _resolve_dtype(self) -> torch.dtype:
+    def _resolve_dtype(self, platform: DevicePlatform) -> torch.dtype:
         if isinstance(self.dtype, torch.dtype):
             return self.dtype
         if self.dtype != "auto":
             return DTYPES[self.dtype]
-        if self.device == "cpu":
-            return torch.float32
+        if platform.default_dtype is not None:
+            return platform.default_dtype
         checkpoint_dtype = getattr(self.hf_config, "dtype", None) or getattr(self.hf_config, "torch_dtype", None)
         if isinstance(checkpoint_dtype, str):
             checkpoint_dtype = DTYPES.get(checkpoint_dtype)

@@ -13,7 +13,8 @@ from helpers import (AUTO_BACKEND_SMALL_BLOCKS, AUTO_CPU_BACKEND, AUTO_DEVICE, E
                      random_prompts)
 from nanovllm import LLM, SamplingParams
 from nanovllm.attention import FLASH_ATTN_PAGE_MULTIPLE
-from nanovllm.config import DEFAULT_BLOCK_SIZE, Config
+from nanovllm.config import Config
+from nanovllm.platform.device import CpuDevice, CudaDevice, device_platform
 from nanovllm.layers.rotary_embedding import rope_config_of
 from nanovllm.runner.graph import graph_batch_sizes
 
@@ -82,10 +83,12 @@ def test_defaults_match_nano_vllm(qwen3_tiny):
     config = Config(qwen3_tiny)
     assert (config.max_num_batched_tokens, config.max_num_seqs, config.gpu_memory_utilization,
             config.tensor_parallel_size, config.enforce_eager, config.kvcache_block_size,
-            config.num_kvcache_blocks) == (16384, 512, 0.9, 1, False, DEFAULT_BLOCK_SIZE[AUTO_DEVICE], -1)
+            config.num_kvcache_blocks) == (16384, 512, 0.9, 1, False,
+                                           device_platform(AUTO_DEVICE).default_block_size, -1)
     # The default block is the device's: nano-vllm's 256 on CUDA, which flash-attn can page; 32 on
     # CPU. An explicit size wins.
-    assert DEFAULT_BLOCK_SIZE == {"cuda": 256, "cpu": 32} and 256 % FLASH_ATTN_PAGE_MULTIPLE == 0
+    assert (CudaDevice.default_block_size, CpuDevice.default_block_size) == (256, 32)
+    assert 256 % FLASH_ATTN_PAGE_MULTIPLE == 0
     assert Config(qwen3_tiny, kvcache_block_size=256).kvcache_block_size == 256
     assert config.enable_prefix_caching is True
     assert config.attention_backend == "auto"

@@ -10,11 +10,11 @@ import shutil
 import pytest
 import torch
 
-import nanovllm.runner.memory_check as memory_check
 import nanovllm.runner.model_runner as model_runner
 from nanovllm import LLM
 from nanovllm.config import Config
-from nanovllm.runner.memory_check import GIB, Available, available_memory, estimate, model_bytes
+from nanovllm.platform.device import GIB, Available, CpuDevice, device_platform
+from nanovllm.runner.memory_check import estimate, model_bytes
 from nanovllm.runner.model_runner import ModelRunner
 from nanovllm.testing.synthetic import build_checkpoint
 from serving import ENGINE_KWARGS
@@ -136,7 +136,7 @@ def test_smallest_kv_cache_is_one_sequence_of_max_model_len(qwen3_tiny):
 
 
 def test_model_that_cannot_fit_is_refused_before_loading(qwen3_tiny, monkeypatch):
-    monkeypatch.setattr(memory_check, "available_memory", lambda device, utilization: Available(100_000, "a test"))
+    monkeypatch.setattr(CpuDevice, "available_memory", lambda self, utilization: Available(100_000, "a test"))
 
     def load_model(*args):
         raise AssertionError("weights loaded: the memory check should have refused first")
@@ -160,11 +160,11 @@ def test_huge_config_refused_on_this_machine(qwen3_tiny, tmp_path, monkeypatch):
 def test_cuda_available_memory_is_the_kv_cache_budget(monkeypatch):
     """On CUDA: gpu_memory_utilization of the device, less what is in use (as the KV cache is sized)."""
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (30 * GIB, 80 * GIB))
-    have = available_memory(torch.device("cuda"), 0.9)
+    have = device_platform("cuda").available_memory(0.9)
     assert have.bytes == int(72 * GIB) - 50 * GIB
     assert "gpu_memory_utilization=0.9" in have.where
 
 
 def test_cpu_available_memory_is_measured():
-    have = available_memory(torch.device("cpu"), 0.9)
+    have = device_platform("cpu").available_memory(0.9)
     assert have is not None and have.bytes > 0

@@ -10,7 +10,8 @@ import torch
 from nanovllm.scheduling.sequence import Sequence
 from nanovllm.runner.decode_inputs import DecodeInputs
 from nanovllm.runner.graph import bucket_for, graph_batch_sizes
-from nanovllm.runner.model_runner import GIB, MemoryReserve, ModelRunner, blocks_in_budget, gpu_kv_budget
+from nanovllm.platform.device import GIB, device_platform, gpu_kv_budget
+from nanovllm.runner.model_runner import MemoryReserve, ModelRunner, blocks_in_budget
 from nanovllm.runner.step_inputs import StepMessage, decode_slot
 from nanovllm.sampling_params import SamplingParams
 
@@ -78,8 +79,9 @@ def fake_runner(max_model_len: int, block_size: int = 256, utilization: float = 
     `reserve` is what a speculative draft model takes from the same budget."""
     config = SimpleNamespace(gpu_memory_utilization=utilization, max_num_seqs=1024, max_model_len=max_model_len,
                              cpu_kvcache_space_gib=4.0)
-    runner = SimpleNamespace(config=config, device=torch.device("cuda"), block_size=block_size, world_size=1,
-                             max_blocks_per_seq=-(-max_model_len // block_size), reserve=reserve)
+    runner = SimpleNamespace(config=config, device=torch.device("cuda"), device_platform=device_platform("cuda"),
+                             block_size=block_size, world_size=1, max_blocks_per_seq=-(-max_model_len // block_size),
+                             reserve=reserve)
     runner._kv_block_bytes = lambda: 2 * 28 * block_size * 8 * 128 * 2  # 28 MiB per 256-token block in bf16
     return runner
 

@@ -1,6 +1,6 @@
 """The torch backend (the CPU path) against the oracle written from attention's definition
 (tests/reference_attention.py: explicit float64 scores, mask and softmax, no code shared with the
-backends), and the CPU settings that come with it (utils/cpu.py).
+backends), and the CPU settings that come with it (utils/cpu.py, platform/device_host.py).
 
 Decode and prefill run on random paged caches whose blocks are shuffled and whose every slot no
 sequence owns holds large finite garbage, so reading one changes the output: lengths of zero and
@@ -24,6 +24,7 @@ from nanovllm.attention.torch_backend import DECODE_TILE_BYTES, TorchBackend, pl
 from nanovllm.config import Config
 from nanovllm.layers.embed_head import ParallelLMHead, VocabParallelEmbedding
 from nanovllm.layers.linear import ColumnParallelLinear, linear
+from nanovllm.platform import device_host
 from nanovllm.utils import cpu
 from nanovllm.utils.context import AttentionMetadata
 from reference_attention import ReferenceTorchBackend
@@ -363,17 +364,17 @@ def test_native_half_matmul_check():
 def test_cpu_threads_follow_affinity_and_quota_unless_set(qwen3_tiny, monkeypatch, tmp_path):
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
     monkeypatch.delenv("NANOVLLM_CPU_THREADS", raising=False)
-    monkeypatch.setattr(cpu.os, "sched_getaffinity", lambda pid: {0, 1, 2, 5})
-    monkeypatch.setattr(cpu, "CGROUP_CPU_MAX", str(tmp_path / "absent"))
-    assert cpu.available_cpus() == 4
+    monkeypatch.setattr(device_host.os, "sched_getaffinity", lambda pid: {0, 1, 2, 5})
+    monkeypatch.setattr(device_host, "CGROUP_CPU_MAX", str(tmp_path / "absent"))
+    assert device_host.available_cpus() == 4
     assert Config(qwen3_tiny, device="cpu").cpu_threads == 4
     assert Config(qwen3_tiny, device="cpu", tensor_parallel_size=2).cpu_threads == 2  # shared among the ranks
     quota = tmp_path / "cpu.max"
-    monkeypatch.setattr(cpu, "CGROUP_CPU_MAX", str(quota))
+    monkeypatch.setattr(device_host, "CGROUP_CPU_MAX", str(quota))
     quota.write_text("300000 100000\n")  # docker --cpus=3
-    assert cpu.available_cpus() == 3
+    assert device_host.available_cpus() == 3
     quota.write_text("max 100000\n")
-    assert cpu.available_cpus() == 4
+    assert device_host.available_cpus() == 4
     monkeypatch.setenv("OMP_NUM_THREADS", "3")
     assert Config(qwen3_tiny, device="cpu").cpu_threads == 3
     assert Config(qwen3_tiny, device="cpu", cpu_threads=7).cpu_threads == 7  # the field wins
@@ -414,17 +415,17 @@ def test_cpu_threads_default_to_one_per_physical_core(qwen3_tiny, monkeypatch, t
         topology.mkdir(parents=True)
         (topology / "physical_package_id").write_text("0\n")
         (topology / "core_id").write_text(f"{core}\n")
-    monkeypatch.setattr(cpu, "SYSFS_CPU", str(tmp_path / "cpu{}"))
-    monkeypatch.setattr(cpu, "CGROUP_CPU_MAX", str(tmp_path / "absent"))
-    monkeypatch.setattr(cpu.os, "sched_getaffinity", lambda pid: {0, 1, 2, 3})
-    assert cpu.available_cpus() == 4 and cpu.available_cores() == 3
+    monkeypatch.setattr(device_host, "SYSFS_CPU", str(tmp_path / "cpu{}"))
+    monkeypatch.setattr(device_host, "CGROUP_CPU_MAX", str(tmp_path / "absent"))
+    monkeypatch.setattr(device_host.os, "sched_getaffinity", lambda pid: {0, 1, 2, 3})
+    assert device_host.available_cpus() == 4 and device_host.available_cores() == 3
     assert Config(qwen3_tiny, device="cpu").cpu_threads == 3
 
 
 def test_engine_applies_cpu_threads_and_malloc_tuning(qwen3_tiny, monkeypatch):
     before = torch.get_num_threads()
     tuned = []
-    monkeypatch.setattr(cpu, "keep_freed_memory", lambda: tuned.append(True) or True)
+    monkeypatch.setattr(device_host, "keep_freed_memory", lambda: tuned.append(True) or True)
     try:
         llm = LLM(qwen3_tiny, device="cpu", cpu_threads=1, cpu_malloc_tuning=False, num_kvcache_blocks=16)
         assert torch.get_num_threads() == 1 and not tuned
@@ -436,7 +437,7 @@ def test_engine_applies_cpu_threads_and_malloc_tuning(qwen3_tiny, monkeypatch):
 
 
 def test_malloc_tuning_applies_on_glibc():
-    assert cpu.keep_freed_memory() is (platform.system() == "Linux" and platform.libc_ver()[0] == "glibc")
+    assert device_host.keep_freed_memory() is (platform.system() == "Linux" and platform.libc_ver()[0] == "glibc")
 
 
 def test_bf16_engine_on_cpu_keeps_activations_bf16(qwen3_tiny):

@@ -8,6 +8,7 @@ size get slot -1 (store nothing) and context length 0 (attend to nothing, output
 """
 import torch
 
+from nanovllm.platform.device import device_platform
 from nanovllm.runner.step_inputs import StepInputs, StepMessage, decode_slot
 from nanovllm.utils.context import AttentionMetadata
 
@@ -15,10 +16,10 @@ class DecodeInputs:
 
     def __init__(self, max_batch: int, max_blocks_per_seq: int, block_size: int, device: torch.device):
         self.block_size = block_size
-        pin = device.type == "cuda"
+        platform = device_platform(device)
 
         def host(*shape: int, dtype: torch.dtype, fill: int) -> torch.Tensor:
-            return torch.full(shape, fill, dtype=dtype, pin_memory=pin)
+            return torch.full(shape, fill, dtype=dtype, pin_memory=platform.pin_memory)
 
         # Host (pinned) buffers and their numpy views, which take a Python list in one call.
         self.host = {
@@ -30,12 +31,12 @@ class DecodeInputs:
         }
         self.np = {name: t.numpy() for name, t in self.host.items()}
         # On CPU the host buffers are the device buffers: nothing to copy.
-        self.device = self.host if device.type == "cpu" else {
+        self.device = self.host if platform.shares_host_memory else {
             name: t.to(device) for name, t in self.host.items()}
-        # Marks the latest step's copies out of the host buffers. Under async scheduling the host
-        # fills step N+1 while step N's copies may still wait in the stream behind step N-1, so
-        # it waits on this before writing over what they read.
-        self.copied = torch.cuda.Event() if device.type == "cuda" else None
+        # Marks the latest step's copies out of the host buffers (None where there are none). Under
+        # async scheduling the host fills step N+1 while step N's copies may still wait in the
+        # stream behind step N-1, so it waits on this before writing over what they read.
+        self.copied = platform.copy_event()
 
     def fill(self, step: StepMessage, padded_batch: int, full_width: bool) -> StepInputs:
         """Write a decode step's inputs and pad to `padded_batch` rows. Block tables keep their

@@ -10,6 +10,7 @@ from bisect import bisect_left
 import torch
 from torch import nn
 
+from nanovllm.platform.device import DeviceGraph, device_platform
 from nanovllm.runner.decode_inputs import DecodeInputs
 from nanovllm.runner.step_inputs import StepInputs, StepMessage
 from nanovllm.utils.context import forward_context
@@ -39,7 +40,7 @@ class DecodeGraphs:
     """The captured decode graphs of one model runner; empty until `capture` (and after `clear`)."""
 
     def __init__(self) -> None:
-        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.graphs: dict[int, DeviceGraph] = {}
         self.batch_sizes: list[int] = []
         self.pool: tuple | None = None  # the memory pool every graph shares (an opaque handle)
         self.hidden_states: torch.Tensor | None = None  # [largest batch, hidden]: what every graph writes
@@ -56,21 +57,24 @@ class DecodeGraphs:
                 dtype: torch.dtype, device: torch.device) -> None:
         """One graph per batch size, largest first, sharing one memory pool. The attention
         backend must be prepared for these sizes first (AttentionBackend.prepare_cuda_graphs)."""
+        platform = device_platform(device)
         self.batch_sizes = batch_sizes
         self.hidden_states = torch.zeros(batch_sizes[-1], hidden_size, dtype=dtype, device=device)
         empty = StepMessage.of([], is_prefill=False)
         for batch in reversed(batch_sizes):
             # All rows are padding (slot -1, context 0): warm-up and capture write no KV.
             inputs = decode_inputs.fill(empty, batch, full_width=True)
+
+            def step() -> None:
+                self.hidden_states[:batch] = model(inputs.input_ids, inputs.positions)
+
             with forward_context(inputs.meta):
-                self.hidden_states[:batch] = model(inputs.input_ids, inputs.positions)  # warm-up (and compile)
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, self.pool):
-                    self.hidden_states[:batch] = model(inputs.input_ids, inputs.positions)
+                step()  # warm-up (and compile)
+                graph = platform.capture_graph(step, self.pool)
             if self.pool is None:
                 self.pool = graph.pool()
             self.graphs[batch] = graph
-            torch.cuda.synchronize()
+            platform.synchronize()
 
     def replay(self, inputs: StepInputs) -> torch.Tensor:
         """Run the graph of the batch size `inputs` were padded to (by DecodeInputs.fill, into the

@@ -5,11 +5,12 @@ Owns the estimate (the model built on the meta device, which allocates nothing: 
 and buffer in the configured dtype, so no per-family formula can drift from the models; plus
 one sequence of max_model_len in the KV cache, the least the runner accepts, or exactly
 num_kvcache_blocks when given; plus a draft model's share, `MemoryReserve`) and the memory
-available (CUDA: gpu_memory_utilization of the device less what is in use, as the KV cache is
-sized; CPU: MemAvailable from /proc/meminfo, capped by a cgroup v2 memory limit). A model that
-cannot fit is a ValueError saying what it needs and what there is. The estimate is a lower bound
-(activations, CUDA graphs and allocator slack come on top), so it refuses only what certainly
-cannot run; the runner's own sizing still has the last word.
+available, as the device's platform measures it (platform/device.py: on CUDA gpu_memory_utilization
+of the device less what is in use, as the KV cache is sized; on CPU MemAvailable, capped by a
+cgroup v2 memory limit). A model that cannot fit is a ValueError saying what it needs and what
+there is. The estimate is a lower bound (activations, CUDA graphs and allocator slack come on
+top), so it refuses only what certainly cannot run; the runner's own sizing still has the last
+word.
 """
 import logging
 from typing import NamedTuple
@@ -20,15 +21,10 @@ from torch import nn
 from nanovllm.config import Config
 from nanovllm.layers.attention import Attention
 from nanovllm.models.registry import MODELS
+from nanovllm.platform.device import GIB, device_platform
 from nanovllm.utils.math_utils import cdiv
 
 logger = logging.getLogger("nanovllm")
-
-GIB = 1 << 30
-MEMINFO = "/proc/meminfo"
-# cgroup v2: this process's group is named in /proc/self/cgroup as "0::/path".
-PROC_CGROUP = "/proc/self/cgroup"
-CGROUP_ROOT = "/sys/fs/cgroup"
 
 
 class MemoryEstimate(NamedTuple):
@@ -40,11 +36,6 @@ class MemoryEstimate(NamedTuple):
     @property
     def total_bytes(self) -> int:
         return self.weight_bytes + self.kv_bytes + self.reserve_bytes
-
-
-class Available(NamedTuple):
-    bytes: int
-    where: str  # how it was measured, for the message
 
 
 def kv_block_bytes(num_layers: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
@@ -79,51 +70,11 @@ def estimate(config: Config, reserve_fixed: int = 0, reserve_per_block: int = 0)
     return MemoryEstimate(model_bytes(model), blocks * block_bytes, blocks, reserve_fixed + blocks * reserve_per_block)
 
 
-def _meminfo_available() -> int | None:
-    try:
-        with open(MEMINFO) as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024  # the file counts kB
-    except (OSError, ValueError, IndexError):
-        pass
-    return None
-
-
-def _cgroup_available() -> int | None:
-    """What the cgroup v2 memory limit leaves this process's group (docker --memory), or None."""
-    try:
-        with open(PROC_CGROUP) as f:
-            group = next(line.strip()[3:] for line in f if line.startswith("0::"))
-        base = f"{CGROUP_ROOT}{group.rstrip('/')}"
-        with open(f"{base}/memory.max") as f:
-            limit = f.read().strip()
-        if limit == "max":
-            return None
-        with open(f"{base}/memory.current") as f:
-            return int(limit) - int(f.read().strip())
-    except (OSError, ValueError, StopIteration):  # no cgroup v2 here: no limit to apply
-        return None
-
-
-def available_memory(device: torch.device, utilization: float) -> Available | None:
-    """Memory this rank's model and KV cache may take, or None where it cannot be measured."""
-    if device.type == "cuda":
-        free, total = torch.cuda.mem_get_info(device)
-        used = total - free
-        return Available(int(total * utilization) - used, f"gpu_memory_utilization={utilization} of "
-                         f"{total / GIB:.1f} GiB, less {used / GIB:.1f} GiB in use")
-    known = [v for v in (_meminfo_available(), _cgroup_available()) if v is not None]
-    if not known:
-        return None
-    return Available(min(known), "host memory: MemAvailable, capped by any cgroup memory limit")
-
-
 def check_fits(config: Config, device: torch.device, reserve_fixed: int = 0, reserve_per_block: int = 0) -> MemoryEstimate:
     """Refuse (ValueError, needed vs available) a model whose weights and smallest KV cache
     cannot fit on `device`; returns the estimate."""
     need = estimate(config, reserve_fixed, reserve_per_block)
-    have = available_memory(device, config.gpu_memory_utilization)
+    have = device_platform(device).available_memory(config.gpu_memory_utilization)
     if have is None:
         logger.debug("memory check skipped: no way to measure the available memory here")
         return need

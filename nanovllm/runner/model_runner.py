@@ -11,7 +11,6 @@ replaying a graph (graph.py), and rank 0 samples the rows that complete a sequen
 sequence except to give a seeded one its random generator.
 """
 import logging
-import os
 import time
 from typing import Callable, NamedTuple
 
@@ -33,6 +32,7 @@ from nanovllm.layers.logits_processors import SamplingTensors
 from nanovllm.layers.sampler import Sampler
 from nanovllm.models.llama import LlamaModel
 from nanovllm.models.registry import MODELS
+from nanovllm.platform.device import GIB, DevicePlatform, device_platform
 from nanovllm.runner.decode_inputs import DecodeInputs
 from nanovllm.runner.graph import DecodeGraphs, graph_batch_sizes
 from nanovllm.runner.kernel_warmup import warm_up_kernels
@@ -53,12 +53,6 @@ from nanovllm.utils.parallel import tp_rank, tp_size
 
 logger = logging.getLogger("nanovllm")
 
-GIB = 1 << 30
-# On CPU the warm-up only checks the forward pass runs; a full max_num_batched_tokens prefill
-# (done on CUDA to measure peak memory) would take minutes on a few cores.
-CPU_WARMUP_TOKENS = 64
-
-
 # The modules with a Triton path (kernels/), switched to it when Config.fused_kernels is "triton".
 TRITON_LAYERS = (RMSNorm, SiluAndMul, Attention, Sampler)
 # The modules with a CPU kernel (kernels/cpu_*.cpp), switched to it when Config.fused_kernels is "cpu".
@@ -78,28 +72,19 @@ class StartupTimes(NamedTuple):
         return sum(self)
 
 
-def lap_timer(device: torch.device) -> Callable[[], float]:
+def lap_timer(platform: DevicePlatform) -> Callable[[], float]:
     """A function returning the seconds since its previous call (or its making), once the
     device's queued work is done: the parts of a start-up, timed one after another."""
     last = time.perf_counter()
 
     def lap() -> float:
         nonlocal last
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
+        platform.synchronize()
         now = time.perf_counter()
         elapsed, last = now - last, now
         return elapsed
 
     return lap
-
-
-def gpu_kv_budget(total: int, free: int, peak: int, current: int, utilization: float) -> int:
-    """Bytes the KV cache may take: `utilization` of the device, less what is in use now (this
-    process's weights and anything else on the device) and less the warm-up's activation peak
-    above what stays allocated."""
-    used = total - free
-    return int(total * utilization) - used - (peak - current)
 
 
 def blocks_in_budget(budget: int, block_bytes: int, max_num_seqs: int, blocks_per_seq: int) -> int:
@@ -132,14 +117,13 @@ class ModelRunner:
         self.reserve = reserve
         hf_config = config.hf_config
         self.device = torch.device(config.device)
+        self.device_platform = device_platform(self.device)
         self.block_size = config.kvcache_block_size
         # Built inside tensor_parallel_rank(...) for a rank of a tensor-parallel group, else rank 0 of 1.
         self.rank, self.world_size = tp_rank(), tp_size()
         self.compile = config.compile_mode == "on"  # the hot layer functions run compiled in every step
-        if self.device.type == "cpu":
-            torch.set_num_threads(config.cpu_threads)  # process-wide, as OMP_NUM_THREADS would be
-            malloc_tuned = config.cpu_malloc_tuning and cpu.keep_freed_memory()
-        lap = lap_timer(self.device)
+        self.device_platform.prepare_process(config.cpu_threads, config.cpu_malloc_tuning)
+        lap = lap_timer(self.device_platform)
         # Weights and the smallest KV cache against the memory there is, before any is allocated.
         check_fits(config, self.device, reserve.fixed_bytes, reserve.per_block_bytes)
         default_dtype = torch.get_default_dtype()
@@ -208,7 +192,7 @@ class ModelRunner:
                                               self.device)
         kv_cache_s = lap()
         self.graphs = DecodeGraphs()
-        use_graphs = self.device.type == "cuda" and not config.enforce_eager
+        use_graphs = self.device_platform.supports_cuda_graphs and not config.enforce_eager
         captures = use_graphs and self.backend.supports_cuda_graphs
         if use_graphs and not captures and self.rank == 0:
             logger.warning("CUDA graphs off: the %s attention backend cannot be captured", self.backend.name)
@@ -227,19 +211,8 @@ class ModelRunner:
                         self.describe_cache_dtype(), self.world_size)
             if self.kv_quantized:
                 logger.info("KV-cache scales %s: %s", self.kv_scales_source, describe(kv_scales))
-            if self.device.type == "cpu":
-                modules = list(self.model.modules())
-                kernel = getattr(self.backend, "kernel", None)  # the C++ paged attention, when chosen
-                amx_prefill = kernel is not None and kernel.amx_prefill(self.cache_dtype, self.head_dim, self.block_size)
-                logger.info("CPU: %d torch threads per rank, malloc tuned %s, kernels built for %s, linear layers in "
-                            "%s, %d packed for oneDNN, %d for AMX, prefill attention %s", config.cpu_threads,
-                            malloc_tuned, os.environ.get(cpu_build.CPU_ISA_ENV, "native"),
-                            "float32 (no native half-precision matmul here)" if half_in_float32
-                            else str(config.dtype).removeprefix("torch."),
-                            sum(getattr(m, "packed_weight", None) is not None for m in modules),
-                            sum(getattr(m, "amx", None) is not None for m in modules),
-                            "on AMX tiles" if amx_prefill else "in vector registers" if kernel is not None
-                            else f"by the {self.backend.name} backend")
+            self.device_platform.log_startup(self.model, self.backend, config.dtype, half_in_float32,
+                                             (self.cache_dtype, self.head_dim, self.block_size))
             if config.preemption_mode == SWAP:
                 logger.info("swap space %d host blocks (swap_space=%s GiB per rank, %s)", self.num_swap_blocks,
                             config.swap_space, "pinned" if self.swap_cache.is_pinned() else "not pinned")
@@ -252,28 +225,20 @@ class ModelRunner:
         for layer in self.attention_layers:
             layer.k_cache = layer.v_cache = torch.tensor([])
         self.kv_cache = self.swap_cache = None
-        if self.device.type == "cuda":
-            torch.cuda.synchronize()
-            torch.cuda.empty_cache()
+        self.device_platform.free_cached_memory()
 
     @torch.inference_mode()
     def warmup_model(self) -> None:
         config = self.config
-        if self.device.type == "cuda":
-            torch.cuda.empty_cache()
-            torch.cuda.reset_peak_memory_stats()
-            seq_len = min(config.max_num_batched_tokens, config.max_model_len)
-            num_seqs = max(1, min(config.max_num_batched_tokens // seq_len, config.max_num_seqs))
-        else:
-            seq_len, num_seqs = min(CPU_WARMUP_TOKENS, config.max_model_len), 1
+        seq_len, num_seqs = self.device_platform.warmup_shape(config.max_num_batched_tokens,
+                                                              config.max_model_len, config.max_num_seqs)
         # Varied tokens: this forward is also what calibrates an fp8 cache's scales (kv_scales.py).
         prompt = calibration_token_ids(config.hf_config.vocab_size, seq_len)
         seqs = [Sequence(-1, prompt, SamplingParams(), self.block_size) for _ in range(num_seqs)]
         for seq in seqs:
             seq.num_scheduled_tokens = seq_len
-        self.run(seqs, True)
-        if self.device.type == "cuda":
-            torch.cuda.empty_cache()
+        with self.device_platform.measuring_peak():  # the activations' peak: the KV cache leaves room for it
+            self.run(seqs, True)
 
     def _kv_block_bytes(self) -> int:
         return kv_block_bytes(self.num_layers, self.block_size, self.num_kv_heads, self.head_dim, self.cache_dtype)
@@ -288,16 +253,8 @@ class ModelRunner:
 
     def _num_blocks_from_memory(self) -> int:
         config = self.config
-        if self.device.type == "cuda":
-            free, total = torch.cuda.mem_get_info()
-            stats = torch.cuda.memory_stats()
-            budget = gpu_kv_budget(total, free, stats["allocated_bytes.all.peak"],
-                                   stats["allocated_bytes.all.current"], config.gpu_memory_utilization)
-            budget -= self.reserve.fixed_bytes
-            where = f"gpu_memory_utilization={config.gpu_memory_utilization} of {total / GIB:.1f} GiB"
-        else:
-            budget = int(config.cpu_kvcache_space_gib * GIB)
-            where = f"cpu_kvcache_space_gib={config.cpu_kvcache_space_gib}"
+        budget, where = self.device_platform.kv_cache_budget(config.gpu_memory_utilization,
+                                                             config.cpu_kvcache_space_gib, self.reserve.fixed_bytes)
         num_blocks = blocks_in_budget(budget, self._kv_block_bytes() + self.reserve.per_block_bytes,
                                       config.max_num_seqs, self.max_blocks_per_seq)
         if self.world_size > 1:  # block ids mean the same on every rank, so all take the smallest cache
@@ -331,8 +288,8 @@ class ModelRunner:
                 int(config.swap_space * GIB), self._kv_block_bytes(), config.max_num_seqs, self.max_blocks_per_seq)
         shape = list(self.kv_cache.shape)
         shape[2] = num_blocks
-        self.swap_cache = torch.empty(shape, dtype=self.kv_cache.dtype, pin_memory=self.device.type == "cuda" and
-                                      num_blocks > 0)
+        self.swap_cache = torch.empty(shape, dtype=self.kv_cache.dtype,
+                                      pin_memory=self.device_platform.pin_memory and num_blocks > 0)
         return num_blocks
 
     @torch.inference_mode()

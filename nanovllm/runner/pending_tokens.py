@@ -7,11 +7,12 @@ alone, so the host works on while the device runs. The scheduler meanwhile gives
 that goes on a placeholder token id, -(row + 1) (scheduling/sequence.py), and
 `fill_placeholders` reads the real ids of a step's placeholder rows on the device, from the
 previous step's sampled tokens, before the forward pass. On CPU the same code runs; there the
-copy is the tensor itself and nothing waits.
+copy is the tensor itself and nothing waits (platform/device.py copy_to_host).
 """
 import torch
 
 from nanovllm.layers.sampler import TokenLogprobs
+from nanovllm.platform.device import device_platform
 from nanovllm.runner.protocol import RunnerOutput
 
 
@@ -28,13 +29,9 @@ class PendingTokens:
         # Sequences (index into the step's) whose sampling inputs raised: their rows hold no real token.
         self.failed = failed or {}
         self.device_tokens = tokens  # [len(sample_indices)] int64 on the device; None when nothing sampled
-        self.ready: torch.cuda.Event | None = None
-        self.host_tokens = tokens
-        if tokens is not None and tokens.is_cuda:
-            self.host_tokens = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
-            self.host_tokens.copy_(tokens, non_blocking=True)
-            self.ready = torch.cuda.Event()
-            self.ready.record()
+        self.host_tokens, self.ready = tokens, None  # ready: the event that marks the copy's end, if any
+        if tokens is not None:
+            self.host_tokens, self.ready = device_platform(tokens.device).copy_to_host(tokens)
 
     def result(self) -> RunnerOutput:
         """Each sequence's token (-1 for a row that sampled nothing) and logprobs, once the copy

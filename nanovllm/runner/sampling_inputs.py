@@ -13,6 +13,7 @@ import torch
 from nanovllm.scheduling.sequence import Sequence
 from nanovllm.scheduling.stop_checker import banned_token_ids
 from nanovllm.layers.logits_processors import RowsView, SamplingTensors
+from nanovllm.platform.device import device_platform
 
 INT64_SPAN = 1 << 64  # seeds run over int64 and uint64 (SamplingParams); a key is their 64 bits
 
@@ -43,9 +44,7 @@ def prepare_sampling(seqs: list[Sequence], vocab_size: int, eos: int, device: to
                      philox: bool = False, drafts: list[list[int]] | None = None) -> SamplingTensors:
     """`drafts`: per row, the proposed tokens it comes after (speculative decoding; RowsView)."""
     params = [seq.sampling_params for seq in seqs]
-
-    def column(values: list, dtype: torch.dtype) -> torch.Tensor:  # from pinned memory, without blocking
-        return torch.tensor(values, dtype=dtype, pin_memory=device.type == "cuda").to(device, non_blocking=True)
+    column = device_platform(device).upload  # a list as a device tensor, from pinned memory without blocking
 
     temperatures = [p.temperature for p in params]  # 0 for greedy (SamplingParams stores it so)
     keys = column(philox_keys(seqs), torch.int64) if philox else None  # [2, batch]

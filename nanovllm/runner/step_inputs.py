@@ -15,6 +15,7 @@ from typing import NamedTuple
 
 import torch
 
+from nanovllm.platform.device import device_platform
 from nanovllm.scheduling.block_manager import NO_COPIES, BlockCopies
 from nanovllm.scheduling.sequence import Sequence
 from nanovllm.runner.prompt_logprobs import PromptTargets, prompt_targets
@@ -110,13 +111,6 @@ class StepInputs(NamedTuple):
     keep_rows: torch.Tensor | None = None
 
 
-def to_device(data: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """A host list as a tensor on `device`, copied from pinned memory without blocking on CUDA."""
-    if device.type == "cpu":
-        return torch.tensor(data, dtype=dtype)
-    return torch.tensor(data, dtype=dtype, pin_memory=True).to(device, non_blocking=True)
-
-
 def token_slots(block_table: list[int], block_size: int, start: int, end: int) -> list[int]:
     """Flat cache slots (block_id * block_size + offset) of token positions start..end-1."""
     slots = []
@@ -151,14 +145,15 @@ def prefill_inputs(step: StepMessage, block_size: int, device: torch.device, att
     seqlens_q = [end - start for start, end in zip(step.starts, step.ends)]
     has_prefix = cu_k[-1] > cu_q[-1]  # some sequence attends to K/V cached before this step
     paged = has_prefix or (attend_from_cache and bool(slot_mapping))  # the warm-up has no cache
+    upload = device_platform(device).upload
     meta = AttentionMetadata(
         is_prefill=True,
-        slot_mapping=to_device(slot_mapping, torch.int64, device),
-        cu_seqlens_q=to_device(cu_q, torch.int32, device),
-        cu_seqlens_k=to_device(cu_k, torch.int32, device),
+        slot_mapping=upload(slot_mapping, torch.int64),
+        cu_seqlens_q=upload(cu_q, torch.int32),
+        cu_seqlens_k=upload(cu_k, torch.int32),
         max_seqlen_q=max(seqlens_q),
         max_seqlen_k=max(step.ends),
-        block_tables=block_tables_tensor(step.block_tables, device) if paged else None,
+        block_tables=upload(padded_tables(step.block_tables), torch.int32) if paged else None,
         seqlens_q=seqlens_q,
         seqlens_k=list(step.ends),
     )
@@ -167,16 +162,16 @@ def prefill_inputs(step: StepMessage, block_size: int, device: torch.device, att
         rows = [r for i in sample_indices for r in range(cu_q[i + 1] - 1 - step.num_proposed[i], cu_q[i + 1])]
     else:
         rows = [cu_q[i + 1] - 1 for i in sample_indices]
-    sample_rows = to_device(rows, torch.int64, device)
+    sample_rows = upload(rows, torch.int64)
     if step.prompt_targets:
         keep_rows = None
     else:
-        keep_rows = sample_rows if rows else to_device([cu_q[-1] - 1], torch.int64, device)
-    return StepInputs(to_device(step.token_ids, torch.int64, device), to_device(positions, torch.int64, device),
-                      meta, sample_indices, sample_rows, keep_rows)
+        keep_rows = sample_rows if rows else upload([cu_q[-1] - 1], torch.int64)
+    return StepInputs(upload(step.token_ids, torch.int64), upload(positions, torch.int64), meta, sample_indices,
+                      sample_rows, keep_rows)
 
 
-def block_tables_tensor(tables: list[list[int]], device: torch.device) -> torch.Tensor:
-    """[batch, longest table] int32, padded with -1."""
+def padded_tables(tables: list[list[int]]) -> list[list[int]]:
+    """[batch, longest table], padded with -1."""
     width = max(len(table) for table in tables)
-    return to_device([table + [-1] * (width - len(table)) for table in tables], torch.int32, device)
+    return [table + [-1] * (width - len(table)) for table in tables]

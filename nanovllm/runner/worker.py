@@ -23,10 +23,10 @@ from datetime import timedelta
 from multiprocessing.connection import Connection
 from time import sleep
 
-import torch
 import torch.distributed as dist
 
 from nanovllm.config import Config
+from nanovllm.platform.device import device_platform
 from nanovllm.runner.model_runner import ModelRunner
 from nanovllm.utils.parallel import tensor_parallel_rank
 
@@ -43,14 +43,11 @@ HEARTBEATS_PER_TIMEOUT = 5
 RUN, EXIT, STARTED, FAILED, HEARTBEAT = "run", "exit", "started", "failed", "heartbeat"
 
 
-def process_group_backend(config: Config) -> str:
-    return "nccl" if config.device == "cuda" else "gloo"
-
-
 def join_process_group(config: Config, rank: int, store: dist.Store) -> None:
-    kwargs = {"device_id": torch.device("cuda", rank)} if config.device == "cuda" else {}
-    dist.init_process_group(process_group_backend(config), store=store, rank=rank,
-                            world_size=config.tensor_parallel_size, timeout=PROCESS_GROUP_TIMEOUT, **kwargs)
+    platform = device_platform(config.device)
+    dist.init_process_group(platform.process_group_backend, store=store, rank=rank,
+                            world_size=config.tensor_parallel_size, timeout=PROCESS_GROUP_TIMEOUT,
+                            **platform.process_group_options(rank))
 
 
 def send(conn: Connection, *message) -> None:
@@ -81,10 +78,7 @@ def worker_main(config: Config, rank: int, store_port: int, conn: Connection, he
     threading.Thread(target=_beat, args=(heartbeat, heartbeat_interval_s(config)), name="nanovllm-tp-heartbeat",
                      daemon=True).start()
     try:
-        if config.device == "cuda":
-            torch.cuda.set_device(rank)
-        else:
-            torch.set_num_threads(config.cpu_threads)  # per rank, resolved by Config
+        device_platform(config.device).bind_rank(rank, config.cpu_threads)  # per rank, resolved by Config
         send(conn, STARTED)
         store = dist.TCPStore(LOOPBACK, store_port, config.tensor_parallel_size, is_master=False,
                               timeout=PROCESS_GROUP_TIMEOUT)

@@ -26,9 +26,10 @@ import torch
 import torch.distributed as dist
 
 from nanovllm.config import Config
+from nanovllm.platform.device import device_platform
 from nanovllm.runner.step_inputs import StepMessage
 from nanovllm.runner.worker import (EXIT, FAILED, LOOPBACK, PROCESS_GROUP_TIMEOUT, RUN, STARTED, heartbeat_interval_s,
-                                    join_process_group, process_group_backend, send, worker_main)
+                                    join_process_group, send, worker_main)
 
 logger = logging.getLogger("nanovllm")
 
@@ -129,15 +130,13 @@ class WorkerGroup:
             self.workers.append(Worker(rank, process, conn, heartbeat))
         self._wait_started()
         self._start_watcher()  # every worker beats from before its STARTED
-        if config.device == "cuda":
-            torch.cuda.set_device(0)
-        else:
-            self._saved_threads = torch.get_num_threads()
-            torch.set_num_threads(num_threads)
+        platform = device_platform(config.device)
+        self._saved_threads = torch.get_num_threads()  # bind_rank may change them for the group's life
+        platform.bind_rank(0, num_threads)
         join_process_group(config, 0, self.store)
         logger.info("tensor parallel: %d ranks over %s, workers %s, rendezvous on %s:%d%s", self.world_size,
-                    process_group_backend(config), self.pids, LOOPBACK, self.store.port,
-                    "" if config.device == "cuda" else f", {num_threads} CPU thread(s) per rank")
+                    platform.process_group_backend, self.pids, LOOPBACK, self.store.port,
+                    platform.describe_ranks(num_threads))
 
     def _wait_started(self) -> None:
         deadline = monotonic() + WORKER_START_TIMEOUT_S
@@ -231,9 +230,9 @@ class WorkerGroup:
         """The watcher thread on rank 0. A worker silent for tensor_parallel_heartbeat_timeout_s
         (stopped, hung) is recorded as the group's failure, then killed: a gloo collective waiting
         on it fails at once, so rank 0's blocked call raises and run() reports the silent rank.
-        Under NCCL a collective waiting on a dead peer never returns, so on CUDA the watcher also
-        aborts the group, when a worker goes silent or exits. Returns at the first of these, or
-        when close() wakes it."""
+        Under NCCL a collective waiting on a dead peer never returns, so there
+        (collectives_hang_on_dead_rank, platform/device.py) the watcher also aborts the group, when a
+        worker goes silent or exits. Returns at the first of these, or when close() wakes it."""
         timeout = self.config.tensor_parallel_heartbeat_timeout_s
         interval = heartbeat_interval_s(self.config)
         beating = {w.heartbeat: w for w in self.workers}
@@ -269,7 +268,8 @@ class WorkerGroup:
                     break
         finally:
             wake.close()
-        if self.config.device == "cuda" and dist.is_initialized() and not self.closed \
+        hangs = device_platform(self.config.device).collectives_hang_on_dead_rank
+        if hangs and dist.is_initialized() and not self.closed \
                 and hasattr(dist.distributed_c10d, "_abort_process_group"):
             dist.distributed_c10d._abort_process_group()
 

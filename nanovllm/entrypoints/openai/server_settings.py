@@ -69,7 +69,7 @@ class ServerSettings:
         self.engine_kwargs = dict(self.engine_kwargs)  # the caller's dict stays as it was
         if self.engine_kwargs.get("max_num_batched_tokens", None) is None:
             self.engine_kwargs.pop("max_num_batched_tokens", None)
-            if _serves_on_cpu(self.engine_kwargs.get("device", "auto")):
+            if _prefills_slowly(self.engine_kwargs.get("device", "auto")):
                 self.engine_kwargs["max_num_batched_tokens"] = CPU_SERVING_MAX_BATCHED_TOKENS
 
     @property
@@ -119,6 +119,7 @@ def api_key_from_env() -> str | None:
     return os.environ.get(API_KEY_ENV)
 
 
-def _serves_on_cpu(device: str) -> bool:
-    from nanovllm.config import auto_device  # here: the CLI builds its flags from this module without torch
-    return auto_device(device) == "cpu"
+def _prefills_slowly(device: str) -> bool:
+    """Whether a full prefill step takes long on `device` (the CPU), so serving bounds its tokens."""
+    from nanovllm.platform.device import auto_device, device_platform  # here: the CLI builds its flags without torch
+    return device_platform(auto_device(device)).slow_prefill
