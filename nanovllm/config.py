@@ -86,7 +86,7 @@ class Config:
     dtype: torch.dtype | DtypeName = "auto"
     # The KV cache's element type: "auto" = the model's dtype; "fp8_e4m3" or "fp8_e5m2" store K and
     # V in one byte with a float32 scale per (layer, KV head): twice the tokens of a 16-bit cache
-    # (4x on CPU's float32) at a small accuracy cost (README). Scales come from the checkpoint's
+    # (4x on CPU's float32) at a small accuracy cost (docs/gpu.md, "FP8 KV cache"). Scales come from the checkpoint's
     # `self_attn.k_scale`/`v_scale` tensors when it has them, else from the start-up warm-up.
     kv_cache_dtype: KvCacheDtype = "auto"
     # "auto" = flash_attn on CUDA when installed, else triton on CUDA; on CPU "cpu" (the in-place
@@ -123,13 +123,13 @@ class Config:
     # The small layer functions (residual add + RMSNorm, q/k norm + rotary + KV store, SiLU-and-mul)
     # and the sampler's race as Triton kernels (nanovllm/kernels/), or as the torch functions:
     # "auto" = "triton" on CUDA when triton is installed, "cpu" on CPU where a C++ compiler is
-    # (kernels/cpu_fused.cpp: RMSNorm, SiLU-and-mul, q/k norm + rotary + KV store; the sampler stays torch's),
+    # (kernels/cpu_fused.cpp: RMSNorm, SiLU-and-mul, q/k norm + rotary + KV store, the sampler's draw),
     # else "torch". "triton" without CUDA needs TRITON_INTERPRET=1 (tests). On Llama, Qwen2/3 and
     # Qwen3-MoE the Triton path calls no torch.compile'd function, whatever compile_mode says;
     # GPT-2's LayerNorm and GELU stay torch's. Resolved to "triton", "cpu" or "torch" when the
     # Config is made ("cpu" becomes "torch" at start-up if the library cannot be built).
     fused_kernels: FusedKernels = "auto"
-    # Speculative decoding (README, "Speculative decoding"): None (off), {"method": "ngram",
+    # Speculative decoding (docs/sampling.md, "Speculative decoding"): None (off), {"method": "ngram",
     # "num_speculative_tokens": k, "prompt_lookup_min": a, "prompt_lookup_max": b} or
     # {"method": "draft_model", "model": PATH, "num_speculative_tokens": k}. Output is exactly
     # the same as without it (greedy token for token; sampled, the same distribution).

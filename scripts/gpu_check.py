@@ -15,7 +15,7 @@ written to OUT_DIR/summary.txt (and OUT_DIR/summary.json), headed by the commit,
 versions and date. Exit status: 0 when every stage passed.
 
 Needs only the packages the engine needs (torch, triton, transformers, safetensors, xxhash,
-tqdm) and pytest; nothing is downloaded or installed. What each number means: README, "On a GPU".
+tqdm) and pytest; nothing is downloaded or installed. What each number means: docs/gpu.md, "Checking a GPU machine".
 """
 import argparse
 import json
