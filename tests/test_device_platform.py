@@ -115,3 +115,20 @@ def test_each_device_refuses_the_others_kernels_and_cuda_counts_its_gpus(monkeyp
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
     assert cuda.refuses_tensor_parallel(2) is None and cpu.refuses_tensor_parallel(8) is None
     assert cuda.refuses_tensor_parallel(4) == "tensor_parallel_size=4 needs 4 GPUs, one per rank; torch sees 2"
+
+
+def test_data_parallel_engines_share_the_cpu_threads(monkeypatch):
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 8)
+    assert device_platform("cpu").worker_environments(3, 1) == [{"OMP_NUM_THREADS": "2"}] * 3
+    assert device_platform("cpu").worker_environments(16, 1) == [{"OMP_NUM_THREADS": "1"}] * 16
+
+
+def test_data_parallel_engines_each_get_their_own_gpus(monkeypatch):
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "4,5,6,7")
+    cuda = device_platform("cuda")
+    assert cuda.worker_environments(2, 2) == [{"CUDA_VISIBLE_DEVICES": "4,5"}, {"CUDA_VISIBLE_DEVICES": "6,7"}]
+    with pytest.raises(ValueError, match="data_parallel=3 with tensor_parallel_size=2 needs 6 GPUs; 4 are visible"):
+        cuda.worker_environments(3, 2)
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES")
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    assert cuda.worker_environments(2, 1) == [{"CUDA_VISIBLE_DEVICES": "0"}, {"CUDA_VISIBLE_DEVICES": "1"}]

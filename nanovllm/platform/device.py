@@ -162,6 +162,11 @@ class DevicePlatform(ABC):
     def refuses_tensor_parallel(self, ranks: int) -> str | None:
         """Why `ranks` tensor-parallel ranks cannot run here, or None."""
 
+    @abstractmethod
+    def worker_environments(self, engines: int, tensor_parallel_size: int) -> list[dict[str, str]]:
+        """The environment of each of `engines` engine processes sharing this machine (a data-parallel
+        batch job): each its own GPUs, or an equal share of the compute threads."""
+
 
 class CpuDevice(DevicePlatform):
     pin_memory = False
@@ -276,6 +281,11 @@ class CpuDevice(DevicePlatform):
         """Ranks share the host's cores (cpu_threads each): any number can run."""
         return None
 
+    def worker_environments(self, engines: int, tensor_parallel_size: int) -> list[dict[str, str]]:
+        threads = str(max(1, torch.get_num_threads() // engines))  # Config reads OMP_NUM_THREADS for cpu_threads
+        return [{"OMP_NUM_THREADS": threads} for _ in range(engines)]
+
+
 
 class CudaDevice(DevicePlatform):
     pin_memory = True
@@ -380,6 +390,15 @@ class CudaDevice(DevicePlatform):
         if ranks > count:
             return f"tensor_parallel_size={ranks} needs {ranks} GPUs, one per rank; torch sees {count}"
         return None
+
+    def worker_environments(self, engines: int, tensor_parallel_size: int) -> list[dict[str, str]]:
+        tp = tensor_parallel_size
+        visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+        gpus = visible.split(",") if visible else [str(i) for i in range(torch.cuda.device_count())]
+        if engines * tp > len(gpus):
+            raise ValueError(f"data_parallel={engines} with tensor_parallel_size={tp} needs {engines * tp} GPUs; "
+                             f"{len(gpus)} are visible")
+        return [{"CUDA_VISIBLE_DEVICES": ",".join(gpus[i * tp:(i + 1) * tp])} for i in range(engines)]
 
 
 def gpu_kv_budget(total: int, free: int, peak: int, current: int, utilization: float) -> int:

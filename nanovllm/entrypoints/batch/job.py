@@ -32,6 +32,7 @@ from nanovllm.entrypoints.batch.lines import (BatchRequest, LineError, line_cust
                                               resolve_sampling_defaults, result_line)
 from nanovllm.entrypoints.batch.log import (DEFAULT_FLUSH_INTERVAL, BatchJobError, InputStamp, ResultLog,
                                             pending_lines, stamp_input)
+from nanovllm.platform.device import device_platform
 from nanovllm.utils.validation import ParamError
 
 logger = logging.getLogger("nanovllm.batch")
@@ -437,19 +438,8 @@ def _environ(overrides: dict[str, str]) -> Iterator[None]:
 def _worker_placements(job: BatchJob) -> list[dict[str, str]]:
     """The environment of each engine process: its own GPUs (tensor_parallel_size each) on CUDA,
     an equal share of the CPU threads on CPU."""
-    import torch
-
-    n = job.data_parallel
-    if auto_device(job.engine_kwargs.get("device", "auto")) == "cuda":
-        tp = job.engine_kwargs.get("tensor_parallel_size", 1)
-        visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-        gpus = visible.split(",") if visible else [str(i) for i in range(torch.cuda.device_count())]
-        if n * tp > len(gpus):
-            raise ValueError(f"data_parallel={n} with tensor_parallel_size={tp} needs {n * tp} GPUs; "
-                             f"{len(gpus)} are visible")
-        return [{"CUDA_VISIBLE_DEVICES": ",".join(gpus[i * tp:(i + 1) * tp])} for i in range(n)]
-    threads = str(max(1, torch.get_num_threads() // n))  # each engine's cpu_threads (Config reads OMP_NUM_THREADS)
-    return [{"OMP_NUM_THREADS": threads} for _ in range(n)]
+    device = device_platform(auto_device(job.engine_kwargs.get("device", "auto")))
+    return device.worker_environments(job.data_parallel, job.engine_kwargs.get("tensor_parallel_size", 1))
 
 
 def _worker_main(rank: int, model: str, engine_kwargs: dict, inbox, outbox, parent_pid: int) -> None:
