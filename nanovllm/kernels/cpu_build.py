@@ -16,8 +16,8 @@ torch backend.
 
 Owns the build, the cache and the ctypes bindings (`PagedAttentionKernel`, `FusedKernels`,
 `FewRowsLinear`, `AmxProduct`); the attention tensors' checks and metadata live with the backend
-(attention/cpu_backend.py), and the fused kernels are called by the layers (layers/) with the
-tensors those make, unchecked.
+(platform/cpu/attention.py), and the CPU platform (platform/cpu/) calls the fused kernels with the
+layers' tensors, unchecked.
 """
 import ctypes
 import hashlib
@@ -149,7 +149,7 @@ class PagedAttentionKernel:
 
 class FewRowsLinear:
     """x @ weight.T (+ bias) for 1..max_rows rows of x in weight's dtype (cpu_linear.cpp), the
-    product layers/linear.py linear() takes at decode steps of a few sequences (of up to 128 in
+    product platform/cpu/linear.py cpu_linear() takes at decode steps of a few sequences (of up to 128 in
     float32 on an AVX2-only build)."""
 
     def __init__(self, fn, max_rows: int):
@@ -180,8 +180,8 @@ def split_bf16x3(t: torch.Tensor) -> torch.Tensor:
 
 class AmxProduct:
     """One weight packed for the AMX product (cpu_amx_linear.cpp), called as x @ weight.T (+ bias)
-    for min_rows..max_rows rows of x: the product layers/linear.py linear() takes at decode steps
-    (and, float32 with K >= AMX_PREFILL_MIN_K, prefill chunks). The weight is packed as the
+    for min_rows..max_rows rows of x: the product platform/cpu/linear.py cpu_linear() takes at decode
+    steps (and, float32 with K >= AMX_PREFILL_MIN_K, prefill chunks). The weight is packed as the
     kernel's tiles, [N/32][K/32][parts][2 blocks of 16 columns][16 pairs of K][16 columns][2]: one
     part for bfloat16, for float32 its three bfloat16 parts (split_bf16x3) for the kernel's bf16x3
     product. The plain weight stays (the embedding may share it; other row counts use it)."""
@@ -340,7 +340,7 @@ class FusedKernels:
         self._few_rows_linear = library.nanovllm_few_rows_linear
         self._few_rows_linear.argtypes = [i32, i32, ptr, i64, ptr, ptr, ptr, i64, i32, i32, i32]
         # (DecodeModel*, rows, x, out, positions, slots, block_tables, table_stride, q_start, q_len, k_len, threads):
-        # layers/cpu_decode.py makes the arguments
+        # platform/cpu/decode.py makes the arguments
         self.decode_layers = library.nanovllm_decode_layers
         self.decode_layers.argtypes = [ptr, i32, ptr, ptr, ptr, ptr, ptr, i64, ptr, ptr, ptr, i32]
         for fn in (self._rms_norm, self._silu_and_mul, self._qk_norm_rope, self._few_rows_linear, self.decode_layers):
@@ -432,7 +432,7 @@ class FusedKernels:
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float,
                  residual: torch.Tensor | None = None) -> RMSNormOutput:
         """weight * rms_normalise(x) per row of a [rows, hidden] x; with `residual`, of x + residual,
-        which is returned too (as layers/layernorm.py's add_rms_norm)."""
+        which is returned too (as platform/torch.py's add_rms_norm)."""
         rows, hidden = x.shape
         out = torch.empty(rows, hidden, dtype=x.dtype)
         residual_out = None if residual is None else torch.empty_like(out)

@@ -2,7 +2,7 @@
 with the kernels it calls.
 
 "auto" picks flash_attn on CUDA when it imports, else our Triton kernels on CUDA; on CPU the
-in-place paged kernel ("cpu", attention/cpu_backend.py) when it builds here (a C++ compiler is
+in-place paged kernel ("cpu", platform/cpu/attention.py) when it builds here (a C++ compiler is
 needed once per machine), else torch, with the reason logged.
 An fp8 KV cache rules flash_attn out (flash-attn 2 reads 16-bit caches only): "auto" then picks
 Triton, and asking for flash_attn is an error. Asking for a backend that cannot run here is an error that says why. Backends are imported
@@ -88,9 +88,14 @@ def create_backend(requested: str, device: str, block_size: int, kv_cache_dtype:
         from nanovllm.kernels.store_kv import store_kv
         return FlashAttnBackend(store_kv)
     if name == "triton":
-        from nanovllm.attention.triton_backend import TritonBackend
-        from nanovllm.kernels import decode_attention, prefill_attention, store_kv
-        return TritonBackend(store_kv.store_kv, prefill_attention.prefill_attention, decode_attention)
+        return triton_backend()
     from nanovllm.attention.torch_backend import TorchBackend
     # Decode tiles by two matmuls suit the CPU's float32 kernels (torch_backend.py attend_by_matmul).
     return TorchBackend(decode_by_matmul=device == "cpu")
+
+
+def triton_backend():
+    """The Triton attention backend with its kernels (on CUDA, or on the CPU under TRITON_INTERPRET=1)."""
+    from nanovllm.attention.triton_backend import TritonBackend
+    from nanovllm.kernels import decode_attention, prefill_attention, store_kv
+    return TritonBackend(store_kv.store_kv, prefill_attention.prefill_attention, decode_attention)

@@ -25,10 +25,10 @@ def choose_platform(config: Config) -> Platform:
 def _platform_for(config: Config) -> Platform:
     if config.fused_kernels == "triton":
         from nanovllm.platform.triton import InterpretedTritonPlatform, TritonPlatform  # lazy: imports triton
-        return TritonPlatform() if config.device == "cuda" else InterpretedTritonPlatform(config.dtype)
+        return TritonPlatform("cuda") if config.device == "cuda" else InterpretedTritonPlatform(config.dtype)
     if config.device == "cuda":
-        from nanovllm.platform.triton import CudaTorchPlatform
-        return CudaTorchPlatform()
+        from nanovllm.platform.triton import CudaPlatform
+        return CudaPlatform("cuda")
     if config.fused_kernels == "cpu":
         kernels = cpu_build.load_fused()
         if not isinstance(kernels, str):

@@ -14,15 +14,25 @@ from nanovllm.platform.sampling import RaceSampler
 from nanovllm.platform.torch import TorchPlatform, qk_norm_args
 
 
-class TritonPlatform(TorchPlatform):
+class CudaPlatform(TorchPlatform):
+    """fused_kernels="torch" on CUDA: the reference functions, but the MoE experts on the Triton
+    kernel (the torch loop over experts is the oracle, too slow to serve with)."""
+
+    def fused_experts(self, x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor,
+                      expert_ids: torch.Tensor) -> torch.Tensor:
+        from nanovllm.kernels.fused_moe import fused_moe  # lazy: triton only where a MoE model runs
+        return fused_moe(x, w13, w2, weights, expert_ids)
+
+
+class TritonPlatform(CudaPlatform):
     name = "triton"
     compiles_kernels = True
 
-    def __init__(self, device: str = "cuda"):
-        TorchPlatform.__init__(self, device)  # by name: InterpretedTritonPlatform's next class is CpuPlatform
-        from nanovllm.kernels import fused_moe, qk_norm_rope, rms_norm, sampling, silu_mul
+    def __init__(self, device: str):
+        TorchPlatform.__init__(self, device)  # by name: InterpretedTritonPlatform's next class is not its
+        from nanovllm.kernels import qk_norm_rope, rms_norm, sampling, silu_mul
         self._rms_norm, self._silu_and_mul = rms_norm.rms_norm, silu_mul.silu_and_mul
-        self._qk_norm_rope_store, self._fused_moe = qk_norm_rope.qk_norm_rope_store, fused_moe.fused_moe
+        self._qk_norm_rope_store = qk_norm_rope.qk_norm_rope_store
         self._race = sampling.sample_tokens
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
@@ -47,22 +57,8 @@ class TritonPlatform(TorchPlatform):
         self._qk_norm_rope_store(q, k, v, positions, rotary.cos_sin_cache, **qk_norm_args(q_norm, k_norm), **cache)
         return q, k, cached
 
-    def fused_experts(self, x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor,
-                      expert_ids: torch.Tensor) -> torch.Tensor:
-        return self._fused_moe(x, w13, w2, weights, expert_ids)
-
     def sampler(self, model: nn.Module) -> RaceSampler:
         return RaceSampler(self._race)
-
-
-class CudaTorchPlatform(TorchPlatform):
-    """fused_kernels="torch" on CUDA: the reference functions, but the MoE experts on the Triton
-    kernel (the torch loop over experts is the oracle, too slow to serve with)."""
-
-    def fused_experts(self, x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor,
-                      expert_ids: torch.Tensor) -> torch.Tensor:
-        from nanovllm.kernels.fused_moe import fused_moe  # lazy: triton only where a MoE model runs
-        return fused_moe(x, w13, w2, weights, expert_ids)
 
 
 class InterpretedTritonPlatform(TritonPlatform, CpuTorchPlatform):
@@ -74,4 +70,6 @@ class InterpretedTritonPlatform(TritonPlatform, CpuTorchPlatform):
         CpuTorchPlatform.__init__(self, dtype)
         TritonPlatform.__init__(self, "cpu")
 
-    fused_experts = TorchPlatform.fused_experts
+    def fused_experts(self, x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor,
+                      expert_ids: torch.Tensor) -> torch.Tensor:
+        return TorchPlatform.fused_experts(self, x, w13, w2, weights, expert_ids)
