@@ -137,7 +137,8 @@ def test_engine_greedy_steps_take_the_head(request, make_head, family):
     out = llm.generate(prompts, greedy(12), use_tqdm=False)
     assert len(prompts) >= AMX_GREEDY_HEAD_MIN_ROWS and calls.count(len(prompts)) >= 11  # every decode step of all
     greedy_head, sampler.head = sampler.head, None
-    head.linear_method.amx = greedy_head.product  # the logits path on the same product (from 1 row; AmxProduct.min_rows)
+    # the logits path on the same product (from 1 row; AmxProduct.min_rows)
+    head.linear_method.amx = greedy_head.product
     head.linear_method.few_rows = None
     expected = llm.generate(prompts, greedy(12), use_tqdm=False)
     assert [o["token_ids"] for o in out] == [o["token_ids"] for o in expected]

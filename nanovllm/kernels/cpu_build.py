@@ -149,8 +149,8 @@ class PagedAttentionKernel:
 
 class FewRowsLinear:
     """x @ weight.T (+ bias) for 1..max_rows rows of x in weight's dtype (cpu_linear.cpp), the
-    product platform/cpu/linear.py cpu_linear() takes at decode steps of a few sequences (of up to 128 in
-    float32 on an AVX2-only build)."""
+    product platform/cpu/linear.py cpu_linear() takes at decode steps of a few sequences (of up to
+    128 in float32 on an AVX2-only build)."""
 
     def __init__(self, fn, max_rows: int):
         self._fn = fn
