@@ -1,8 +1,9 @@
 """Runs the model over one step and samples the next tokens.
 
-Owns the model, the attention backend, the KV cache (one tensor, sliced per layer; fp8 with
-per-layer scales when Config.kv_cache_dtype asks, see kv_scales.py), the host
-swap space (the same layout in host memory, pinned on CUDA, for preemption_mode="swap"), the
+Owns the model, the platform (platform/: chosen once, it gives the layers their kernels and
+builds the attention backend and the sampler), the attention backend, the KV cache (one tensor,
+sliced per layer; fp8 with per-layer scales when Config.kv_cache_dtype asks, see kv_scales.py),
+the host swap space (the same layout in host memory, pinned on CUDA, for preemption_mode="swap"), the
 sampler and the decode CUDA graphs. A step: the scheduled sequences become a StepMessage; its
 swap copies move KV blocks between the cache and the swap space; the message becomes the forward
 pass's tensors (step_inputs.py, decode_inputs.py), the model runs on them, eagerly or by
@@ -26,13 +27,13 @@ from nanovllm.kernels import cpu_build
 from nanovllm.layers.attention import Attention
 from nanovllm.layers.logits_processors import SamplingTensors
 from nanovllm.models.registry import MODELS
+from nanovllm.platform.choose import choose_platform
+from nanovllm.platform.context import building_for
 from nanovllm.runner.decode_inputs import DecodeInputs
 from nanovllm.runner.graph import DecodeGraphs, graph_batch_sizes
 from nanovllm.runner.kernel_warmup import warm_up_kernels
 from nanovllm.runner.memory_check import check_fits, kv_block_bytes
 from nanovllm.runner.kv_scales import calibration_token_ids, checkpoint_kv_scales, describe, observing_kv
-from nanovllm.platform.choose import choose_platform
-from nanovllm.platform.context import building_for
 from nanovllm.runner.pending_tokens import PendingTokens, fill_placeholders
 from nanovllm.runner.prompt_logprobs import PromptLogprobs, compute_prompt_logprobs
 from nanovllm.runner.protocol import RunnerOutput
