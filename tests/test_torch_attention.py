@@ -27,6 +27,7 @@ from nanovllm.layers.linear import ColumnParallelLinear
 from nanovllm.platform.context import building_for
 from nanovllm.platform.cpu import CpuTorchPlatform
 from nanovllm.platform.cpu.linear import cpu_linear, hold_matmul_weights_in_float32, native_half_matmul
+from nanovllm.utils import cpu
 from nanovllm.utils.context import AttentionMetadata
 from reference_attention import ReferenceTorchBackend
 
