@@ -115,7 +115,8 @@ def test_top_k_and_top_p_sampling_stay_inside_the_mask():
     top_k = TopKTopP(torch.full((3000,), 2, dtype=torch.int64), None)
     out = Sampler(inverse_transform_from_logits)(logits, tensors(3000, 1.0, after_temperature=(top_k,)))
     assert set(out.token_ids) == {0, 1}
-    out = Sampler(inverse_transform_from_logits)(logits, tensors(3000, 1.0, after_temperature=(TopKTopP(None, torch.full((3000,), 0.5)),)))
+    top_p = TopKTopP(None, torch.full((3000,), 0.5))
+    out = Sampler(inverse_transform_from_logits)(logits, tensors(3000, 1.0, after_temperature=(top_p,)))
     assert set(out.token_ids) <= reference_top_k_top_p(logits[0].tolist(), 6, 0.5)
 
 

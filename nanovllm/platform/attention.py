@@ -5,8 +5,9 @@ with the kernels it calls.
 in-place paged kernel ("cpu", platform/cpu/attention.py) when it builds here (a C++ compiler is
 needed once per machine), else torch, with the reason logged.
 An fp8 KV cache rules flash_attn out (flash-attn 2 reads 16-bit caches only): "auto" then picks
-Triton, and asking for flash_attn is an error. Asking for a backend that cannot run here is an error that says why. Backends are imported
-lazily, so `import nanovllm` never imports flash-attn or triton.
+Triton, and asking for flash_attn is an error. Asking for a backend that cannot run here is an
+error that says why. Backends and their kernels are imported lazily, so `import nanovllm` never
+imports flash-attn or triton.
 """
 import importlib.util
 import logging
