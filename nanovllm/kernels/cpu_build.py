@@ -50,7 +50,7 @@ DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 # oneDNN's packed product (a whole model's products in a row, 2 threads, AMD EPYC Zen 4;
 # docs/BENCHMARKS.md): float32 ~20% faster at 1 row, ~10% at 2, ~5% slower at 3-4; bfloat16
 # 35-40% faster at 1-3 rows, ~5% at 4. Float32 takes 3-4 rows too: with them every decode step of
-# up to 4 sequences can run as one call (layers/cpu_decode.py), which saves ~1 ms a step of Python
+# up to 4 sequences can run as one call (platform/cpu/decode.py), which saves ~1 ms a step of Python
 # (real-proportion model) where the slower products cost ~0.4 ms.
 # How many rows it takes the library says (nanovllm_few_rows_supported): 4, or 128 for float32 in
 # an AVX2-only build (cpu_linear.cpp many_rows, faster than oneDNN there up to ~128 rows).
@@ -62,7 +62,7 @@ FEW_ROWS_DTYPES = (torch.float32, torch.bfloat16)
 # end to end. float32 (bf16x3) weights of AMX_PREFILL_MIN_K columns or more take every row count,
 # prefill chunks too (ANY_ROWS), where oneDNN's float32 products run at the FMAs' peak and bf16x3
 # on AMX tiles beyond it: real model (K 512 and 1,536), 64 prompts, in one process, +8.6% end to end
-# ("Eleventh 2026-11-27 session"); so such layers keep no oneDNN copy (LinearBase.enable_cpu). With
+# ("Eleventh 2026-11-27 session"); so such layers keep no oneDNN copy (CpuLinearMethod). With
 # fewer columns a tile of sums has too few K steps to pay for its set-up: the tiny model's (K 128)
 # prefill chunks ran 0.92x.
 # The bf16 LM head's logits (32,000 columns) stay on oneDNN: level at 64 rows, slower above; its
