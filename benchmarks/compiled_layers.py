@@ -15,8 +15,9 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from nanovllm.layers import activation, layernorm, rotary_embedding  # noqa: E402
+from nanovllm.layers import rotary_embedding  # noqa: E402
 from nanovllm.layers.sampler import exponential_race, scale_by_temperature  # noqa: E402
+from nanovllm.platform import torch as reference  # noqa: E402
 
 HIDDEN, INTERMEDIATE, HEADS, KV_HEADS, HEAD_DIM, VOCAB = 1024, 3072, 16, 8, 128, 151936  # Qwen3-0.6B
 
@@ -50,12 +51,12 @@ def main() -> None:
 
     rope = rotary_embedding.RotaryEmbedding(HEAD_DIM, 4096, 1e6).to(device)
     cases = {
-        "rms_norm": (layernorm.rms_norm.__wrapped__, (rand(n, HIDDEN), rand(HIDDEN), 1e-6)),
-        "add_rms_norm": (layernorm.add_rms_norm.__wrapped__, (rand(n, HIDDEN), rand(n, HIDDEN), rand(HIDDEN), 1e-6)),
+        "rms_norm": (reference.rms_norm.__wrapped__, (rand(n, HIDDEN), rand(HIDDEN), 1e-6)),
+        "add_rms_norm": (reference.add_rms_norm.__wrapped__, (rand(n, HIDDEN), rand(n, HIDDEN), rand(HIDDEN), 1e-6)),
         "rotary": (rotary_embedding.rotate_qk.__wrapped__,
                    (torch.randint(0, 4096, (n,), device=device), rand(n, HEADS, HEAD_DIM), rand(n, KV_HEADS, HEAD_DIM),
                     rope.cos_sin_cache)),
-        "silu_and_mul": (activation.silu_and_mul.__wrapped__, (rand(n, 2 * INTERMEDIATE),)),
+        "silu_and_mul": (reference.silu_and_mul.__wrapped__, (rand(n, 2 * INTERMEDIATE),)),
         "sampler": (lambda logits, t, noise: exponential_race.__wrapped__(scale_by_temperature.__wrapped__(logits, t),
                                                                           noise),
                     (rand(n, VOCAB, dt=torch.float32), torch.full((n,), 0.6, device=device),

@@ -1,5 +1,5 @@
 """A float32 decode step's LM head and token choice on the CPU, both ways the engine takes them:
-the logits (layers/linear.py linear() as enable_cpu sets it up: the few-row product, AMX or
+the logits (platform/cpu/linear.py cpu_linear() as the CPU platform sets it up: the few-row product, AMX or
 oneDNN's packed product) then the sampler's kernel (the greedy argmax, or the race for sampled
 rows), against the head that chooses the tokens without every logit (kernels/cpu_greedy_head.cpp,
 kernels/cpu_build.py GreedyHead), greedy and sampled (temperature 1, the default of a served
@@ -24,10 +24,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.vs_vllm_cpu import this_cpu  # noqa: E402
 from nanovllm.kernels import cpu_build  # noqa: E402
-from nanovllm.layers.linear import linear  # noqa: E402
 from nanovllm.layers.logits_processors import LOGIT_LIMIT  # noqa: E402
+from nanovllm.platform.cpu.linear import PACK_BATCH_HINT, cpu_linear  # noqa: E402
 from nanovllm.runner.step_inputs import HeadDraw  # noqa: E402
-from nanovllm.utils.cpu import PACK_BATCH_HINT  # noqa: E402
 
 SEED = 0
 WEIGHT_SCALE = 0.05
@@ -70,9 +69,9 @@ def main() -> None:
         counters = torch.arange(rows)
         draw = HeadDraw(temperatures.tolist(), keys.tolist(), counters.tolist())
         ways = {
-            "greedy": (lambda: kernels.greedy_tokens(linear(x, weight, None, packed, few_rows, amx), LOGIT_LIMIT),
+            "greedy": (lambda: kernels.greedy_tokens(cpu_linear(x, weight, None, packed, few_rows, amx), LOGIT_LIMIT),
                        lambda: head(x)),
-            "sampled": (lambda: kernels.race_tokens(linear(x, weight, None, packed, few_rows, amx), temperatures,
+            "sampled": (lambda: kernels.race_tokens(cpu_linear(x, weight, None, packed, few_rows, amx), temperatures,
                                                     keys, counters, LOGIT_LIMIT),
                         lambda: head(x, draw)),
         }

@@ -1,5 +1,5 @@
 """CPU paged attention: the torch backend (blocks gathered into tiles, then SDPA or matmuls) against
-the in-place C++ kernel (attention/cpu_backend.py), for decode, for a prefill chunk over a
+the in-place C++ kernel (platform/cpu/attention.py), for decode, for a prefill chunk over a
 cached prefix and for fresh prompts (torch's SDPA on the contiguous K/V against the kernel reading
 them from the cache), on issue 29's real-proportion shapes (8 query / 4 KV heads of 64, blocks of 32).
 
@@ -25,9 +25,9 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from nanovllm.attention.cpu_backend import CpuPagedBackend  # noqa: E402
 from nanovllm.attention.torch_backend import TorchBackend  # noqa: E402
 from nanovllm.kernels import cpu_build  # noqa: E402
+from nanovllm.platform.cpu.attention import CpuPagedBackend  # noqa: E402
 from nanovllm.utils.context import AttentionMetadata  # noqa: E402
 
 NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE, NUM_LAYERS = 8, 4, 64, 32, 8

@@ -198,7 +198,7 @@ def run_nanovllm(job: dict) -> dict:
     # products went to AMX tiles, and whether the prefill attention's tiles did.
     info["amx_layers"] = sum(getattr(m, "amx", None) is not None for m in llm.model_runner.model.modules())
     # Whether greedy steps take their tokens from the int8 greedy head (float32 heads; older checkouts: no)
-    info["greedy_head"] = getattr(getattr(llm.model_runner.model, "lm_head", None), "greedy", None) is not None
+    info["greedy_head"] = getattr(llm.model_runner.sampler, "head", None) is not None
     kernel = getattr(llm.model_runner.backend, "kernel", None)
     info["amx_attention"] = hasattr(kernel, "amx_prefill") and kernel.amx_prefill(
         getattr(torch, job["dtype"]), llm.model_runner.head_dim, llm.config.kvcache_block_size)

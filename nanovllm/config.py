@@ -24,8 +24,7 @@ except ImportError:  # an older huggingface_hub: its configs raise ValueError an
 
 from nanovllm.attention.kv_quant import FP8_DTYPES
 from nanovllm.scheduling.scheduler import DEFAULT_SCHEDULING_POLICY, PREEMPTION_MODES, RECOMPUTE, SCHEDULING_POLICIES
-from nanovllm.platform.device import (MIN_BLOCK_SIZE, DevicePlatform, auto_device, device_platform, triton_installed,
-                                      unavailable)
+from nanovllm.platform.device import MIN_BLOCK_SIZE, DevicePlatform, auto_device, device_platform, unavailable
 from nanovllm.platform.device_host import available_cores
 from nanovllm.speculative_config import DRAFT_MODEL, SpeculativeConfig
 from nanovllm.utils.tokenizer import end_of_text_id, load_tokenizer
@@ -322,8 +321,6 @@ class Config:
     def _resolve_fused_kernels(self, platform: DevicePlatform) -> str:
         if self.fused_kernels == "auto":
             return platform.default_fused_kernels()
-        if self.fused_kernels == "triton" and not triton_installed():
-            raise ParamError("fused_kernels", "fused_kernels='triton' but triton is not installed (pip install triton)")
         refused = platform.refuses_fused_kernels(self.fused_kernels)
         if refused is not None:
             raise ParamError("fused_kernels", refused)

@@ -12,7 +12,7 @@ import torch
 from helpers import (AUTO_BACKEND_SMALL_BLOCKS, AUTO_CPU_BACKEND, AUTO_DEVICE, EVERY_DEVICE, greedy, hf_greedy,
                      random_prompts)
 from nanovllm import LLM, SamplingParams
-from nanovllm.attention import FLASH_ATTN_PAGE_MULTIPLE
+from nanovllm.attention.flash_attn_backend import FLASH_ATTN_PAGE_MULTIPLE
 from nanovllm.config import Config
 from nanovllm.platform.device import CpuDevice, CudaDevice, device_platform
 from nanovllm.layers.rotary_embedding import rope_config_of

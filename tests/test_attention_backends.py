@@ -6,7 +6,7 @@ import importlib.util
 import pytest
 import torch
 
-import nanovllm.attention as attention
+import nanovllm.platform.attention as attention
 from helpers import AUTO_BACKEND_SMALL_BLOCKS, AUTO_DEVICE, greedy, random_prompts
 from nanovllm import LLM
 

@@ -21,10 +21,11 @@ import torch
 
 pytest.importorskip("triton", reason="triton is not installed")
 
-import nanovllm.layers.fused_moe as fused_moe_layer  # noqa: E402
 from helpers import GPU_ONLY, TRITON_DEVICES, TRITON_ON_CPU, hf_greedy, random_prompts  # noqa: E402
 from nanovllm import LLM, SamplingParams  # noqa: E402
 from nanovllm.kernels import decode_attention  # noqa: E402
+from nanovllm.platform.torch import TorchPlatform  # noqa: E402
+from nanovllm.platform.triton import CudaPlatform, TritonPlatform  # noqa: E402
 from nanovllm.testing.kernel_launches import recording, triton_kernels  # noqa: E402
 
 BLOCK = 16
@@ -162,7 +163,7 @@ def test_fused_kernels_without_qk_norm_equal_hf(qwen2_tiny, device):
     prompts = random_prompts(200, [11, 23], seed=61)
     llm = LLM(qwen2_tiny, device=device, fused_kernels="triton", attention_backend="torch",
               kvcache_block_size=BLOCK, num_kvcache_blocks=32, max_model_len=128)
-    assert all(layer.fused_qk_kernel is not None for layer in llm.model_runner.attention_layers)
+    assert all(isinstance(layer.platform, TritonPlatform) for layer in llm.model_runner.attention_layers)
     outputs = llm.generate(prompts, GREEDY, use_tqdm=False)
     llm.exit()
     assert [o["token_ids"] for o in outputs] == hf_greedy(qwen2_tiny, prompts, MAX_TOKENS)
@@ -194,7 +195,7 @@ def test_every_family_on_the_fused_kernels_compiles_nothing_after_start_up(ckpt,
     steps, paged attention like a prefix hit's) launches no kernel variant start-up did not, and
     the greedy tokens are HF's. Eager, in float32, on the device there is."""
     path = request.getfixturevalue(ckpt)
-    monkeypatch.setattr(fused_moe_layer, "use_fused_kernel", lambda x: True)
+    monkeypatch.setattr(TorchPlatform, "fused_experts", CudaPlatform.fused_experts)  # the kernel on the CPU too
     device = "cuda" if torch.cuda.is_available() else "cpu"
     kernels = triton_kernels()
     with recording(kernels) as launches:

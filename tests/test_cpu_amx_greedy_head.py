@@ -127,19 +127,19 @@ def test_engine_greedy_steps_take_the_head(request, make_head, family):
     logits path's tokens when that path multiplies on the same AMX product."""
     path = request.getfixturevalue(family)
     llm = LLM(path, dtype="bfloat16", enable_prefix_caching=False)
-    model = llm.model_runner.model
-    head = model.lm_head
-    assert isinstance(head.greedy, AmxGreedyHead) and head.greedy.min_rows == AMX_GREEDY_HEAD_MIN_ROWS
+    sampler, head = llm.model_runner.sampler, llm.model_runner.model.lm_head
+    assert isinstance(sampler.head, AmxGreedyHead) and sampler.head.min_rows == AMX_GREEDY_HEAD_MIN_ROWS
     calls = []
-    original = model.head_tokens
-    model.head_tokens = lambda hidden, draw=None: calls.append(hidden.size(0)) or original(hidden, draw)
-    assert head.greedy.others is not None  # the int8 head for the rest
+    original = sampler.head_tokens
+    sampler.head_tokens = lambda hidden, draw=None: calls.append(hidden.size(0)) or original(hidden, draw)
+    assert sampler.head.others is not None  # the int8 head for the rest
     prompts = random_prompts(600, [5, 17, 33, 9, 60, 2, 41, 12] * 2 + [3, 8], seed=6)
     out = llm.generate(prompts, greedy(12), use_tqdm=False)
     assert len(prompts) >= AMX_GREEDY_HEAD_MIN_ROWS and calls.count(len(prompts)) >= 11  # every decode step of all
-    greedy_head, head.greedy = head.greedy, None
-    head.amx = greedy_head.product  # the logits path on the same product (from 1 row; AmxProduct.min_rows)
-    head.few_rows = None
+    greedy_head, sampler.head = sampler.head, None
+    # the logits path on the same product (from 1 row; AmxProduct.min_rows)
+    head.linear_method.amx = greedy_head.product
+    head.linear_method.few_rows = None
     expected = llm.generate(prompts, greedy(12), use_tqdm=False)
     assert [o["token_ids"] for o in out] == [o["token_ids"] for o in expected]
     llm.exit()
@@ -147,7 +147,7 @@ def test_engine_greedy_steps_take_the_head(request, make_head, family):
 
 def test_steps_with_a_sampled_row_go_to_the_int8_head(qwen3_tiny, make_head, monkeypatch):
     llm = LLM(qwen3_tiny, dtype="bfloat16", enable_prefix_caching=False)
-    head = llm.model_runner.model.lm_head.greedy
+    head = llm.model_runner.sampler.head
     amx_rows, int8_rows = [], []
     amx, int8 = head._fn, head.others._fn
     monkeypatch.setattr(head, "_fn", lambda *a: amx_rows.append(a[2]) or amx(*a))
@@ -156,7 +156,7 @@ def test_steps_with_a_sampled_row_go_to_the_int8_head(qwen3_tiny, make_head, mon
     sampled = SamplingParams(temperature=0.8, max_tokens=8, seed=3, ignore_eos=True)
     first = llm.generate(prompts, [greedy(8)] * 17 + [sampled], use_tqdm=False)
     assert amx_rows == [] and int8_rows.count(len(prompts)) >= 7  # every step drew through the int8 head
-    monkeypatch.setattr(llm.model_runner.model.lm_head, "greedy", None)
+    monkeypatch.setattr(llm.model_runner.sampler, "head", None)
     again = llm.generate(prompts, [greedy(8)] * 17 + [sampled], use_tqdm=False)
     assert [o["token_ids"] for o in first] == [o["token_ids"] for o in again]
     llm.exit()

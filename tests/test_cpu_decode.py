@@ -1,4 +1,4 @@
-"""The CPU's fused decode (layers/cpu_decode.py, kernels/cpu_decode_layers.cpp): a decode step of
+"""The CPU's fused decode (platform/cpu/decode.py, kernels/cpu_decode_layers.cpp): a decode step of
 up to the few-row product's rows (or the AMX product's, bf16 on a CPU with AMX) through every
 decoder layer in one C++ call. It must give bit for
 bit what the model's Python layers give with the same kernels (token ids and logprobs), for every

@@ -12,9 +12,9 @@ from helpers import greedy, hf_greedy, random_prompts
 
 from nanovllm import LLM
 from nanovllm.kernels import cpu_build
-from nanovllm.layers.activation import silu_and_mul
 from nanovllm.layers.logits_processors import LOGIT_LIMIT, finite_logits
-from nanovllm.layers.layernorm import add_rms_norm, rms_norm
+from nanovllm.platform.cpu import CpuPlatform, CpuTorchPlatform
+from nanovllm.platform.torch import add_rms_norm, rms_norm, silu_and_mul
 from nanovllm.layers.rotary_embedding import RopeConfig, RotaryEmbedding, rotate_qk
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
@@ -163,7 +163,7 @@ def test_engine_with_fused_kernels_equals_hf_and_the_torch_path(qwen3_tiny, cpu_
         llm = LLM(qwen3_tiny, device="cpu", fused_kernels=fused, kvcache_block_size=16, num_kvcache_blocks=64,
                   max_num_batched_tokens=48)  # chunked prefill too
         if fused == "cpu":
-            assert all(layer.qk_kernel is not None for layer in llm.model_runner.attention_layers)
+            assert all(type(layer.platform) is CpuPlatform for layer in llm.model_runner.attention_layers)
             assert (llm.model_runner.sampler.greedy_kernel is not None) == cpu_kernels.greedy_vectorised
         tokens[fused] = [o["token_ids"] for o in llm.generate(prompts, greedy(12), use_tqdm=False)]
         llm.exit()
@@ -176,7 +176,7 @@ def test_a_library_that_cannot_be_built_falls_back_to_torch(qwen3_tiny, monkeypa
         llm = LLM(qwen3_tiny, device="cpu", fused_kernels="cpu", kvcache_block_size=16, num_kvcache_blocks=16)
     assert "fused kernels: torch (no C++ compiler found" in caplog.text
     assert llm.model_runner.config.fused_kernels == "torch"
-    assert all(layer.qk_kernel is None for layer in llm.model_runner.attention_layers)
+    assert all(type(layer.platform) is CpuTorchPlatform for layer in llm.model_runner.attention_layers)
     llm.exit()
 
 

@@ -172,11 +172,11 @@ def test_bfloat16_random_rows_take_a_largest_rounded_logit(make_head):
 def test_engine_greedy_steps_take_the_head_and_give_hf_tokens(request, make_head, family):
     path = request.getfixturevalue(family)
     llm = LLM(path, dtype="float32")
-    model = llm.model_runner.model
-    assert model.lm_head.greedy is not None
+    sampler = llm.model_runner.sampler
+    assert sampler.head is not None
     calls = []
-    original = model.head_tokens
-    model.head_tokens = lambda hidden, draw=None: calls.append(hidden.size(0)) or original(hidden, draw)
+    original = sampler.head_tokens
+    sampler.head_tokens = lambda hidden, draw=None: calls.append(hidden.size(0)) or original(hidden, draw)
     prompts = random_prompts(200, [5, 17, 33, 9], seed=6)
     out = llm.generate(prompts, greedy(12), use_tqdm=False)
     assert [o["token_ids"] for o in out] == hf_greedy(path, prompts, 12)
@@ -187,10 +187,10 @@ def test_steps_needing_logits_compute_them(qwen3_tiny, make_head):
     """A step with logprobs, a sampled row with top_p or a processor (logit_bias) never takes the
     head; the greedy rows among them still get HF's tokens."""
     llm = LLM(qwen3_tiny, dtype="float32")
-    model = llm.model_runner.model
+    sampler = llm.model_runner.sampler
     calls = []
-    original = model.head_tokens
-    model.head_tokens = lambda hidden, draw=None: calls.append(hidden.size(0)) or original(hidden, draw)
+    original = sampler.head_tokens
+    sampler.head_tokens = lambda hidden, draw=None: calls.append(hidden.size(0)) or original(hidden, draw)
     prompts = random_prompts(200, [7, 11], seed=7)
     expected = hf_greedy(qwen3_tiny, prompts[:1], 8)
     for other in (greedy(8, logprobs=2), SamplingParams(temperature=0.8, top_p=0.9, max_tokens=8, seed=1, ignore_eos=True),

@@ -15,11 +15,12 @@ import pytest
 import torch
 
 from nanovllm import LLM
-from nanovllm.attention.cpu_backend import CpuPagedBackend
 from nanovllm.kernels import cpu_build
-from nanovllm.layers.activation import silu_and_mul
-from nanovllm.layers.layernorm import add_rms_norm
 from nanovllm.layers.logits_processors import LOGIT_LIMIT
+from nanovllm.platform import cpu as cpu_platform
+from nanovllm.platform.cpu import linear as cpu_linear
+from nanovllm.platform.cpu.attention import CpuPagedBackend
+from nanovllm.platform.torch import add_rms_norm, silu_and_mul
 from nanovllm.runner.step_inputs import HeadDraw
 from reference_attention import ReferenceTorchBackend
 from conftest import build_checkpoint
@@ -199,11 +200,11 @@ def test_bf16_row_product_build_matches_float64(library):
 def avx2_bf16_engine(path: str, monkeypatch) -> LLM:
     """A bf16 engine on the AVX2 build with bf16 matmul not native, as on an AVX2-only CPU (the layers
     then hold float32 for oneDNN)."""
-    from nanovllm.utils import cpu
     skip_unless_buildable("avx2")
     monkeypatch.setattr(cpu_build, "_loaded", None)
     monkeypatch.setenv(cpu_build.CPU_ISA_ENV, "avx2")
-    monkeypatch.setattr(cpu, "native_half_matmul", lambda dtype: dtype == torch.float32)
+    for module in (cpu_platform, cpu_linear):  # the platform's choice and the packing's
+        monkeypatch.setattr(module, "native_half_matmul", lambda dtype: dtype == torch.float32)
     return LLM(path, dtype="bfloat16", enable_prefix_caching=False, num_kvcache_blocks=64, kvcache_block_size=16)
 
 
@@ -214,24 +215,26 @@ def test_tied_bf16_head_on_float32_held_weights_reads_the_embedding(qwen3_tiny_t
     model = llm.model_runner.model
     head, embed = model.lm_head, model.model.embed_tokens
     assert head.weight.dtype == torch.float32 and embed.weight.dtype == torch.bfloat16
-    assert head.half_rows.weight.data_ptr() == embed.weight.data_ptr()
-    assert torch.equal(head.half_rows.weight.float(), head.weight)
+    half_rows = head.linear_method.half_rows
+    assert half_rows.weight.data_ptr() == embed.weight.data_ptr()
+    assert torch.equal(half_rows.weight.float(), head.weight)
     llm.exit()
 
 
 def test_bf16_engine_on_float32_held_weights_reads_bf16_copies(qwen3_head64, monkeypatch):
     """A bf16 model on the AVX2 build where bf16 matmul is not native (an AVX2-only CPU: the layers
     hold float32 for oneDNN): each linear layer and the LM head keep a bf16 copy for decode steps of
-    1-4 rows (layers/linear.py HalfRows), the one-call decode step takes those steps over the copies,
+    1-4 rows (platform/cpu/linear.py HalfRows), the one-call decode step takes those steps over the copies,
     bit for bit the Python layers (tokens and logprobs), and the head's greedy int8 form (the AVX2
     one) is made from its float32 values, for its bf16 rows."""
     from test_cpu_decode import record_rows
     llm = avx2_bf16_engine(qwen3_head64, monkeypatch)
     model = llm.model_runner.model
     for layer in (model.model.layers[0].self_attn.qkv_proj, model.model.layers[-1].mlp.down_proj, model.lm_head):
-        assert layer.weight.dtype == torch.float32 and layer.half_rows.dtype == torch.bfloat16
-        assert torch.equal(layer.half_rows.weight.float(), layer.weight)
-    assert isinstance(model.lm_head.greedy, cpu_build.GreedyHead)
+        half_rows = layer.linear_method.half_rows
+        assert layer.weight.dtype == torch.float32 and half_rows.dtype == torch.bfloat16
+        assert torch.equal(half_rows.weight.float(), layer.weight)
+    assert isinstance(llm.model_runner.sampler.head, cpu_build.GreedyHead)
     fused = model.model.fused_decode
     assert fused is not None and fused.max_rows == 4
     rows = record_rows(fused)

@@ -1,20 +1,20 @@
-"""CPU linear layers on oneDNN-packed weights (utils/cpu.py pack_linear_weights, layers/linear.py
-linear()): every linear layer and the LM head of a model gets a packed weight in float32 (and in
+"""CPU linear layers on oneDNN-packed weights (platform/cpu/linear.py pack_weight, cpu_linear()):
+every linear layer and the LM head of a model gets a packed weight in float32 (and in
 bf16 where this CPU multiplies it natively); the packed product equals F.linear on the plain weight
 (float32 to rounding, bf16 within its tolerance), for 1, 2-D and 3-D inputs, with and without a
 bias, and for half-precision activations over float32-held weights. The engine on packed weights
 gives HF's greedy tokens: tests/test_parity.py and the engine tests run with them (the default).
 
-The CPU's few-row product (kernels/cpu_linear.cpp), which linear() takes for decode steps of a few
+The CPU's few-row product (kernels/cpu_linear.cpp), which cpu_linear() takes for decode steps of a few
 sequences, equals the float64 product to float32 rounding (bf16: within its tolerance and next to
 oneDNN's), for every row count it takes, weights whose rows and width leave tails, strided rows
 and a bias; the engine switches every linear layer and the LM head to it.
 
-The AMX product (kernels/cpu_amx_linear.cpp), which linear() takes for decode steps of up to 256
+The AMX product (kernels/cpu_amx_linear.cpp), which cpu_linear() takes for decode steps of up to 256
 sequences on a CPU with AMX, equals the float64 product within bf16's rounding (bf16), and within
 float32's own rounding of the product (float32, as bf16x3), for row counts that fill whole tiles
 and ones it pads, strided rows, a bias, and weight widths of one or several tiles; it takes only
-bfloat16 and float32 weights of whole tiles; linear() takes it between its min_rows and max_rows;
+bfloat16 and float32 weights of whole tiles; cpu_linear() takes it between its min_rows and max_rows;
 the engine gives it to every linear layer whose weight it takes, and to the LM head in float32 only
 (from AMX_HEAD_MIN_ROWS rows).
 """
@@ -24,9 +24,9 @@ import torch.nn.functional as F
 
 from nanovllm import LLM
 from nanovllm.kernels.cpu_build import AMX_HEAD_MIN_ROWS, AMX_MAX_ROWS, AMX_PREFILL_MIN_K
-from nanovllm.layers.linear import (BUCKETED_PACKED_ROWS, EXACT_PACKED_ROWS, MIN_PACKED_ROWS, LinearBase, linear,
-                                    packed_rows)
-from nanovllm.utils import cpu
+from nanovllm.layers.linear import LinearBase
+from nanovllm.platform.cpu.linear import (BUCKETED_PACKED_ROWS, EXACT_PACKED_ROWS, MIN_PACKED_ROWS, PACK_BATCH_HINT,
+                                          cpu_linear, native_half_matmul, packed_rows)
 from conftest import build_checkpoint
 from helpers import greedy, hf_greedy, random_prompts
 
@@ -34,20 +34,20 @@ pytestmark = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-# 1-3 rows are padded with zero rows to MIN_PACKED_ROWS inside linear(), 5 and 64 are not, 65 and
+# 1-3 rows are padded with zero rows to MIN_PACKED_ROWS inside cpu_linear(), 5 and 64 are not, 65 and
 # 300 go to F.linear, 1030 is padded to its bucket (1152), 2 x 3 is a 3-D input.
 @pytest.mark.parametrize("shape", [(1, 64), (2, 64), (3, 64), (5, 64), (2, 3, 64), (1, 1, 64), (64, 64), (65, 64),
                                    (300, 64), (1030, 64)])
 @pytest.mark.parametrize("bias", [False, True])
 def test_packed_linear_equals_f_linear(dtype, shape, bias):
-    if not cpu.native_half_matmul(dtype):
+    if not native_half_matmul(dtype):
         pytest.skip(f"{dtype} matmul is emulated here: its weights are held in float32, not packed as {dtype}")
     gen = torch.Generator().manual_seed(0)
     weight = torch.randn(48, 64, generator=gen).to(dtype)
     b = torch.randn(48, generator=gen).to(dtype) if bias else None
     x = torch.randn(*shape, generator=gen).to(dtype)
-    packed = torch.ops.mkldnn._reorder_linear_weight(weight, cpu.PACK_BATCH_HINT)
-    out = linear(x, weight, b, packed)
+    packed = torch.ops.mkldnn._reorder_linear_weight(weight, PACK_BATCH_HINT)
+    out = cpu_linear(x, weight, b, packed)
     assert out.shape == (*shape[:-1], 48) and out.dtype == dtype and out.is_contiguous()
     tolerance = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=2e-2, rtol=2e-2)
     torch.testing.assert_close(out, F.linear(x, weight, b), **tolerance)
@@ -70,7 +70,7 @@ def test_half_activations_over_float32_weights():
     """A CPU without native bf16 holds the weights in float32 (and packs those): bf16 activations in, bf16 out."""
     gen = torch.Generator().manual_seed(1)
     weight, x = torch.randn(32, 16, generator=gen), torch.randn(4, 16, generator=gen).bfloat16()
-    out = linear(x, weight, None, torch.ops.mkldnn._reorder_linear_weight(weight, cpu.PACK_BATCH_HINT))
+    out = cpu_linear(x, weight, None, torch.ops.mkldnn._reorder_linear_weight(weight, PACK_BATCH_HINT))
     assert out.dtype == torch.bfloat16
     torch.testing.assert_close(out, F.linear(x.float(), weight).bfloat16())
 
@@ -80,10 +80,11 @@ def test_engine_packs_every_linear_layer_and_the_lm_head(qwen3_tiny):
     model = llm.model_runner.model
     linears = [m for m in model.modules() if isinstance(m, LinearBase)]
     # packed for oneDNN, unless (float32 on AMX) the few-row and AMX products take every row count
-    assert linears and all((m.packed_weight is None) == (
+    methods = [m.linear_method for m in linears]
+    assert linears and all((m.packed is None) == (
         m.few_rows is not None and m.amx is not None and m.amx.takes_every_row_count_above(m.few_rows.max_rows))
-        for m in linears)
-    assert model.lm_head.packed_weight is not None  # its AMX product, if any, takes 64 rows or more only
+        for m in methods)
+    assert model.lm_head.linear_method.packed is not None  # its AMX product, if any, takes 64 rows or more only
     llm.exit()
 
 
@@ -107,7 +108,7 @@ def test_few_rows_product_equals_the_exact_product(cpu_kernels, dtype, n, k, bia
     b = torch.randn(n, generator=gen).to(dtype) if bias else None
     for rows in range(1, product.max_rows + 1):
         x = torch.randn(rows, 2 * k, generator=gen).to(dtype)[:, k // 2:k // 2 + k]  # strided rows
-        out = linear(x, weight, b, few_rows=product)
+        out = cpu_linear(x, weight, b, few_rows=product)
         assert out.shape == (rows, n) and out.dtype == dtype and out.is_contiguous()
         exact = F.linear(x.double(), weight.double(), None if b is None else b.double())
         if dtype == torch.float32:
@@ -132,10 +133,10 @@ def test_linear_takes_the_few_row_product_only_for_its_rows(cpu_kernels):
 
     weight = torch.randn(24, 32)
     for shape in [(1, 32), (product.max_rows, 32), (product.max_rows + 1, 32), (2, 1, 32), (1, 32)]:
-        linear(torch.randn(*shape), weight, None, None, Counting())
+        cpu_linear(torch.randn(*shape), weight, None, None, Counting())
     # bf16 activations over float32 weights (a CPU without native bf16 matmul): in as float32, out as bf16
     x = torch.randn(2, 32).bfloat16()
-    out = linear(x, weight, None, None, Counting())
+    out = cpu_linear(x, weight, None, None, Counting())
     assert calls == [1, product.max_rows, 1, 2]
     assert out.dtype == torch.bfloat16
     torch.testing.assert_close(out, F.linear(x.float(), weight).bfloat16())
@@ -147,10 +148,11 @@ def test_engine_gives_linear_layers_and_the_lm_head_the_few_row_product(qwen3_ti
     model = llm.model_runner.model
     expected = cpu_kernels.few_rows_linear(getattr(torch, dtype))
     layers = [m for m in model.modules() if isinstance(m, LinearBase)] + [model.lm_head]
-    if expected is None or not cpu.native_half_matmul(getattr(torch, dtype)):
-        assert all(m.few_rows is None or m.weight.dtype != getattr(torch, dtype) for m in layers)
+    if expected is None or not native_half_matmul(getattr(torch, dtype)):
+        assert all(m.linear_method.few_rows is None or m.weight.dtype != getattr(torch, dtype) for m in layers)
     else:
-        assert all(m.few_rows is not None and m.few_rows.max_rows == expected.max_rows for m in layers)
+        assert all(m.linear_method.few_rows is not None and m.linear_method.few_rows.max_rows == expected.max_rows
+                   for m in layers)
     llm.exit()
 
 
@@ -172,7 +174,7 @@ def test_amx_product_equals_the_exact_product(cpu_kernels, n, k, bias):
     # Whole tiles (16, 32, 64, 256), a lone tile of rows after pairs (48), rows padded (1, 5, 17, 100).
     for rows in (1, 5, 16, 17, 32, 48, 64, 100, 256):
         x = torch.randn(rows, 2 * k, generator=gen).bfloat16()[:, k // 2:k // 2 + k]  # strided rows
-        out = linear(x, weight, b, amx=product)
+        out = cpu_linear(x, weight, b, amx=product)
         assert out.shape == (rows, n) and out.dtype == torch.bfloat16
         exact = F.linear(x.double(), weight.double(), None if b is None else b.double())
         # float32 sums of exact products, rounded once to bf16: within one unit of rounding
@@ -229,14 +231,14 @@ def test_linear_takes_the_amx_product_above_the_few_rows(cpu_kernels):
         return Counting()
 
     for rows in (1, few.max_rows, few.max_rows + 1, product.max_rows, product.max_rows + 1):
-        linear(torch.randn(rows, 64).bfloat16(), weight, None, None, counting(few, "few"), counting(product, "amx"))
-    linear(torch.randn(8, 64), weight, None, None, None, counting(product, "amx"))  # activations in another dtype
+        cpu_linear(torch.randn(rows, 64).bfloat16(), weight, None, None, counting(few, "few"), counting(product, "amx"))
+    cpu_linear(torch.randn(8, 64), weight, None, None, None, counting(product, "amx"))  # activations in another dtype
     assert calls == [("few", 1), ("few", few.max_rows), ("amx", few.max_rows + 1), ("amx", product.max_rows)]
     calls.clear()
     head = cpu_kernels.amx_linear(torch.randn(64, AMX_PREFILL_MIN_K), min_rows=32)  # the float32 LM head's kind
     assert head.max_rows >= 1 << 40  # float32 of AMX_PREFILL_MIN_K columns or more: prefill chunks of any size too
     for rows in (16, 31, 32, 3000):
-        linear(torch.randn(rows, AMX_PREFILL_MIN_K), torch.randn(64, AMX_PREFILL_MIN_K), None, None, None,
+        cpu_linear(torch.randn(rows, AMX_PREFILL_MIN_K), torch.randn(64, AMX_PREFILL_MIN_K), None, None, None,
                counting(head, "amx"))
     assert calls == [("amx", 32), ("amx", 3000)]
     narrow = cpu_kernels.amx_linear(torch.randn(64, AMX_PREFILL_MIN_K - 32))  # fewer columns: decode rows only
@@ -249,16 +251,17 @@ def test_engine_gives_linear_layers_the_amx_product(qwen3_tiny, cpu_kernels, dty
     llm = LLM(qwen3_tiny, num_kvcache_blocks=16, dtype=dtype)
     model = llm.model_runner.model
     layers = [m for m in model.modules() if isinstance(m, LinearBase)]
-    if dtype == "bfloat16" and not cpu.native_half_matmul(torch.bfloat16):  # bf16 layers hold float32 weights
+    if dtype == "bfloat16" and not native_half_matmul(torch.bfloat16):  # bf16 layers hold float32 weights
         assert all(m.weight.dtype == torch.float32 for m in layers)
-    assert layers and all((m.amx is not None) == (m.weight.size(0) % 32 == 0 and m.weight.size(1) % 32 == 0)
+    assert layers and all((m.linear_method.amx is not None) == (m.weight.size(0) % 32 == 0
+                                                                and m.weight.size(1) % 32 == 0)
                           for m in layers)
-    assert any(m.amx is not None for m in layers)
+    assert any(m.linear_method.amx is not None for m in layers)
     head = model.lm_head
     if head.weight.dtype == torch.float32 and head.weight.size(0) % 32 == 0 and head.weight.size(1) % 32 == 0:
-        assert head.amx is not None and head.amx.min_rows == AMX_HEAD_MIN_ROWS
+        assert head.linear_method.amx is not None and head.linear_method.amx.min_rows == AMX_HEAD_MIN_ROWS
     else:
-        assert head.amx is None
+        assert head.linear_method.amx is None
     llm.exit()
 
 
@@ -280,8 +283,9 @@ def test_engine_on_float32_amx_products_gives_hf_greedy_tokens(qwen3_wide, cpu_k
     prompts += [prompts[0][:200] + p[:40] for p in prompts[2:5]]  # a cached prefix of 192 tokens, then new ones
     llm = LLM(qwen3_wide, max_num_batched_tokens=384, num_kvcache_blocks=96, kvcache_block_size=16)
     layers = [m for m in llm.model_runner.model.modules() if isinstance(m, LinearBase)]
-    assert layers and all(m.amx is not None and m.packed_weight is None for m in layers)  # no oneDNN copy left
-    rows, product = [], type(layers[0].amx)
+    # no oneDNN copy left
+    assert layers and all(m.linear_method.amx is not None and m.linear_method.packed is None for m in layers)
+    rows, product = [], type(layers[0].linear_method.amx)
     real = product.__call__
     monkeypatch.setattr(product, "__call__", lambda self, x, bias: (rows.append(x.size(0)), real(self, x, bias))[1])
     first = llm.generate(prompts[:6], greedy(10), use_tqdm=False)

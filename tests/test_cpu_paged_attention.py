@@ -1,4 +1,4 @@
-"""The CPU paged-attention kernel (kernels/cpu_paged_attention.cpp through attention/cpu_backend.py)
+"""The CPU paged-attention kernel (kernels/cpu_paged_attention.cpp through platform/cpu/attention.py)
 against the oracle written from attention's definition (tests/reference_attention.py), and the
 choice and build around it.
 
@@ -20,8 +20,8 @@ import torch
 from conftest import build_checkpoint
 from helpers import hf_greedy, random_prompts
 from nanovllm import LLM, SamplingParams
-from nanovllm import attention
-from nanovllm.attention.cpu_backend import CpuPagedBackend
+from nanovllm.platform import attention
+from nanovllm.platform.cpu.attention import CpuPagedBackend
 from nanovllm.attention.torch_backend import TorchBackend
 from nanovllm.kernels import cpu_build
 from nanovllm.utils.context import AttentionMetadata

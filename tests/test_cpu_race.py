@@ -116,10 +116,10 @@ def test_the_head_declines_sampled_rows_whose_scaled_logits_near_the_clamp(make_
     assert head(x, HeadDraw([1.0, 1e-5], [1, 2], [0, 0])) is None  # the smallest temperature: x 1e5
 
 
-def count_head_calls(model) -> list[int]:
+def count_head_calls(sampler) -> list[int]:
     calls = []
-    original = model.head_tokens
-    model.head_tokens = lambda hidden, draw=None: calls.append(hidden.size(0)) or original(hidden, draw)
+    original = sampler.head_tokens
+    sampler.head_tokens = lambda hidden, draw=None: calls.append(hidden.size(0)) or original(hidden, draw)
     return calls
 
 
@@ -132,7 +132,8 @@ ENGINES = {"whole": {}, "chunked": {"max_num_batched_tokens": 48, "kvcache_block
 def test_seeded_requests_draw_the_same_tokens_with_and_without_the_head(qwen3_tiny, make_head, engine):
     llm = LLM(qwen3_tiny, dtype="float32", **ENGINES[engine])
     model = llm.model_runner.model
-    calls = count_head_calls(model)
+    sampler = llm.model_runner.sampler
+    calls = count_head_calls(sampler)
     prompts = random_prompts(200, [5, 17, 9, 70], seed=9)
     params = [SamplingParams(temperature=t, seed=s, max_tokens=12, ignore_eos=True)
               for t, s in ((0.7, 1), (1.0, 2), (1.6, 3), (0.3, 2**63))]
@@ -145,10 +146,10 @@ def test_seeded_requests_draw_the_same_tokens_with_and_without_the_head(qwen3_ti
     logprobs = SamplingParams(temperature=0, max_tokens=12, logprobs=1, ignore_eos=True)
     beside = llm.generate(prompts + prompts[:1], params + [logprobs], use_tqdm=False)
     assert calls == [] and [o["token_ids"] for o in beside[:4]] == with_head
-    model.lm_head.greedy = None  # the logits path for every step
+    sampler.head = None  # the logits path for every step
     assert [o["token_ids"] for o in llm.generate(prompts, params, use_tqdm=False)] == with_head
     # unseeded sampled requests differ between runs and are tokens of the vocabulary
-    model.lm_head.greedy = make_head(model.lm_head.weight)
+    sampler.head = make_head(model.lm_head.weight)
     free = SamplingParams(temperature=1.0, max_tokens=12, ignore_eos=True)
     first, second = (llm.generate(prompts, free, use_tqdm=False) for _ in range(2))
     assert [o["token_ids"] for o in first] != [o["token_ids"] for o in second]

@@ -26,7 +26,8 @@ from nanovllm.kernels.qk_norm_rope import qk_norm_rope_store  # noqa: E402
 from nanovllm.kernels.rms_norm import _rms_norm_kernel, rms_norm  # noqa: E402
 from nanovllm.kernels.sampling import sample_tokens  # noqa: E402
 from nanovllm.kernels.silu_mul import silu_and_mul  # noqa: E402
-from nanovllm.layers import activation, layernorm, sampler  # noqa: E402
+from nanovllm.layers import sampler  # noqa: E402
+from nanovllm.platform import torch as reference  # noqa: E402
 from nanovllm.layers.rotary_embedding import RopeConfig, RotaryEmbedding, rotate_qk  # noqa: E402
 
 DEVICE = kernel_test_device(_rms_norm_kernel)
@@ -67,11 +68,11 @@ def test_rms_norm_matches_torch(dtype, rows, hidden, with_residual):
     result = rms_norm(x, weight, EPS, residual, out=out, residual_out=residual_out)
     assert result.out is out
     if with_residual:
-        expected, expected_residual = layernorm.add_rms_norm(x, residual, weight, EPS)
+        expected, expected_residual = reference.add_rms_norm(x, residual, weight, EPS)
         assert result.residual is residual_out
         torch.testing.assert_close(residual_out, expected_residual, rtol=0, atol=0)  # the same one addition
     else:
-        expected = layernorm.rms_norm(x, weight, EPS)
+        expected = reference.rms_norm(x, weight, EPS)
         assert result.residual is None
     assert_close(out, expected, dtype)
 
@@ -100,7 +101,7 @@ def test_silu_and_mul_matches_torch(dtype, rows, width):
     x = randn(rows, 2 * width + 5, dtype=dtype, gen=gen, scale=3.0)[:, :2 * width]  # row stride != 2 * width
     out = poisoned(rows, width, dtype=dtype)
     assert silu_and_mul(x, out) is out
-    assert_close(out, activation.silu_and_mul(x), dtype)
+    assert_close(out, reference.silu_and_mul(x), dtype)
 
 
 def test_silu_and_mul_rejects_bad_inputs():
@@ -139,7 +140,7 @@ def test_qk_norm_rope_store_matches_torch(dtype, num_heads, num_kv_heads, head_d
     # The torch path: norms, rotary, then the torch backend's store.
     q_ref, k_ref = q.clone(), k.clone()
     if with_norm:
-        q_ref, k_ref = layernorm.rms_norm(q_ref, weights[0], EPS), layernorm.rms_norm(k_ref, weights[1], EPS)
+        q_ref, k_ref = reference.rms_norm(q_ref, weights[0], EPS), reference.rms_norm(k_ref, weights[1], EPS)
     q_ref, k_ref = rotate_qk(positions, q_ref, k_ref, rotary.cos_sin_cache)
     shape = (num_blocks, block_size, num_kv_heads, head_dim)
     k_cache_ref, v_cache_ref = poisoned(*shape, dtype=dtype), poisoned(*shape, dtype=dtype)
@@ -332,16 +333,16 @@ def test_bf16_kernels_on_gpu():
     x, r = randn(rows, 1024, dtype=dtype, gen=gen), randn(rows, 1024, dtype=dtype, gen=gen)
     w = (1 + randn(1024, dtype=torch.float32, gen=gen, scale=0.1)).to(dtype)
     out = rms_norm(x, w, EPS, r)
-    expected, expected_residual = layernorm.add_rms_norm(x, r, w, EPS)
+    expected, expected_residual = reference.add_rms_norm(x, r, w, EPS)
     assert_close(out.out, expected, dtype)
     torch.testing.assert_close(out.residual, expected_residual, rtol=0, atol=0)
     y = randn(rows, 2 * 3072, dtype=dtype, gen=gen, scale=3.0)
-    assert_close(silu_and_mul(y), activation.silu_and_mul(y), dtype)
+    assert_close(silu_and_mul(y), reference.silu_and_mul(y), dtype)
     q, k, v = qkv_views(rows, 16, 8, 128, dtype, gen)
     rotary = RotaryEmbedding(128, 4096, RopeConfig(1e6, "default", {})).to(DEVICE)
     positions = torch.randint(0, 4096, (rows,), generator=gen).to(DEVICE)
     wq, wk = w[:128].clone(), w[128:256].clone()
-    q_ref, k_ref = rotate_qk(positions, layernorm.rms_norm(q, wq, EPS), layernorm.rms_norm(k, wk, EPS),
+    q_ref, k_ref = rotate_qk(positions, reference.rms_norm(q, wq, EPS), reference.rms_norm(k, wk, EPS),
                              rotary.cos_sin_cache)
     qk_norm_rope_store(q, k, v, positions, rotary.cos_sin_cache, wq, wk, EPS)
     assert_close(q, q_ref, dtype)

@@ -22,7 +22,8 @@ from helpers import kernel_test_device  # noqa: E402
 
 from nanovllm.kernels.fused_moe import (MoeTiles, _grouped_gemm_kernel, align_by_expert, fused_moe,  # noqa: E402
                                         max_padded_rows)
-from nanovllm.layers.fused_moe import fused_experts_torch, route  # noqa: E402
+from nanovllm.layers.fused_moe import route  # noqa: E402
+from nanovllm.platform.torch import fused_experts_torch  # noqa: E402
 
 DEVICE = kernel_test_device(_grouped_gemm_kernel)
 INTERPRET = DEVICE.type == "cpu"

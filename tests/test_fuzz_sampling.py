@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 from helpers import random_prompts
 from nanovllm import LLM, SamplingParams
 from nanovllm.scheduling.sequence import Sequence
-from nanovllm.layers.sampler import Sampler
+from nanovllm.layers.sampler import Sampler, inverse_transform_from_logits
 from nanovllm.runner.sampling_inputs import prepare_sampling
 from nanovllm.sampling_params import MAX_REPETITION_PENALTY, MIN_REPETITION_PENALTY
 
@@ -200,7 +200,7 @@ def test_non_finite_logits_yield_tokens_in_range():
              SamplingParams(temperature=0.7, seed=5, top_p=1e-300, top_k=3, min_p=1.0, logprobs=4),
              SamplingParams(temperature=1e-5, repetition_penalty=MIN_REPETITION_PENALTY, frequency_penalty=2.0,
                             logprobs=1)]
-    sampler = Sampler()
+    sampler = Sampler(inverse_transform_from_logits)  # the CPU platform's
     for params in cases:
         seqs = [Sequence(i, [1, 2, 7, 11], params, 16) for i in range(len(rows))]
         out = sampler(rows.clone(), prepare_sampling(seqs, vocab, -1, torch.device("cpu")))

@@ -25,7 +25,7 @@ pytest.importorskip("triton", reason="triton is not installed, so the Triton ker
 from helpers import kernel_test_device  # noqa: E402
 
 from nanovllm.attention.torch_backend import TorchBackend  # noqa: E402
-from nanovllm.attention.triton_backend import TritonBackend  # noqa: E402
+from nanovllm.platform.attention import triton_backend as make_triton_backend  # noqa: E402
 from nanovllm.kernels import decode_attention as decode_mod  # noqa: E402
 from nanovllm.kernels.decode_attention import DecodeTiles, choose_num_splits, decode_attention  # noqa: E402
 from nanovllm.kernels.prefill_attention import PrefillTiles, prefill_attention  # noqa: E402
@@ -301,7 +301,7 @@ def test_triton_backend_matches_torch_backend():
     padding row; each backend stores into its own copy of the cache."""
     gen = torch.Generator().manual_seed(9)
     num_heads, num_kv_heads, block_size, dtype = 4, 2, 16, torch.float32
-    torch_backend, triton_backend = TorchBackend(), TritonBackend()
+    torch_backend, triton_backend = TorchBackend(), make_triton_backend()
     assert triton_backend.name == "triton"
 
     # 1. Warm-up prefill: no cache yet.
@@ -377,7 +377,7 @@ def test_bf16_accuracy_on_gpu(block_size):
     gen = torch.Generator().manual_seed(10)
     num_heads, num_kv_heads, head_dim, dtype = 16, 8, 128, torch.bfloat16
     scale = head_dim ** -0.5
-    backend = TritonBackend()
+    backend = make_triton_backend()
 
     # Decode with a batch small enough to split, padding rows included.
     lengths = [0, 1, block_size - 1, block_size, block_size + 1, 1000, 3000, 0]

@@ -19,7 +19,7 @@ from safetensors.torch import save_file
 from helpers import greedy, random_prompts
 from nanovllm import LLM
 from nanovllm.testing.synthetic import build_checkpoint
-from nanovllm import attention
+from nanovllm.platform import attention
 from nanovllm.testing.accuracy import compare_runs
 
 BLOCK = 16

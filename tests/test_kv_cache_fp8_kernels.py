@@ -82,7 +82,7 @@ triton = pytest.importorskip("triton", reason="triton is not installed, so the T
 from triton.runtime.interpreter import InterpretedFunction  # noqa: E402
 
 from nanovllm.attention.torch_backend import TorchBackend  # noqa: E402
-from nanovllm.attention.triton_backend import TritonBackend  # noqa: E402
+from nanovllm.platform.attention import triton_backend as make_triton_backend  # noqa: E402
 from nanovllm.kernels.decode_attention import decode_attention  # noqa: E402
 from nanovllm.kernels.qk_norm_rope import qk_norm_rope_store  # noqa: E402
 from nanovllm.kernels.store_kv import _store_kv_kernel, store_kv  # noqa: E402
@@ -120,7 +120,7 @@ def test_store_kv_quantizes_as_torch(dtype, model_dtype):
     slots = torch.randperm(4 * BLOCK, generator=gen)[:21].to(DEVICE)
     slots[5] = -1  # a padding row
     caches = {}
-    for name, backend in (("torch", TorchBackend()), ("triton", TritonBackend())):
+    for name, backend in (("torch", TorchBackend()), ("triton", make_triton_backend())):
         k_cache = torch.zeros(4, BLOCK, 2, HEAD_DIM, dtype=dtype, device=DEVICE)
         v_cache = torch.zeros_like(k_cache)
         backend.store_kv(k, v, k_cache, v_cache, slots, KVScales(k_scale, v_scale))
@@ -244,7 +244,7 @@ def test_decode_and_prefill_dequantize_as_torch(dtype, model_dtype):
                              seqlens_k=seqlens_k)
     q = (torch.randn(sum(seqlens_q), num_heads, HEAD_DIM, generator=gen) * 0.1).to(DEVICE, model_dtype)
     expected = TorchBackend().prefill(q, None, None, k_cache, v_cache, meta, SCALE, kv_scales)
-    out = TritonBackend().prefill(q, None, None, k_cache, v_cache, meta, SCALE, kv_scales)
+    out = make_triton_backend().prefill(q, None, None, k_cache, v_cache, meta, SCALE, kv_scales)
     torch.testing.assert_close(out.float(), expected.float(), **tolerance)
 
 
@@ -260,7 +260,7 @@ def test_store_kv_rounds_as_torch_on_gpu(dtype, model_dtype):
     kv_scales = KVScales(torch.tensor([0.013, 0.02], device=DEVICE), torch.tensor([0.5, 0.3], device=DEVICE))
     slots = torch.arange(64, device=DEVICE)
     caches = {}
-    for name, backend in (("torch", TorchBackend()), ("triton", TritonBackend())):
+    for name, backend in (("torch", TorchBackend()), ("triton", make_triton_backend())):
         k_cache = torch.zeros(4, BLOCK, 2, HEAD_DIM, dtype=dtype, device=DEVICE)
         v_cache = torch.zeros_like(k_cache)
         backend.store_kv(k, v, k_cache, v_cache, slots, kv_scales)

@@ -15,7 +15,7 @@ from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
 import nanovllm.kernels.fused_moe as fused_moe_kernel
-import nanovllm.layers.fused_moe as fused_moe_layer
+from nanovllm.platform.torch import TorchPlatform
 from helpers import hf_greedy, random_prompts
 from nanovllm import LLM, SamplingParams
 from nanovllm.config import Config
@@ -101,7 +101,8 @@ def test_triton_backend_and_fused_moe_kernel_match_hf(ckpt, request, monkeypatch
     def counting_kernel(*args, **kwargs):
         calls.append(args[0].shape)
         return kernel(*args, **kwargs)
-    monkeypatch.setattr(fused_moe_layer, "use_fused_kernel", lambda x: True)
+    from nanovllm.platform.triton import CudaPlatform
+    monkeypatch.setattr(TorchPlatform, "fused_experts", CudaPlatform.fused_experts)  # the kernel on the CPU too
     monkeypatch.setattr(fused_moe_kernel, "fused_moe", counting_kernel)
     # Two prompts sharing 2 full blocks; 2 tokens: a prefill and a decode step (the interpreter is slow).
     prompts, num_tokens = [SHARED[:32] + [5], SHARED[:32] + [9, 10, 11]], 2

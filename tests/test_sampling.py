@@ -12,7 +12,7 @@ from helpers import _hf_model, greedy, hf_greedy, random_prompts, spanning_stop_
 from nanovllm import LLM, SamplingParams
 from nanovllm.layers.logits_processors import (SamplingTensors, TopKTopP, apply_min_p, apply_penalties,
                                                apply_top_k_top_p)
-from nanovllm.layers.sampler import Sampler
+from nanovllm.layers.sampler import Sampler, inverse_transform_from_logits
 
 BLOCK = 16
 MAX_TOKENS = 16
@@ -82,14 +82,14 @@ def test_temperature_sampling_matches_softmax():
     torch.manual_seed(1234)
     logits = torch.tensor([2.0, 1.0, 0.5, 0.0, -0.5, -1.0, 1.5, 0.2])
     temperature, draws = 0.7, 20_000
-    out = Sampler()(logits.repeat(draws, 1), tensors(draws, temperature))
+    out = Sampler(inverse_transform_from_logits)(logits.repeat(draws, 1), tensors(draws, temperature))
     freq = torch.bincount(torch.tensor(out.token_ids), minlength=8).float() / draws
     expected = torch.softmax(logits / temperature, dim=0)
     assert (freq - expected).abs().max().item() < 0.015
 
 
 def test_the_cpu_draw_follows_the_weights_and_never_takes_a_zero():
-    """layers/sampler.draw on the CPU (inverse transform): 20,000 rows of unnormalised weights
+    """layers/sampler.py inverse_transform_draw (the CPU platform's draw): 20,000 rows of unnormalised weights
     with zeros among them, the first and last included: every frequency within 0.015 of the
     normalised weight and no zero-weight token ever; a seeded row draws the same tokens alone as
     in a batch."""
@@ -97,14 +97,14 @@ def test_the_cpu_draw_follows_the_weights_and_never_takes_a_zero():
     torch.manual_seed(7)
     weights = torch.tensor([0.0, 3.0, 0.0, 1.0, 0.5, 0.0, 2.5, 0.0])
     draws = 20_000
-    tokens = sampler_module.draw(weights.repeat(draws, 1), tensors(draws, 1.0))
+    tokens = sampler_module.inverse_transform_draw(weights.repeat(draws, 1), tensors(draws, 1.0))
     freq = torch.bincount(tokens, minlength=8).float() / draws
     assert (freq - weights / weights.sum()).abs().max().item() < 0.015
     assert freq[weights == 0].sum().item() == 0
 
     def seeded(rows: int, row: int) -> list[int]:
         t = tensors(rows, 1.0)._replace(generators=((row, torch.Generator().manual_seed(11)),))
-        return [sampler_module.draw(weights.repeat(rows, 1), t)[row].item() for _ in range(20)]
+        return [sampler_module.inverse_transform_draw(weights.repeat(rows, 1), t)[row].item() for _ in range(20)]
     assert seeded(1, 0) == seeded(5, 3)
     assert len(set(seeded(1, 0))) > 1  # the generator advances: not one token over and over
 
@@ -113,9 +113,10 @@ def test_top_k_and_top_p_sampling_stay_inside_the_mask():
     torch.manual_seed(5)
     logits = torch.tensor([[3.0, 2.9, 2.8, 0.0, -1.0, 1.0]]).repeat(3000, 1)
     top_k = TopKTopP(torch.full((3000,), 2, dtype=torch.int64), None)
-    out = Sampler()(logits, tensors(3000, 1.0, after_temperature=(top_k,)))
+    out = Sampler(inverse_transform_from_logits)(logits, tensors(3000, 1.0, after_temperature=(top_k,)))
     assert set(out.token_ids) == {0, 1}
-    out = Sampler()(logits, tensors(3000, 1.0, after_temperature=(TopKTopP(None, torch.full((3000,), 0.5)),)))
+    top_p = TopKTopP(None, torch.full((3000,), 0.5))
+    out = Sampler(inverse_transform_from_logits)(logits, tensors(3000, 1.0, after_temperature=(top_p,)))
     assert set(out.token_ids) <= reference_top_k_top_p(logits[0].tolist(), 6, 0.5)
 
 

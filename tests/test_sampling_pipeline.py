@@ -18,7 +18,8 @@ from nanovllm.scheduling.sequence import Sequence
 from nanovllm.layers import rejection_sampler, sampler
 from nanovllm.layers.logits_processors import LogitBias, SamplingTensors
 from nanovllm.layers.rejection_sampler import RejectionSampler
-from nanovllm.layers.sampler import Sampler
+from nanovllm.layers.sampler import Sampler, inverse_transform_draw, inverse_transform_from_logits
+from nanovllm.platform.sampling import RaceSampler
 from nanovllm.runner.sampling_inputs import prepare_sampling
 
 VOCAB = 50
@@ -76,20 +77,19 @@ def test_sampler_triton_race_and_verifier_apply_the_same_pipeline(seed, monkeypa
 
     # 1. The torch sampler: its greedy tokens, and the logits its race draws from.
     raced: list = []
-    spy(monkeypatch, sampler, "draw", raced)
+    spy(monkeypatch, sampler, "inverse_transform_draw", raced)
     t = prepare_sampling(seqs, VOCAB, EOS, torch.device("cpu"))
     assert t.before_temperature or t.after_temperature, "the batch exercises no processor"
-    tokens, _ = Sampler().draw(logits.clone(), t)
+    tokens, _ = Sampler(inverse_transform_from_logits).draw(logits.clone(), t)  # the CPU platform's
     weights = raced[0][0]  # [rows, vocab] what the draw picks from; sampled rows only are meaningful
     expected = weights / weights.sum(dim=-1, keepdim=True)
     greedy_tokens = tokens[greedy]
 
     # 2. The Triton race (fused sampler), interpreted on CPU (or on the GPU): what the kernel is handed.
-    triton_sampler = Sampler()
-    triton_sampler.enable_triton()
+    from nanovllm.kernels.sampling import _race_chunk_kernel, sample_tokens
+    triton_sampler = RaceSampler(sample_tokens)  # the Triton platform's
     kernel_inputs: list = []
     kernel = triton_sampler.race_kernel
-    from nanovllm.kernels.sampling import _race_chunk_kernel
     device = kernel_test_device(_race_chunk_kernel)
     triton_sampler.race_kernel = lambda *args, **kw: kernel_inputs.append(args) or kernel(*args, **kw)
     t_triton = prepare_sampling(seqs, VOCAB, EOS, device, philox=True)
@@ -106,12 +106,12 @@ def test_sampler_triton_race_and_verifier_apply_the_same_pipeline(seed, monkeypa
     p_x = expected.gather(1, proposed.unsqueeze(1)).squeeze(1)
     for factor, accepts in ((1 - 1e-4, True), (1 + 1e-4, False)):
         monkeypatch.setattr(rejection_sampler, "uniforms", lambda rows, t, device: p_x * factor)
-        verdicts = RejectionSampler()(logits.clone(), proposed, None, t)
+        verdicts = RejectionSampler(inverse_transform_draw)(logits.clone(), proposed, None, t)
         for row in torch.nonzero(sampled).flatten().tolist():
             if p_x[row] > 0:
                 assert verdicts.accepted[row] == accepts, (row, factor)
     # Greedy rows accept exactly their argmax, and a row without a proposal emits it.
-    verdicts = RejectionSampler()(logits.clone(), torch.where(greedy, tokens, -1), None, t)
+    verdicts = RejectionSampler(inverse_transform_draw)(logits.clone(), torch.where(greedy, tokens, -1), None, t)
     assert [verdicts.accepted[r] for r in range(ROWS) if greedy[r]] == [True] * int(greedy.sum())
     assert [verdicts.tokens[r] for r in range(ROWS) if greedy[r]] == greedy_tokens.tolist()
 

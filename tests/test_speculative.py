@@ -20,6 +20,7 @@ from nanovllm.scheduling.scheduler import Scheduler
 from nanovllm.scheduling.sequence import Sequence
 from nanovllm.scheduling.stop_checker import StopChecker
 from nanovllm.layers.rejection_sampler import RejectionSampler
+from nanovllm.layers.sampler import inverse_transform_draw
 from nanovllm.layers.logits_processors import SamplingTensors
 from nanovllm.testing.synthetic import build_checkpoint
 
@@ -142,7 +143,7 @@ def _verify_many(p_logits: torch.Tensor, proposed: list[int], q: torch.Tensor | 
     ids = torch.cat([drafts, torch.full((SAMPLES, 1), -1)], dim=1).reshape(-1)
     logits = p_logits.repeat(SAMPLES, 1)
     draft_probs = None if q is None else torch.cat([q, torch.zeros(1, VOCAB)]).repeat(SAMPLES, 1)
-    verdicts = RejectionSampler()(logits, ids, draft_probs, _tensors(SAMPLES * (d + 1)))
+    verdicts = RejectionSampler(inverse_transform_draw)(logits, ids, draft_probs, _tensors(SAMPLES * (d + 1)))
     out = []
     for s in range(SAMPLES):
         row, n = s * (d + 1), 0
@@ -180,7 +181,7 @@ def test_rejection_sampling_keeps_the_target_distribution(with_draft_model):
 def test_rejection_sampler_greedy_rows_accept_while_the_argmax_agrees():
     logits = torch.tensor([[0.0, 5.0, 1.0], [3.0, 0.0, 1.0], [0.0, 0.0, 9.0]])
     t = SamplingTensors(torch.zeros(3), all_greedy=True)
-    verdicts = RejectionSampler()(logits, torch.tensor([1, 2, -1]), None, t)
+    verdicts = RejectionSampler(inverse_transform_draw)(logits, torch.tensor([1, 2, -1]), None, t)
     assert verdicts.accepted == [True, False, False] and verdicts.tokens == [1, 0, 2]
 
 

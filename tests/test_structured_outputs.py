@@ -18,6 +18,7 @@ from nanovllm import LLM, SamplingParams, StructuredOutputsParams
 from nanovllm import sampling_params as sampling_params_module
 from nanovllm.scheduling.sequence import Sequence
 from nanovllm.layers.rejection_sampler import RejectionSampler
+from nanovllm.layers.sampler import inverse_transform_draw
 from nanovllm.runner.sampling_inputs import prepare_sampling
 from nanovllm.structured_outputs import GrammarCompiler
 
@@ -167,7 +168,7 @@ def test_grammar_mask_rejects_a_forbidden_proposal_and_masks_the_token_in_its_pl
         logits = torch.zeros(2, vocab)
         logits[:, forbidden] = 50.0  # the model is sure of the forbidden token
         t = prepare_sampling([seq, seq], vocab, llm.config.eos, torch.device("cpu"), drafts=[[], [forbidden]])
-        verdicts = RejectionSampler()(logits, torch.tensor([forbidden, -1]), None, t)
+        verdicts = RejectionSampler(inverse_transform_draw)(logits, torch.tensor([forbidden, -1]), None, t)
         assert verdicts.accepted[0] is False
         matcher = xgrammar.GrammarMatcher(compiled)
         assert matcher.accept_token(verdicts.tokens[0]) and verdicts.tokens[0] != forbidden

@@ -1,6 +1,6 @@
 """The torch backend (the CPU path) against the oracle written from attention's definition
 (tests/reference_attention.py: explicit float64 scores, mask and softmax, no code shared with the
-backends), and the CPU settings that come with it (utils/cpu.py, platform/device_host.py).
+backends), and the CPU settings that come with it (platform/cpu/linear.py, platform/device_host.py).
 
 Decode and prefill run on random paged caches whose blocks are shuffled and whose every slot no
 sequence owns holds large finite garbage, so reading one changes the output: lengths of zero and
@@ -23,9 +23,11 @@ from nanovllm.attention.kv_quant import FP8_DTYPES, KVScales, dequantize, quanti
 from nanovllm.attention.torch_backend import DECODE_TILE_BYTES, TorchBackend, plan_decode
 from nanovllm.config import Config
 from nanovllm.layers.embed_head import ParallelLMHead, VocabParallelEmbedding
-from nanovllm.layers.linear import ColumnParallelLinear, linear
+from nanovllm.layers.linear import ColumnParallelLinear
 from nanovllm.platform import device_host
-from nanovllm.utils import cpu
+from nanovllm.platform.context import building_for
+from nanovllm.platform.cpu import CpuTorchPlatform
+from nanovllm.platform.cpu.linear import cpu_linear, hold_matmul_weights_in_float32, native_half_matmul
 from nanovllm.utils.context import AttentionMetadata
 from reference_attention import ReferenceTorchBackend
 
@@ -334,16 +336,17 @@ def test_engine_on_cpu_defaults_equals_hf_greedy(qwen3_tiny):
 def test_half_precision_linear_in_float32_keeps_values_dtypes_and_tied_embeddings():
     gen = torch.Generator().manual_seed(5)
     model = nn.Module()
-    model.proj = ColumnParallelLinear(32, 48, bias=True).to(torch.bfloat16)
-    model.embed = VocabParallelEmbedding(64, 32).to(torch.bfloat16)
-    model.head = ParallelLMHead(64, 32).to(torch.bfloat16)
+    with building_for(CpuTorchPlatform(torch.bfloat16)):
+        model.proj = ColumnParallelLinear(32, 48, bias=True).to(torch.bfloat16)
+        model.embed = VocabParallelEmbedding(64, 32).to(torch.bfloat16)
+        model.head = ParallelLMHead(64, 32).to(torch.bfloat16)
     model.head.weight = model.embed.weight  # tied
     for param in model.parameters():
         param.data.copy_(torch.randn(param.shape, generator=gen))
     x = torch.randn(5, 32, generator=gen).to(torch.bfloat16)
     before = model.proj(x), model.head(x), model.embed.weight.clone()
 
-    assert cpu.hold_matmul_weights_in_float32(model) == 3  # proj weight and bias, the head's weight
+    assert hold_matmul_weights_in_float32(model) == 3  # proj weight and bias, the head's weight
     assert model.proj.weight.dtype == model.proj.bias.dtype == model.head.weight.dtype == torch.float32
     assert model.embed.weight.dtype == torch.bfloat16 and model.embed.weight is not model.head.weight
     assert torch.equal(model.head.weight, before[2].float()) and torch.equal(model.embed.weight, before[2])
@@ -353,12 +356,12 @@ def test_half_precision_linear_in_float32_keeps_values_dtypes_and_tied_embedding
         torch.testing.assert_close(new.float(), old.float(), atol=0.1, rtol=2e-2)  # bf16 rounding of |y| ~ 6
         exact = torch.nn.functional.linear(x.float(), layer.weight, getattr(layer, "bias", None)).to(torch.bfloat16)
         assert torch.equal(new, exact)
-    assert torch.equal(linear(x, model.embed.weight, None), torch.nn.functional.linear(x, model.embed.weight))
+    assert torch.equal(cpu_linear(x, model.embed.weight, None), torch.nn.functional.linear(x, model.embed.weight))
 
 
 def test_native_half_matmul_check():
-    assert cpu.native_half_matmul(torch.float32)
-    assert isinstance(cpu.native_half_matmul(torch.bfloat16), bool)
+    assert native_half_matmul(torch.float32)
+    assert isinstance(native_half_matmul(torch.bfloat16), bool)
 
 
 def test_cpu_threads_follow_affinity_and_quota_unless_set(qwen3_tiny, monkeypatch, tmp_path):
@@ -443,7 +446,7 @@ def test_malloc_tuning_applies_on_glibc():
 def test_bf16_engine_on_cpu_keeps_activations_bf16(qwen3_tiny):
     llm = LLM(qwen3_tiny, dtype="bfloat16", kvcache_block_size=16, num_kvcache_blocks=16)
     model = llm.model_runner.model
-    emulated = not cpu.native_half_matmul(torch.bfloat16)
+    emulated = not native_half_matmul(torch.bfloat16)
     assert model.model.layers[0].self_attn.qkv_proj.weight.dtype == (torch.float32 if emulated else torch.bfloat16)
     assert model.model.embed_tokens.weight.dtype == torch.bfloat16
     assert llm.model_runner.kv_cache.dtype == torch.bfloat16

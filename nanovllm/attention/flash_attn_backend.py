@@ -4,7 +4,7 @@ Prefill is `flash_attn_varlen_func` (over the paged cache through the block tabl
 is cached), decode is `flash_attn_with_kvcache`. flash-attn's paged KV needs blocks of a
 multiple of 256 tokens (checked when the backend is chosen). K/V are stored with our Triton
 store_kv kernel, as in nano-vllm. flash-attn 2 reads only a 16-bit cache, so an fp8 KV cache
-(Config.kv_cache_dtype) never gets this backend (attention/__init__.py refuses or avoids it).
+(Config.kv_cache_dtype) never gets this backend (platform/attention.py refuses or avoids it).
 """
 import torch
 
@@ -12,15 +12,17 @@ from nanovllm.attention.base import AttentionBackend
 from nanovllm.attention.kv_quant import KVScales
 from nanovllm.utils.context import AttentionMetadata
 
+# flash-attn's paged KV cache takes pages whose size is a multiple of this.
+FLASH_ATTN_PAGE_MULTIPLE = 256
+
 
 class FlashAttnBackend(AttentionBackend):
     name = "flash_attn"
     supports_cuda_graphs = True
 
-    def __init__(self) -> None:
+    def __init__(self, store_kv) -> None:
+        """`store_kv`: kernels/store_kv.py's, given by the platform (platform/attention.py)."""
         from flash_attn import flash_attn_varlen_func, flash_attn_with_kvcache
-
-        from nanovllm.kernels.store_kv import store_kv
         self._varlen = flash_attn_varlen_func
         self._with_kvcache = flash_attn_with_kvcache
         self._store_kv = store_kv

@@ -159,8 +159,11 @@ class TorchBackend(AttentionBackend):
     name = "torch"
     supports_fp8_kv_cache = True
 
-    def __init__(self, decode_tile_bytes: int = DECODE_TILE_BYTES) -> None:
+    def __init__(self, decode_tile_bytes: int = DECODE_TILE_BYTES, decode_by_matmul: bool = True) -> None:
         self.decode_tile_bytes = decode_tile_bytes
+        # Float32 tiles of few KV heads by two matmuls (attend_by_matmul): the platform turns it off
+        # on CUDA (platform/attention.py), where SDPA's kernels serve every shape.
+        self.decode_by_matmul = decode_by_matmul
         # The plan of the step in flight and the metadata it was made from: the runner makes one
         # AttentionMetadata per step and hands it to every layer, so layers 2..n reuse layer 1's plan.
         self._plan_meta: AttentionMetadata | None = None
@@ -257,8 +260,7 @@ class TorchBackend(AttentionBackend):
                                           for _ in range(2))
         q_sorted = q.index_select(0, plan.order).view(-1, num_kv_heads, group, head_dim)
         out_sorted = torch.empty_like(q_sorted)  # [active, num_kv_heads, group, head_dim]
-        by_matmul = (q.device.type == "cpu" and q.dtype == torch.float32
-                     and num_kv_heads <= MATMUL_DECODE_MAX_KV_HEADS)
+        by_matmul = self.decode_by_matmul and q.dtype == torch.float32 and num_kv_heads <= MATMUL_DECODE_MAX_KV_HEADS
         q_bd = block_diagonal_queries(q_sorted) if by_matmul else None
         for tile in plan.tiles:
             rows, n = tile.end - tile.start, tile.block_ids.numel()

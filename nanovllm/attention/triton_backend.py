@@ -1,9 +1,9 @@
 """Triton attention: the CUDA backend that needs no flash-attn (runs on CPU under TRITON_INTERPRET=1).
 
-It adapts the AttentionBackend interface to the kernels in nanovllm/kernels and owns the one
-piece of state they need across steps: the fp32 scratch for decode's split-KV partials. It does
-not choose tiles or splits (the kernel modules do) and does not import triton until constructed,
-so importing nanovllm works where triton is absent.
+It adapts the AttentionBackend interface to the kernels in nanovllm/kernels, which the platform
+hands it (platform/attention.py), and owns the one piece of state they need across steps: the
+fp32 scratch for decode's split-KV partials. It does not choose tiles or splits (the kernel
+modules do) and imports no kernel itself, so importing nanovllm works where triton is absent.
 """
 import torch
 
@@ -18,12 +18,11 @@ class TritonBackend(AttentionBackend):
     compiles_kernels = True
     supports_fp8_kv_cache = True
 
-    def __init__(self) -> None:
-        # Lazy: importing triton is slow, and it must not happen at `import nanovllm` time (tests
-        # set TRITON_INTERPRET=1 before it, and CPU installs may lack triton altogether).
-        from nanovllm.kernels import decode_attention, prefill_attention, store_kv
-        self._store_kv = store_kv.store_kv
-        self._prefill = prefill_attention.prefill_attention
+    def __init__(self, store_kv, prefill_attention, decode_attention) -> None:
+        """kernels/store_kv.py's store_kv, kernels/prefill_attention.py's prefill_attention and the
+        kernels/decode_attention.py module (its kernel and its split rules)."""
+        self._store_kv = store_kv
+        self._prefill = prefill_attention
         self._decode_kernels = decode_attention
         self._scratch: torch.Tensor | None = None  # flat fp32, grown only when a step needs more
         # Buffers the scratch outgrew: a CUDA graph captured earlier may still write to one, so

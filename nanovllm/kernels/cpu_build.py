@@ -16,8 +16,8 @@ torch backend.
 
 Owns the build, the cache and the ctypes bindings (`PagedAttentionKernel`, `FusedKernels`,
 `FewRowsLinear`, `AmxProduct`); the attention tensors' checks and metadata live with the backend
-(attention/cpu_backend.py), and the fused kernels are called by the layers (layers/) with the
-tensors those make, unchecked.
+(platform/cpu/attention.py), and the CPU platform (platform/cpu/) calls the fused kernels with the
+layers' tensors, unchecked.
 """
 import ctypes
 import hashlib
@@ -50,7 +50,7 @@ DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 # oneDNN's packed product (a whole model's products in a row, 2 threads, AMD EPYC Zen 4;
 # docs/BENCHMARKS.md, CPU kernels): float32 ~20% faster at 1 row, ~10% at 2, ~5% slower at 3-4;
 # bfloat16 35-40% faster at 1-3 rows, ~5% at 4. Float32 takes 3-4 rows too: with them every decode
-# step of up to 4 sequences can run as one call (layers/cpu_decode.py), which saves ~1 ms a step of
+# step of up to 4 sequences can run as one call (platform/cpu/decode.py), which saves ~1 ms a step of
 # Python (real-proportion model) where the slower products cost ~0.4 ms.
 # How many rows it takes the library says (nanovllm_few_rows_supported): 4, or 128 for float32 in
 # an AVX2-only build (cpu_linear.cpp many_rows, faster than oneDNN there up to ~128 rows).
@@ -62,7 +62,7 @@ FEW_ROWS_DTYPES = (torch.float32, torch.bfloat16)
 # end to end. float32 (bf16x3) weights of AMX_PREFILL_MIN_K columns or more take every row count,
 # prefill chunks too (ANY_ROWS), where oneDNN's float32 products run at the FMAs' peak and bf16x3
 # on AMX tiles beyond it: real model (K 512 and 1,536), 64 prompts, in one process, +8.6% end to end
-# (same machine); so such layers keep no oneDNN copy (LinearBase.enable_cpu). With
+# (same machine); so such layers keep no oneDNN copy (CpuLinearMethod). With
 # fewer columns a tile of sums has too few K steps to pay for its set-up: the tiny model's (K 128)
 # prefill chunks ran 0.92x.
 # The bf16 LM head's logits (32,000 columns) stay on oneDNN: level at 64 rows, slower above; its
@@ -149,8 +149,8 @@ class PagedAttentionKernel:
 
 class FewRowsLinear:
     """x @ weight.T (+ bias) for 1..max_rows rows of x in weight's dtype (cpu_linear.cpp), the
-    product layers/linear.py linear() takes at decode steps of a few sequences (of up to 128 in
-    float32 on an AVX2-only build)."""
+    product platform/cpu/linear.py cpu_linear() takes at decode steps of a few sequences (of up to
+    128 in float32 on an AVX2-only build)."""
 
     def __init__(self, fn, max_rows: int):
         self._fn = fn
@@ -180,8 +180,8 @@ def split_bf16x3(t: torch.Tensor) -> torch.Tensor:
 
 class AmxProduct:
     """One weight packed for the AMX product (cpu_amx_linear.cpp), called as x @ weight.T (+ bias)
-    for min_rows..max_rows rows of x: the product layers/linear.py linear() takes at decode steps
-    (and, float32 with K >= AMX_PREFILL_MIN_K, prefill chunks). The weight is packed as the
+    for min_rows..max_rows rows of x: the product platform/cpu/linear.py cpu_linear() takes at decode
+    steps (and, float32 with K >= AMX_PREFILL_MIN_K, prefill chunks). The weight is packed as the
     kernel's tiles, [N/32][K/32][parts][2 blocks of 16 columns][16 pairs of K][16 columns][2]: one
     part for bfloat16, for float32 its three bfloat16 parts (split_bf16x3) for the kernel's bf16x3
     product. The plain weight stays (the embedding may share it; other row counts use it)."""
@@ -340,7 +340,7 @@ class FusedKernels:
         self._few_rows_linear = library.nanovllm_few_rows_linear
         self._few_rows_linear.argtypes = [i32, i32, ptr, i64, ptr, ptr, ptr, i64, i32, i32, i32]
         # (DecodeModel*, rows, x, out, positions, slots, block_tables, table_stride, q_start, q_len, k_len, threads):
-        # layers/cpu_decode.py makes the arguments
+        # platform/cpu/decode.py makes the arguments
         self.decode_layers = library.nanovllm_decode_layers
         self.decode_layers.argtypes = [ptr, i32, ptr, ptr, ptr, ptr, ptr, i64, ptr, ptr, ptr, i32]
         for fn in (self._rms_norm, self._silu_and_mul, self._qk_norm_rope, self._few_rows_linear, self.decode_layers):
@@ -432,7 +432,7 @@ class FusedKernels:
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float,
                  residual: torch.Tensor | None = None) -> RMSNormOutput:
         """weight * rms_normalise(x) per row of a [rows, hidden] x; with `residual`, of x + residual,
-        which is returned too (as layers/layernorm.py's add_rms_norm)."""
+        which is returned too (as platform/torch.py's add_rms_norm)."""
         rows, hidden = x.shape
         out = torch.empty(rows, hidden, dtype=x.dtype)
         residual_out = None if residual is None else torch.empty_like(out)

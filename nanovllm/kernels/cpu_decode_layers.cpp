@@ -9,7 +9,7 @@
 // layers do when they call them one by one (models/llama.py with fused_kernels="cpu"), so the
 // result is bit for bit theirs. What one call saves is the Python between the parts: ~10 calls
 // a layer through torch modules and ctypes, ~150 us a layer, where one sequence's whole layer
-// reads its weights in ~200 us (layers/cpu_decode.py measures and takes it).
+// reads its weights in ~200 us (platform/cpu/decode.py measures and takes it).
 //
 // Scratch rows between the parts live in a per-thread buffer that grows to the largest step seen;
 // with the AMX product its rows are whole tiles (the rows past `rows` are computed and never read).
@@ -21,7 +21,7 @@ namespace {
 
 using namespace nanovllm_cpu;
 
-// One decoder layer's tensors (a bias, q_norm or k_norm may be null); layers/cpu_decode.py's
+// One decoder layer's tensors (a bias, q_norm or k_norm may be null); platform/cpu/decode.py's
 // LayerWeights mirrors this layout.
 struct LayerWeights {
   const void *input_norm, *post_norm, *qkv, *qkv_bias, *o, *o_bias, *q_norm, *k_norm, *gate_up, *gate_up_bias,
@@ -31,7 +31,7 @@ struct LayerWeights {
   float input_eps, post_eps, qk_eps;
 };
 
-// The model's sizes and shared tensors; layers/cpu_decode.py's DecodeModel mirrors this layout.
+// The model's sizes and shared tensors; platform/cpu/decode.py's DecodeModel mirrors this layout.
 struct DecodeModel {
   int dtype, element_size, hidden, num_heads, num_kv_heads, head_dim, intermediate, block_size, num_layers;
   int few_rows_max;  // the few-row product's rows; above them the AMX product's weights must be there

@@ -4,7 +4,7 @@ Owns the sort (`align_by_expert`), one grouped-GEMM kernel and the checking wrap
 It knows the weight layout ([num_experts, out, in], as nn.Linear per expert) and SwiGLU; it knows
 nothing of routing (the caller passes each token's experts and weights) or of tensor parallelism
 (a rank passes its slice of every expert's intermediate dimension and all-reduces the result).
-The torch loop in layers/fused_moe.py is the oracle it is tested against.
+The torch loop in platform/torch.py (fused_experts_torch) is the oracle it is tested against.
 
 Design (as vLLM's fused_moe): num_tokens * top_k (token, expert) pairs, sorted by expert, each
 expert's run padded up to a multiple of BLOCK_M with a sentinel pair id, so every BLOCK_M sorted

@@ -5,8 +5,8 @@ Owns one Triton kernel and its checking wrapper. Per token it normalises each q 
 (neox style: the two halves of a head turn together), writes them back in place, and stores the
 token's rotated K and its V in the paged cache at its slot (-1: a padding row, store nothing),
 quantised per KV head by kv_quant.quantize_kv when the cache is fp8 (Config.kv_cache_dtype).
-It computes what layers/layernorm.py and layers/rotary_embedding.py compute, cast for cast
-(they are its oracle and the CPU path); it knows the cache layout [num_blocks, block_size,
+It computes what platform/torch.py's rms_norm and layers/rotary_embedding.py compute, cast for
+cast (they are its oracle and the CPU path); it knows the cache layout [num_blocks, block_size,
 num_kv_heads, head_dim] and nothing of sequences or attention.
 
 Design: a program takes BLOCK_T tokens, the rows of its tiles being (token, head) pairs and the

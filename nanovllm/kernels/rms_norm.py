@@ -1,6 +1,6 @@
 """RMSNorm, optionally after the residual add that precedes it, in one pass over each row.
 
-Owns one Triton kernel and its checking wrapper. It computes exactly what layers/layernorm.py's
+Owns one Triton kernel and its checking wrapper. It computes exactly what platform/torch.py's
 torch functions compute, cast for cast (they are its oracle and the CPU path): the residual sum
 in the input dtype, the statistics in float32, the normalised row rounded to the input dtype
 before the weight multiplies it. It knows nothing of layers or models.

@@ -6,7 +6,7 @@ torch.argmax). A row with temperature T > 0 draws its token by the exponential r
 argmax_v softmax(z / T)_v / E_v with E_v ~ Exp(1), computed in log space as
 argmax_v (z_v / T - log E_v), which needs neither the softmax's maximum nor its sum, so the row
 is read once, in whatever dtype the LM head wrote it (bf16 or fp32). It knows nothing of
-sequences or sampling parameters: layers/sampler.py decides which rows come here and with what.
+sequences or sampling parameters: platform/sampling.py decides which rows come here and with what.
 
 The noise: E_v = -log1p(-u_v) with u_v = (x_v + 0.5) * 2^-32, x_v the first word of Philox-4x32-10
 (the generator of curand and tl.philox) keyed by the row's 64-bit seed, with counter (v, row

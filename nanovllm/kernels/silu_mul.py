@@ -1,6 +1,6 @@
 """SiLU-and-mul, SwiGLU's activation: silu(gate) * up over the merged gate_up projection.
 
-Owns one Triton kernel and its checking wrapper. It computes what layers/activation.py's torch
+Owns one Triton kernel and its checking wrapper. It computes what platform/torch.py's torch
 function computes, cast for cast (its oracle and the CPU path): silu in float32 rounded to the
 input dtype, then the product rounded again. It knows nothing of layers.
 

@@ -3,8 +3,9 @@ weights stacked into one tensor per projection.
 
 Owns the routing rule (softmax over the router's logits, top-k, optionally renormalised to sum
 to 1, as HF transformers' Qwen3-MoE), the stacked expert parameters with their per-expert
-weight loader, and the choice of path: on CUDA the Triton grouped GEMM of kernels/fused_moe.py,
-elsewhere `fused_experts_torch`, a loop over the experts that is also the kernel's oracle.
+weight loader; the experts' product is the platform's (platform/ fused_experts: on CUDA the
+Triton grouped GEMM of kernels/fused_moe.py, elsewhere platform/torch.py's loop over the experts,
+which is also the kernel's oracle).
 
 Tensor parallelism splits every expert's intermediate dimension: each rank holds a slice of
 every expert's gate/up rows and down columns, computes a partial sum of the layer's output, and
@@ -14,10 +15,10 @@ from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import nn
 
 from nanovllm.layers.linear import divide, shard
+from nanovllm.platform.context import current_platform
 from nanovllm.utils.loader import copy_checked
 from nanovllm.utils.parallel import tp_rank, tp_size
 
@@ -45,41 +46,13 @@ def route(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> Routing
     return Routing(weights.to(router_logits.dtype), expert_ids)
 
 
-def fused_experts_torch(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
-                        topk_ids: torch.Tensor) -> torch.Tensor:
-    """The experts in plain torch, one matmul pair per expert that has tokens (as HF transformers).
-    x: [num_tokens, hidden]; w13: [num_experts, 2 * inter, hidden]; w2: [num_experts, hidden, inter];
-    topk_weights, topk_ids: [num_tokens, top_k]. Returns [num_tokens, hidden] in x's dtype."""
-    num_tokens, top_k = topk_ids.shape
-    flat = topk_ids.flatten()  # [num_pairs] the expert of each (token, slot) pair
-    order = torch.argsort(flat, stable=True)  # pairs grouped by expert
-    counts = torch.bincount(flat, minlength=w13.size(0)).tolist()
-    pair_weights = topk_weights.flatten()
-    out = torch.empty(num_tokens * top_k, x.size(1), dtype=x.dtype, device=x.device)  # [num_pairs, hidden]
-    start = 0
-    for expert, count in enumerate(counts):
-        if count == 0:
-            continue
-        pairs = order[start:start + count]
-        start += count
-        gate, up = F.linear(x[pairs // top_k], w13[expert]).chunk(2, dim=-1)  # [count, inter] each
-        y = F.linear(F.silu(gate) * up, w2[expert])  # [count, hidden]
-        out[pairs] = (y * pair_weights[pairs, None]).to(x.dtype)
-    return out.view(num_tokens, top_k, -1).sum(dim=1)
-
-
-def use_fused_kernel(x: torch.Tensor) -> bool:
-    """The Triton kernel on CUDA, the torch loop elsewhere. Tests patch this to run the kernel on
-    CPU under TRITON_INTERPRET=1."""
-    return x.is_cuda
-
-
 class FusedMoE(nn.Module):
     """The experts of one sparse MLP block; the router (a replicated linear layer) is the model's."""
 
     def __init__(self, num_experts: int, top_k: int, hidden_size: int, intermediate_size: int, renormalize: bool):
         super().__init__()
         self.tp_rank, self.tp_size = tp_rank(), tp_size()
+        self.platform = current_platform()
         self.num_experts, self.top_k, self.renormalize = num_experts, top_k, renormalize
         self.intermediate_size = intermediate_size
         self.inter_per_rank = divide(intermediate_size, self.tp_size, "moe_intermediate_size")
@@ -111,11 +84,7 @@ class FusedMoE(nn.Module):
     def forward(self, x: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
         # x: [num_tokens, hidden]; router_logits: [num_tokens, num_experts]
         routing = route(router_logits, self.top_k, self.renormalize)
-        if use_fused_kernel(x):
-            from nanovllm.kernels.fused_moe import fused_moe  # triton only where it runs
-            out = fused_moe(x, self.gate_up_proj, self.down_proj, routing.weights, routing.expert_ids)
-        else:
-            out = fused_experts_torch(x, self.gate_up_proj, self.down_proj, routing.weights, routing.expert_ids)
+        out = self.platform.fused_experts(x, self.gate_up_proj, self.down_proj, routing.weights, routing.expert_ids)
         if self.tp_size > 1:
             dist.all_reduce(out)
         return out  # [num_tokens, hidden]

@@ -25,6 +25,7 @@ from typing import Callable, NamedTuple, Protocol
 
 import torch
 
+from nanovllm.platform.base import bitmask_backend
 from nanovllm.sampling_params import SamplingParams
 from nanovllm.utils.math_utils import cdiv
 
@@ -91,14 +92,11 @@ class GrammarMask(LogitsProcessor):
         return cls(bitmask.to(rows.device, non_blocking=True), constrained)
 
     def __call__(self, logits: torch.Tensor) -> torch.Tensor:
-        # xgrammar's C++ kernel on the CPU (unpacking the bits in torch there costs ~100x more);
-        # on a GPU its plain-torch version, cheap there, where its default (a Triton kernel) would
-        # compile at the first constrained request, after start-up. Imported here, where a grammar
-        # exists, so xgrammar is installed and wanted.
+        # Imported here, where a grammar exists, so xgrammar is installed and wanted.
         from xgrammar import apply_token_bitmask_inplace
         masked = logits.clone()
         apply_token_bitmask_inplace(masked, self.bitmask, vocab_size=logits.size(-1), indices=self.rows,
-                                    backend="cpu" if logits.device.type == "cpu" else "torch_native")
+                                    backend=bitmask_backend(logits.device))
         return masked
 
 

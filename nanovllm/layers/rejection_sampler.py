@@ -19,13 +19,13 @@ has p = 0 and is rejected, and the token drawn in its place is one the grammar a
 tensors and returns, per row, whether its proposed token is accepted and the token to emit if
 the sequence's run stops at that row.
 """
-from typing import NamedTuple
+from typing import Callable, NamedTuple
 
 import torch
 from torch import nn
 
 from nanovllm.layers.logits_processors import SamplingTensors
-from nanovllm.layers.sampler import draw, uniforms
+from nanovllm.layers.sampler import uniforms
 
 
 class Verdicts(NamedTuple):
@@ -34,6 +34,10 @@ class Verdicts(NamedTuple):
 
 
 class RejectionSampler(nn.Module):
+
+    def __init__(self, draw: Callable[[torch.Tensor, SamplingTensors], torch.Tensor]) -> None:
+        super().__init__()
+        self.draw = draw  # the platform's (platform/ Platform.draw): tokens in proportion to weights
 
     def forward(self, logits: torch.Tensor, proposed: torch.Tensor, draft_probs: torch.Tensor | None,
                 t: SamplingTensors) -> Verdicts:
@@ -59,7 +63,7 @@ class RejectionSampler(nn.Module):
             residual = torch.where(residual.sum(dim=-1, keepdim=True) > 0, residual, p)
             sampled = t.temperatures > 0
             accepted = torch.where(sampled, uniforms(p.size(0), t, p.device) * q_x < p_x, accepted)
-            tokens = torch.where(sampled, draw(residual, t), tokens)
+            tokens = torch.where(sampled, self.draw(residual, t), tokens)
         accepted = accepted & has_proposal
         both = torch.stack([accepted.long(), tokens]).tolist()  # the step's one host sync
         return Verdicts([bool(a) for a in both[0]], both[1])

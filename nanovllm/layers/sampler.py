@@ -4,35 +4,27 @@ Split in two (as mini-sglang): `prepare_sampling` (runner/sampling_inputs.py) ga
 row's parameters on the host into `SamplingTensors`, the batch's pipeline of logits processors
 (layers/logits_processors.py: bias, bans, penalties, then temperature, then min_p, top_k, top_p),
 and `Sampler` does the work on the device and never sees a sequence. Greedy rows (temperature 0)
-take the argmax of the adjusted logits and never see the random draw: a race over the
-vocabulary (below), or where no race kernel is enabled, on the CPU an inverse transform of one
-uniform per row (`draw`), elsewhere torch's exponential race. A row with a seed draws from its own
-noise (a race kernel's keys) or generator, so its tokens do not depend on what else is in the batch.
-Logprobs are the model's raw log-softmax, before any of that processing.
+take the argmax of the adjusted logits and never see the random draw. Sampled rows draw with the
+platform's draw (platform/): torch's exponential race (`race_draw`), or on the CPU an inverse
+transform of one uniform per row (`inverse_transform_draw`). A row with a seed draws from its own
+generator, so its tokens do not depend on what else is in the batch. Logprobs are the model's raw
+log-softmax, before any of that processing.
 
-With Triton kernels chosen (`enable_triton`, by the model runner) the draw is
-kernels/sampling.py's race, its noise Philox keyed per row (SamplingTensors.philox: a seeded row's
-seed and the index of the token it draws, so its stream is its own; for the others a fresh key per
-step). On the CPU with its kernels built (`enable_cpu`) the race is kernels/cpu_fused.cpp's, the
-same keys driving a cheaper hash (cpu_kernels.h gumbel64), and a float32 LM head may draw the
-same tokens without the logits (kernels/cpu_build.py GreedyHead, ModelRunner.forward). A batch
-that needs nothing but temperatures is one kernel over the logits as the LM head wrote them;
-otherwise the pipeline runs in torch first and the same kernel races its result, so a seeded
-row draws the same token on either path.
+This is the torch pipeline, the reference; the platforms with a race kernel subclass it
+(platform/sampling.py RaceSampler), and the CPU's may take tokens from the LM head without the
+logits (`head_tokens`, platform/cpu/sampling.py).
 
 No NaN or infinity reaches a draw or a logprob: SamplingParams bounds every parameter (a
 temperature below 1e-5 is greedy, penalties in range), and the logits go through `finite_logits`
 before any processing, so a model that emits inf or NaN in a row still yields a token id in the
-vocabulary and finite logprobs. (The Triton race alone over raw logits, the temperature-only
-fast path, is not guarded: its argmax returns an index of the row whatever the values.)
+vocabulary and finite logprobs.
 """
-import functools
 from typing import Callable, NamedTuple
 
 import torch
 from torch import nn
 
-from nanovllm.layers.logits_processors import LOGIT_LIMIT, SamplingTensors, divide_by_temperature, finite_logits
+from nanovllm.layers.logits_processors import SamplingTensors, divide_by_temperature, finite_logits
 from nanovllm.utils.compile import compilable
 
 
@@ -75,54 +67,52 @@ def exponential_noise(like: torch.Tensor, t: SamplingTensors) -> torch.Tensor:
     return noise
 
 
-def draw(weights: torch.Tensor, t: SamplingTensors) -> torch.Tensor:
+def race_draw(weights: torch.Tensor, t: SamplingTensors) -> torch.Tensor:
     """One token per row with probability proportional to `weights` [rows, vocab] (>= 0, not
-    necessarily normalised); seeded rows draw from their own generator. On the CPU by inverse
-    transform: one uniform per row against the row's cumulative sums (torch sums float32 in
-    double there; the first token whose sum exceeds the draw, so never one of weight 0): ~2 ms at
-    64 rows x 32k tokens, where the race's Exp(1) noise for every token took ~40 ms on its own.
-    Elsewhere the race (argmax of w / E, E ~ Exp(1)), which needs no sort, scan or host sync."""
-    if weights.device.type == "cpu":
-        cdf = weights.float().cumsum(dim=-1)
-        u = uniforms(weights.size(0), t, weights.device).unsqueeze(1) * cdf[:, -1:]
-        return torch.searchsorted(cdf, u, right=True).squeeze(1).clamp_max_(weights.size(-1) - 1)
+    necessarily normalised) by the race: argmax of w / E, E ~ Exp(1), which needs no sort, scan
+    or host sync. Seeded rows draw from their own generator."""
     noise = exponential_noise(weights, t)
     return (weights / noise.clamp_min(torch.finfo(noise.dtype).tiny)).argmax(dim=-1)
 
 
-def cpu_race(kernels, logits: torch.Tensor, temperatures: torch.Tensor, seeds: torch.Tensor,
-             counters: torch.Tensor) -> torch.Tensor:
-    """The CPU's race (FusedKernels.race_tokens) with the Triton race's signature."""
-    if logits.stride(-1) != 1:
-        logits = logits.contiguous()
-    return kernels.race_tokens(logits, temperatures.contiguous(), seeds.contiguous(), counters.contiguous(),
-                               LOGIT_LIMIT)
+def inverse_transform_draw(weights: torch.Tensor, t: SamplingTensors) -> torch.Tensor:
+    """race_draw's distribution by inverse transform: one uniform per row against the row's
+    cumulative sums (torch sums float32 in double on the CPU; the first token whose sum exceeds
+    the draw, so never one of weight 0): ~2 ms on the CPU at 64 rows x 32k tokens, where the
+    race's Exp(1) noise for every token took ~40 ms on its own."""
+    cdf = weights.float().cumsum(dim=-1)
+    u = uniforms(weights.size(0), t, weights.device).unsqueeze(1) * cdf[:, -1:]
+    return torch.searchsorted(cdf, u, right=True).squeeze(1).clamp_max_(weights.size(-1) - 1)
+
+
+def race_from_logits(logits: torch.Tensor, t: SamplingTensors) -> torch.Tensor:
+    """One token per row drawn from softmax(logits) by the race (compiled with the softmax)."""
+    return exponential_race(logits, exponential_noise(logits, t))
+
+
+def inverse_transform_from_logits(logits: torch.Tensor, t: SamplingTensors) -> torch.Tensor:
+    """One token per row drawn from softmax(logits) by inverse transform."""
+    return inverse_transform_draw(torch.softmax(logits, dim=-1), t)
 
 
 class Sampler(nn.Module):
+    uses_philox = False  # whether SamplingTensors must carry Philox keys (a race kernel's noise)
 
-    def __init__(self) -> None:
+    def __init__(self, draw_from_logits: Callable[[torch.Tensor, SamplingTensors], torch.Tensor] | None) -> None:
         super().__init__()
-        self.race_kernel: Callable[..., torch.Tensor] | None = None  # set by enable_triton
-        self.greedy_kernel: Callable[[torch.Tensor, float], torch.Tensor] | None = None  # set by enable_cpu
+        # The platform's race_from_logits or inverse_transform_from_logits (None: a subclass draws)
+        self.draw_from_logits = draw_from_logits
 
-    def enable_triton(self) -> None:
-        from nanovllm.kernels.sampling import sample_tokens  # lazy: triton only when chosen
-        self.race_kernel = sample_tokens
+    def takes_head_draw(self, seqs: list) -> bool:
+        """Whether a step of these sequences (only their sampling_params read) should ask
+        head_tokens first; answered without a pass over them where it never does."""
+        return False
 
-    def enable_cpu(self, kernels) -> None:
-        """Greedy steps with nothing but argmax to do (no processor, no logprobs) take the CPU's
-        one-pass argmax of the finite logits (kernels/cpu_fused.cpp) where it is vectorised; every
-        other step the CPU's race (kernels/cpu_fused.cpp race_rows)."""
-        if kernels.greedy_vectorised:
-            self.greedy_kernel = kernels.greedy_tokens
-        self.race_kernel = functools.partial(cpu_race, kernels)
-
-    @property
-    def uses_philox(self) -> bool:
-        """Whether SamplingTensors must carry Philox keys (prepare_sampling's `philox`; the CPU's
-        race takes the same keys)."""
-        return self.race_kernel is not None
+    def head_tokens(self, hidden_states: torch.Tensor, draw=None) -> torch.Tensor | None:
+        """Per row of the LM head's input, the token draw() would take from its logits, where the
+        platform finds it without them (a runner/step_inputs.py HeadDraw gives sampled rows'
+        temperatures and keys); None: the caller computes the logits."""
+        return None
 
     def forward(self, logits: torch.Tensor, t: SamplingTensors) -> SamplerOutput:
         tokens, logprobs = self.draw(logits, t)
@@ -132,40 +122,13 @@ class Sampler(nn.Module):
         """The tokens left on the device ([batch] int64, no host sync) and each row's logprobs
         (which do sync, for the rows that asked; None for the others)."""
         # logits: [batch, vocab]
-        if self.greedy_kernel is not None and t.all_greedy and t.needs_only_temperature and logits.stride(-1) == 1:
-            return self.greedy_kernel(logits, LOGIT_LIMIT), [None] * logits.size(0)
-        if self.race_kernel is not None:
-            return self._draw_race(logits, t)
         raw_logits = finite_logits(logits)
         adjusted = t.adjust(raw_logits)
         tokens = adjusted.argmax(dim=-1)
         if not t.all_greedy:
-            tokens = torch.where(t.temperatures > 0, self._race(t.filter(adjusted, scale_by_temperature), t), tokens)
+            tokens = torch.where(t.temperatures > 0,
+                                 self.draw_from_logits(t.filter(adjusted, scale_by_temperature), t), tokens)
         return tokens, self._logprobs(raw_logits, tokens, t.num_logprobs)
-
-    def _draw_race(self, logits: torch.Tensor, t: SamplingTensors) -> tuple[torch.Tensor, list]:
-        seeds, counters = t.philox
-        if t.needs_only_temperature:  # the common case: one pass over the logits in their own dtype
-            return self.race_kernel(logits, t.temperatures, seeds, counters), [None] * logits.size(0)
-        # The pipeline in torch as above (eager: nothing may compile after start-up), then the
-        # kernel races the result: already scaled for sampled rows (temperature 1 divides
-        # exactly), the adjusted logits for greedy ones (temperature 0: argmax).
-        raw_logits = finite_logits(logits)
-        logits = t.adjust(raw_logits)
-        temperatures = t.temperatures
-        if not t.all_greedy:
-            sampled = t.temperatures > 0
-            logits = torch.where(sampled.unsqueeze(1), t.filter(logits), logits)
-            temperatures = sampled.float()
-        tokens = self.race_kernel(logits, temperatures, seeds, counters)
-        return tokens, self._logprobs(raw_logits, tokens, t.num_logprobs)
-
-    @staticmethod
-    def _race(logits: torch.Tensor, t: SamplingTensors) -> torch.Tensor:
-        """One token per row drawn from softmax(logits); seeded rows draw from their own generator."""
-        if logits.device.type == "cpu":
-            return draw(torch.softmax(logits, dim=-1), t)
-        return exponential_race(logits, exponential_noise(logits, t))
 
     @staticmethod
     def _logprobs(raw_logits: torch.Tensor, tokens: torch.Tensor, n: int) -> list[TokenLogprobs | None]:

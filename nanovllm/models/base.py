@@ -38,19 +38,6 @@ class CausalLM(nn.Module):
         epsilons=("rms_norm_eps",),
         heads=("hidden_size", "num_attention_heads", "num_key_value_heads"))
 
-    @property
-    def greedy_head(self):
-        """The LM head's greedy tokens without every logit (layers/embed_head.py ParallelLMHead.greedy),
-        or None. A family whose compute_logits does more than its lm_head overrides this (None)."""
-        return getattr(getattr(self, "lm_head", None), "greedy", None)
-
-    def head_tokens(self, hidden_states: torch.Tensor, draw=None) -> torch.Tensor | None:
-        """Per row, the token the sampler would take from compute_logits(hidden_states) (the argmax,
-        or with `draw`, a runner/step_inputs.py HeadDraw, each row's temperature race) where the
-        greedy head finds it; None where it cannot (the caller computes the logits)."""
-        greedy = self.greedy_head
-        return None if greedy is None else greedy(hidden_states, draw)
-
     @classmethod
     def check_raw_config(cls, raw: dict) -> None:
         """Refuse (ValueError naming the field) a value of config.json, as read from the file,

@@ -5,8 +5,8 @@ Pre-norm blocks of RMSNorm, grouped-query attention with rotary positions (plain
 config asks for (attention_bias on q/k/v/o, mlp_bias on the MLP). The blocks take their
 variations as arguments, so Qwen2 (q/k/v bias), Qwen3 (per-head q/k norm) and Qwen3-MoE (sparse
 MLP) subclass this file rather than copy it. The model sees `input_ids, positions` and nothing
-else; attention metadata reaches only the attention layer (and, on the CPU, the fused decode of
-layers/cpu_decode.py, which runs the attention layers' kernels itself).
+else; attention metadata reaches only the attention layer (and a platform's `fused_decode` of the
+whole stack, which runs the attention layers' kernels itself: platform/cpu/decode.py).
 """
 from typing import Callable
 
@@ -113,13 +113,10 @@ class LlamaModel(nn.Module):
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(layers)
         self.norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
-        # The CPU's decode of a few sequences through every layer in one call (layers/cpu_decode.py),
-        # set by enable_cpu where it runs each layer's parts; it returns None for steps it does not take.
+        # A decode step through every layer and the final norm in one call, (positions, embeddings)
+        # -> the norm's output, or None for a step it does not take; set by a platform that has one
+        # for every layer's parts (platform/cpu/decode.py), after loading.
         self.fused_decode: Callable[[torch.Tensor, torch.Tensor], torch.Tensor | None] | None = None
-
-    def enable_cpu(self, kernels) -> None:
-        from nanovllm.layers.cpu_decode import CpuDecodeLayers  # lazy: it imports this module's layers
-        self.fused_decode = CpuDecodeLayers.for_model(self, kernels)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 keep_rows: torch.Tensor | None = None) -> torch.Tensor:

@@ -17,7 +17,6 @@ from contextlib import AbstractContextManager, contextmanager
 from typing import Callable, Iterator, NamedTuple
 
 import torch
-from torch import nn
 
 from nanovllm.kernels import MIN_DOT_SIZE, cpu_build
 from nanovllm.platform import device_host
@@ -132,10 +131,10 @@ class DevicePlatform(ABC):
         """Bytes the KV cache may take after the warm-up, `reserved_bytes` (a draft model's weights) aside."""
 
     @abstractmethod
-    def log_startup(self, model: nn.Module, backend, dtype: torch.dtype, half_in_float32: bool,
-                    kv_layout: tuple[torch.dtype, int, int]) -> None:
-        """Log this device's own start-up facts, if it has any. `backend`: the attention backend;
-        `kv_layout`: the cache's (dtype, head_dim, block_size)."""
+    def log_startup(self, weights: str, backend, kv_layout: tuple[torch.dtype, int, int]) -> None:
+        """Log this device's own start-up facts, if it has any. `weights`: what the kernel platform
+        made of the linear layers' weights (Platform.prepare_model); `backend`: the attention
+        backend; `kv_layout`: the cache's (dtype, head_dim, block_size)."""
 
     @abstractmethod
     def bind_rank(self, rank: int, threads: int | None) -> None:
@@ -154,9 +153,15 @@ class DevicePlatform(ABC):
     def default_fused_kernels(self) -> str:
         """fused_kernels="auto"."""
 
-    @abstractmethod
     def refuses_fused_kernels(self, choice: str) -> str | None:
         """Why the fused_kernels `choice` cannot run here, or None."""
+        if choice == "triton" and not triton_installed():
+            return "fused_kernels='triton' but triton is not installed (pip install triton)"
+        return self._refuses_fused_kernels(choice)
+
+    @abstractmethod
+    def _refuses_fused_kernels(self, choice: str) -> str | None:
+        """refuses_fused_kernels for what this device's own kernels need."""
 
     @abstractmethod
     def refuses_tensor_parallel(self, ranks: int) -> str | None:
@@ -239,21 +244,14 @@ class CpuDevice(DevicePlatform):
         vLLM's VLLM_CPU_KVCACHE_SPACE); a draft model's weights come on top of it."""
         return Available(int(cpu_kvcache_space_gib * GIB), f"cpu_kvcache_space_gib={cpu_kvcache_space_gib}")
 
-    def log_startup(self, model: nn.Module, backend, dtype: torch.dtype, half_in_float32: bool,
-                    kv_layout: tuple[torch.dtype, int, int]) -> None:
+    def log_startup(self, weights: str, backend, kv_layout: tuple[torch.dtype, int, int]) -> None:
         """The CPU's own facts: threads, malloc, the kernels' ISA, the linear layers' weights and
         the prefill attention's units. `kv_layout`: the cache's (dtype, head_dim, block_size)."""
-        modules = list(model.modules())
         kernel = getattr(backend, "kernel", None)  # the C++ paged attention, when chosen
         amx_prefill = kernel is not None and kernel.amx_prefill(*kv_layout)
-        logger.info("CPU: %d torch threads per rank, malloc tuned %s, kernels built for %s, linear layers in "
-                    "%s, %d packed for oneDNN, %d for AMX, prefill attention %s", self.threads,
-                    self.malloc_tuned, os.environ.get(cpu_build.CPU_ISA_ENV, "native"),
-                    "float32 (no native half-precision matmul here)" if half_in_float32
-                    else str(dtype).removeprefix("torch."),
-                    sum(getattr(m, "packed_weight", None) is not None for m in modules),
-                    sum(getattr(m, "amx", None) is not None for m in modules),
-                    "on AMX tiles" if amx_prefill else "in vector registers" if kernel is not None
+        logger.info("CPU: %d torch threads per rank, malloc tuned %s, kernels built for %s, %s, prefill "
+                    "attention %s", self.threads, self.malloc_tuned, os.environ.get(cpu_build.CPU_ISA_ENV, "native"),
+                    weights, "on AMX tiles" if amx_prefill else "in vector registers" if kernel is not None
                     else f"by the {backend.name} backend")
 
     def bind_rank(self, rank: int, threads: int | None) -> None:
@@ -270,7 +268,7 @@ class CpuDevice(DevicePlatform):
         """The CPU's C++ kernels where a compiler can build them, else the torch functions."""
         return "cpu" if cpu_build.compiler() is not None else "torch"
 
-    def refuses_fused_kernels(self, choice: str) -> str | None:
+    def _refuses_fused_kernels(self, choice: str) -> str | None:
         """Triton's kernels need a GPU, or its interpreter (tests)."""
         if choice == "triton" and os.environ.get("TRITON_INTERPRET") != "1":
             return ("fused_kernels='triton' needs a CUDA device (device is 'cpu'), or TRITON_INTERPRET=1 to run "
@@ -359,8 +357,7 @@ class CudaDevice(DevicePlatform):
         return Available(budget - reserved_bytes, f"gpu_memory_utilization={gpu_memory_utilization} of "
                          f"{total / GIB:.1f} GiB")
 
-    def log_startup(self, model: nn.Module, backend, dtype: torch.dtype, half_in_float32: bool,
-                    kv_layout: tuple[torch.dtype, int, int]) -> None:
+    def log_startup(self, weights: str, backend, kv_layout: tuple[torch.dtype, int, int]) -> None:
         """Nothing beyond the runner's own line."""
 
     def bind_rank(self, rank: int, threads: int | None) -> None:
@@ -378,7 +375,7 @@ class CudaDevice(DevicePlatform):
         """The Triton kernels where triton is installed, else the torch functions."""
         return "triton" if triton_installed() else "torch"
 
-    def refuses_fused_kernels(self, choice: str) -> str | None:
+    def _refuses_fused_kernels(self, choice: str) -> str | None:
         """The CPU's C++ kernels read host memory."""
         if choice == "cpu":
             return "fused_kernels='cpu' runs on the CPU only (device is 'cuda')"

@@ -1,8 +1,9 @@
 """Runs the model over one step and samples the next tokens.
 
-Owns the model, the attention backend, the KV cache (one tensor, sliced per layer; fp8 with
-per-layer scales when Config.kv_cache_dtype asks, see kv_scales.py), the host
-swap space (the same layout in host memory, pinned on CUDA, for preemption_mode="swap"), the
+Owns the model, the platform (platform/: chosen once, it gives the layers their kernels and
+builds the attention backend and the sampler), the attention backend, the KV cache (one tensor,
+sliced per layer; fp8 with per-layer scales when Config.kv_cache_dtype asks, see kv_scales.py),
+the host swap space (the same layout in host memory, pinned on CUDA, for preemption_mode="swap"), the
 sampler and the decode CUDA graphs. A step: the scheduled sequences become a StepMessage; its
 swap copies move KV blocks between the cache and the swap space; the message becomes the forward
 pass's tensors (step_inputs.py, decode_inputs.py), the model runs on them, eagerly or by
@@ -17,21 +18,15 @@ from typing import Callable, NamedTuple
 import torch
 import torch.distributed as dist
 
-from nanovllm.attention import create_backend
 from nanovllm.config import Config
 from nanovllm.scheduling.block_manager import NO_COPIES, BlockCopies
 from nanovllm.scheduling.scheduler import SWAP
 from nanovllm.scheduling.sequence import Sequence
-from nanovllm.kernels import cpu_build
-from nanovllm.layers.activation import SiluAndMul
 from nanovllm.layers.attention import Attention
-from nanovllm.layers.embed_head import ParallelLMHead
-from nanovllm.layers.layernorm import RMSNorm
-from nanovllm.layers.linear import LinearBase
 from nanovllm.layers.logits_processors import SamplingTensors
-from nanovllm.layers.sampler import Sampler
-from nanovllm.models.llama import LlamaModel
 from nanovllm.models.registry import MODELS
+from nanovllm.platform.choose import choose_platform
+from nanovllm.platform.context import building_for
 from nanovllm.platform.device import GIB, DevicePlatform, device_platform
 from nanovllm.runner.decode_inputs import DecodeInputs
 from nanovllm.runner.graph import DecodeGraphs, graph_batch_sizes
@@ -44,7 +39,6 @@ from nanovllm.runner.protocol import RunnerOutput
 from nanovllm.runner.sampling_inputs import prepare_sampling
 from nanovllm.runner.step_inputs import HeadDraw, StepInputs, StepMessage, prefill_inputs
 from nanovllm.sampling_params import SamplingParams
-from nanovllm.utils import cpu
 from nanovllm.utils.compile import compiling
 from nanovllm.utils.context import forward_context
 from nanovllm.utils.loader import load_model
@@ -53,10 +47,6 @@ from nanovllm.utils.parallel import tp_rank, tp_size
 
 logger = logging.getLogger("nanovllm")
 
-# The modules with a Triton path (kernels/), switched to it when Config.fused_kernels is "triton".
-TRITON_LAYERS = (RMSNorm, SiluAndMul, Attention, Sampler)
-# The modules with a CPU kernel (kernels/cpu_*.cpp), switched to it when Config.fused_kernels is "cpu".
-CPU_FUSED_LAYERS = (RMSNorm, SiluAndMul, Attention, LinearBase, ParallelLMHead, LlamaModel, Sampler)
 
 
 class StartupTimes(NamedTuple):
@@ -126,46 +116,30 @@ class ModelRunner:
         lap = lap_timer(self.device_platform)
         # Weights and the smallest KV cache against the memory there is, before any is allocated.
         check_fits(config, self.device, reserve.fixed_bytes, reserve.per_block_bytes)
+        self.platform = choose_platform(config)  # the layers' kernels, linear methods and sampler
         default_dtype = torch.get_default_dtype()
         torch.set_default_dtype(config.dtype)
         try:
-            with self.device:
+            with self.device, building_for(self.platform):
                 self.model = MODELS[config.architecture](hf_config)
         finally:
             torch.set_default_dtype(default_dtype)
         checkpoint_scales = load_model(self.model, config.model)
-        half_in_float32 = self.device.type == "cpu" and not cpu.native_half_matmul(config.dtype)
-        if half_in_float32:
-            cpu.hold_matmul_weights_in_float32(self.model)
-        if self.device.type == "cpu":
-            cpu.pack_linear_weights(self.model)
-        self.backend = create_backend(config.attention_backend, config.device, self.block_size, config.kv_cache_dtype)
+        self.backend = self.platform.attention_backend(config.attention_backend, self.block_size,
+                                                       config.kv_cache_dtype)
         self.attention_backend = self.backend.name
         named_layers = {name: m for name, m in self.model.named_modules() if isinstance(m, Attention)}
         self.attention_layers = list(named_layers.values())
         for layer in self.attention_layers:
             layer.backend = self.backend
+        weights = self.platform.prepare_model(self.model)  # after loading, with the backend set
+        self.sampler = self.platform.sampler(self.model)
         # The KV cache's shape comes from the attention layers as the model built them (this rank's heads).
         self.num_layers = len(self.attention_layers)
         self.num_heads = self.attention_layers[0].num_heads
         self.num_kv_heads = self.attention_layers[0].num_kv_heads
         self.head_dim = self.attention_layers[0].head_dim
-        self.sampler = Sampler()
         self.last_sampled: PendingTokens | None = None  # the latest step's tokens, for placeholders
-        if config.fused_kernels == "triton":
-            for module in [*self.model.modules(), self.sampler]:
-                if isinstance(module, TRITON_LAYERS):
-                    module.enable_triton()
-        elif config.fused_kernels == "cpu":
-            kernels = cpu_build.load_fused()
-            if isinstance(kernels, str):  # no compiler, or the build failed: the torch functions
-                if self.rank == 0:
-                    logger.warning("fused kernels: torch (%s)", kernels)
-                config.fused_kernels = "torch"
-            else:  # children before parents: the fused decode step (models/llama.py) reads its layers' products
-                for module in [*reversed(list(self.model.modules())), self.sampler]:
-                    if isinstance(module, CPU_FUSED_LAYERS):
-                        module.enable_cpu(kernels)
         self.max_blocks_per_seq = cdiv(config.max_model_len, self.block_size)
         self.cache_dtype = config.kv_cache_torch_dtype
         self.kv_quantized = self.cache_dtype != config.dtype
@@ -196,7 +170,7 @@ class ModelRunner:
         captures = use_graphs and self.backend.supports_cuda_graphs
         if use_graphs and not captures and self.rank == 0:
             logger.warning("CUDA graphs off: the %s attention backend cannot be captured", self.backend.name)
-        if self.compile or config.fused_kernels == "triton" or self.backend.compiles_kernels:
+        if self.compile or self.platform.compiles_kernels or self.backend.compiles_kernels:
             warm_up_kernels(self, eager_decode=not captures)  # so that nothing compiles after start-up
         kernels_s = lap()
         if captures:
@@ -211,8 +185,7 @@ class ModelRunner:
                         self.describe_cache_dtype(), self.world_size)
             if self.kv_quantized:
                 logger.info("KV-cache scales %s: %s", self.kv_scales_source, describe(kv_scales))
-            self.device_platform.log_startup(self.model, self.backend, config.dtype, half_in_float32,
-                                             (self.cache_dtype, self.head_dim, self.block_size))
+            self.device_platform.log_startup(weights, self.backend, (self.cache_dtype, self.head_dim, self.block_size))
             if config.preemption_mode == SWAP:
                 logger.info("swap space %d host blocks (swap_space=%s GiB per rank, %s)", self.num_swap_blocks,
                             config.swap_space, "pinned" if self.swap_cache.is_pinned() else "not pinned")
@@ -333,11 +306,8 @@ class ModelRunner:
                swap_in: BlockCopies = NO_COPIES) -> PendingTokens:
         """One step on this rank alone, returning before its tokens reach the host (async
         scheduling): placeholder tokens among its inputs are read from the previous launch's."""
-        # Only where the model has a greedy head: elsewhere it would change nothing (no pass over seqs)
-        head_draw, head = None, self.model.greedy_head
-        if (self.rank == 0 and head is not None
-                and all(seq.sampling_params.needs_only_temperature_and_seed for seq in seqs)
-                and (head.samples or not any(seq.sampling_params.temperature for seq in seqs))):
+        head_draw = None  # only where the sampler takes tokens at the LM head (platform/cpu/sampling.py)
+        if self.rank == 0 and self.sampler.takes_head_draw(seqs):
             head_draw = HeadDraw.of(seqs)
         return self.sample_pending(seqs, self.forward(StepMessage.of(seqs, is_prefill, swap_out, swap_in,
                                                                      head_draw=head_draw)))
@@ -364,7 +334,7 @@ class ModelRunner:
                 draw = step.head_draw
                 if len(inputs.sample_indices) != step.num_seqs:
                     draw = draw.rows(inputs.sample_indices)
-                tokens = self.model.head_tokens(hidden_states, draw)
+                tokens = self.sampler.head_tokens(hidden_states, draw)
                 if tokens is not None:
                     return StepLogits(None, inputs.sample_indices, prompt, tokens)
             logits = self.model.compute_logits(hidden_states)  # None on ranks > 0

@@ -28,7 +28,7 @@ from nanovllm.scheduling.scheduler import RECOMPUTE
 from nanovllm.scheduling.sequence import Sequence
 from nanovllm.layers.attention import Attention
 from nanovllm.layers.rejection_sampler import RejectionSampler
-from nanovllm.layers.sampler import TokenLogprobs, draw
+from nanovllm.layers.sampler import TokenLogprobs
 from nanovllm.runner.memory_check import kv_block_bytes, model_bytes, model_on_meta
 from nanovllm.runner.model_runner import MemoryReserve, ModelRunner, StepLogits
 from nanovllm.runner.protocol import RunnerOutput
@@ -74,7 +74,7 @@ class SpeculativeRunner:
         self.num_kvcache_blocks = self.target.num_kvcache_blocks
         self.num_swap_blocks = self.target.num_swap_blocks
         self.attention_backend = self.target.attention_backend
-        self.rejection_sampler = RejectionSampler()
+        self.rejection_sampler = RejectionSampler(self.target.platform.draw)
         # The draft's q rows of this step's proposals (per sequence of the step, a [proposed, vocab]
         # tensor, or None), from _propose to _verify; None when no row needs them.
         self._draft_probs: list[torch.Tensor | None] | None = None
@@ -147,7 +147,7 @@ class SpeculativeRunner:
             if not t.all_greedy:
                 any_sampled = True
                 q = torch.softmax(t.filter(adjusted), dim=-1)
-                chosen = torch.where(t.temperatures > 0, draw(q, t), chosen)
+                chosen = torch.where(t.temperatures > 0, self.target.platform.draw(q, t), chosen)
                 for k, r in enumerate(live):
                     if group[r].temperature > 0:  # a greedy row's verification needs no q
                         q_rows[r].append(q[k])

@@ -1,5 +1,6 @@
 """CPU attention that reads the paged KV cache in place, through the C++ kernel of
-kernels/cpu_paged_attention.cpp (built and loaded by kernels/cpu_build.py).
+kernels/cpu_paged_attention.cpp (built and loaded by kernels/cpu_build.py): the CPU platform's
+own attention backend (chosen by platform/attention.py).
 
 Decode rows, a mixed step's one-token rows and prefill chunks over a cached prefix all go to one
 kernel call per layer: each (sequence, KV head, tile of queries) walks its sequence's blocks where
@@ -48,9 +49,8 @@ class CpuPagedBackend(TorchBackend):
         self._steps: KernelSteps | None = None
 
     def _kernel_reads(self, q: torch.Tensor, k_cache: torch.Tensor, kv_scales: KVScales | None) -> bool:
-        """Whether this call can go to the kernel: an unquantised cache in q's dtype, on the CPU."""
-        return (kv_scales is None and q.device.type == "cpu" and q.dtype in DTYPE_CODES
-                and k_cache.dtype == q.dtype and q.stride(-1) == 1)
+        """Whether this call can go to the kernel: an unquantised cache in q's dtype."""
+        return kv_scales is None and q.dtype in DTYPE_CODES and k_cache.dtype == q.dtype and q.stride(-1) == 1
 
     def steps(self, q: torch.Tensor, meta: AttentionMetadata) -> KernelSteps:
         if meta is self._steps_meta:

@@ -1,5 +1,5 @@
 """Decode steps through a Llama-family model's decoder layers in one C++ call on the CPU
-(kernels/cpu_decode_layers.cpp).
+(kernels/cpu_decode_layers.cpp), attached by the CPU platform to the model's `fused_decode`.
 
 With one to a few sequences a decode step reads the weights once (~200 us a layer for a 512-wide
 model); the Python between the layer's ten kernel calls (modules, views, ctypes) cost ~150 us
@@ -7,7 +7,7 @@ more. `CpuDecodeLayers` hands the whole stack of layers, and the final norm, to 
 the same kernels with the same arguments, so its output is bit for bit the layers' own with
 fused_kernels="cpu" (tests/test_cpu_decode.py). It takes a step only when every part would have
 gone to those kernels: a decode step (no prefill rows) of at most the few-row product's rows (over
-the layers' bf16 copies where they hold float32 for their matmuls: layers/linear.py HalfRows), or
+the layers' bf16 copies where they hold float32 for their matmuls: platform/cpu/linear.py HalfRows), or
 of the AMX product's where every layer's products have it (bf16 or float32 on a CPU with AMX), on
 an unquantised cache in the model's dtype, one tensor-parallel rank, a dense SwiGLU MLP in every
 layer; any other step returns None and the Python layers run it. Like an attention layer it reads
@@ -18,8 +18,9 @@ import ctypes
 import torch
 from torch import nn
 
-from nanovllm.attention.cpu_backend import CpuPagedBackend
 from nanovllm.kernels.cpu_build import DTYPE_CODES, FusedKernels
+from nanovllm.models.llama import LlamaAttention, LlamaDecoderLayer, LlamaMLP
+from nanovllm.platform.cpu.attention import CpuPagedBackend
 from nanovllm.utils.context import get_context
 
 _ptr, _f32, _i32, _i64 = ctypes.c_void_p, ctypes.c_float, ctypes.c_int, ctypes.c_int64
@@ -47,14 +48,15 @@ def _address(t: torch.Tensor | None) -> int | None:
 
 def _weights(linear: nn.Module) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The weight and bias a linear layer's few-row product reads: its half-precision copy where it
-    holds float32 for its matmuls (layers/linear.py HalfRows), else its own."""
-    half = linear.half_rows
+    holds float32 for its matmuls (platform/cpu/linear.py HalfRows), else its own."""
+    half = linear.linear_method.half_rows
     return (linear.weight, linear.bias) if half is None else (half.weight, half.bias)
 
 
 def _amx_address(linear: nn.Module) -> int | None:
     """Where a linear layer's weight packed for the AMX product lies, or None."""
-    return None if linear.amx is None else linear.amx.packed.data_ptr()
+    amx = linear.linear_method.amx
+    return None if amx is None else amx.packed.data_ptr()
 
 
 class CpuDecodeLayers:
@@ -72,7 +74,6 @@ class CpuDecodeLayers:
     @classmethod
     def for_model(cls, model: nn.Module, kernels: FusedKernels) -> "CpuDecodeLayers | None":
         """The fused decode for `model`, or None where some layer has a part it does not run."""
-        from nanovllm.models.llama import LlamaAttention, LlamaDecoderLayer, LlamaMLP  # the layers it mirrors
         dtype = model.embed_tokens.weight.dtype
         few_rows = kernels.few_rows_linear(dtype)
         if few_rows is None or getattr(model.embed_tokens, "tp_size", 1) != 1:
@@ -88,7 +89,7 @@ class CpuDecodeLayers:
                 return None
             if attn.rotary_emb is None:
                 return None
-            amx_rows += [0 if lin.amx is None else lin.amx.max_rows for lin in linears]
+            amx_rows += [0 if lin.linear_method.amx is None else lin.linear_method.amx.max_rows for lin in linears]
         return cls(model, kernels, few_rows.max_rows, max(few_rows.max_rows, min(amx_rows, default=0)))
 
     def _build(self) -> DecodeModel | None:
