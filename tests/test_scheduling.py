@@ -9,7 +9,7 @@ import pytest
 
 from nanovllm.scheduling.block_manager import BlockManager
 from nanovllm.scheduling.scheduler import MIXED, PREFILL_FIRST, RECOMPUTE, SWAP, Scheduler
-from nanovllm.scheduling.sequence import SHARED_BLOCK, SequenceStatus
+from nanovllm.scheduling.sequence import SHARED_BLOCK, Sequence, SequenceStatus
 from test_engine_units import (FakeModel, ShadowCache, drive, drive_arrivals, make_scheduler, make_seq, prefill,
                                reference_output)
 
@@ -321,7 +321,7 @@ def test_a_failed_sample_fails_its_requests_other_samples_and_no_one_else():
     bs = 4
     sched = make_scheduler(16, bs, policy=MIXED)
     a, b = make_seq(0, [1, 2, 3], bs), make_seq(1, [1, 2, 3], bs)
-    a.samples = b.samples = [a, b]  # two samples of one request (engine/request.py links them so)
+    Sequence.link_samples([a, b])  # two samples of one request, as engine/request.py links them
     other = make_seq(2, [4, 5], bs)
     for seq in (a, b, other):
         sched.add(seq)
@@ -334,3 +334,21 @@ def test_a_failed_sample_fails_its_requests_other_samples_and_no_one_else():
     assert b.finish_reason == "abort" and b.block_table == [] and not other.is_finished
     assert sched.running == [other] and sched.take_failed() == []
     assert sched.block_manager.num_free_blocks == 16 - len(other.block_table)
+
+
+def test_linked_samples_are_freed_without_the_cyclic_collector():
+    """A request's samples know each other weakly: dropping them frees them by reference counting
+    alone, so a long batch job's memory does not wait for (or grow between) cyclic collections."""
+    import gc
+    import weakref
+    bs = 4
+    seqs = [make_seq(i, [1, 2, 3], bs) for i in range(3)]
+    Sequence.link_samples(seqs)
+    assert seqs[1].samples == seqs
+    gone = [weakref.ref(seq) for seq in seqs]
+    gc.disable()
+    try:
+        del seqs
+        assert all(ref() is None for ref in gone)
+    finally:
+        gc.enable()

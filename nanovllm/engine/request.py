@@ -34,8 +34,7 @@ class Request:
         self.prompt_token_ids = prompt_token_ids
         self.params = params
         self.seqs = seqs
-        for seq in seqs:
-            seq.samples = seqs
+        Sequence.link_samples(seqs)
         self.request_id = request_id  # None until the engine registers it
         self.online = False  # made by add_requests(): the online API (step, pop_output) sees it
         self.num_tokens_handed = [0] * len(seqs)  # completion tokens already popped, per sample
