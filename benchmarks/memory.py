@@ -171,6 +171,7 @@ def main() -> None:
     from benchmarks.vs_vllm_cpu import this_cpu
 
     cpu, flags = this_cpu()
+    commit = git_commit()  # before the rows: the code they ran, whatever is committed meanwhile
     rows = []
     for shape in args.shape:
         model = bench.synthetic_model(shape, on_cpu=True)
@@ -196,7 +197,7 @@ def main() -> None:
                                           f"{r['peak_ratio']:.3f}x")))
     print(f"ratio = (RSS - fixed - KV) / checkpoint bytes at the dtype; goal <= {TARGET_RATIO}x (issue 55)")
     print(json.dumps(dict(benchmark="memory", date=datetime.now(timezone.utc).isoformat(timespec="seconds"),
-                          commit=git_commit(), cpu=cpu, isa_flags=flags, cores=os.cpu_count(),
+                          commit=commit, cpu=cpu, isa_flags=flags, cores=os.cpu_count(),
                           torch=torch.__version__, kv_cache_gib=KV_CACHE_GIB, max_model_len=MAX_MODEL_LEN,
                           target_ratio=TARGET_RATIO, rows=rows)))
 
