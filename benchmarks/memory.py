@@ -21,7 +21,7 @@ once under --workdir; the bytes are the point, not the outputs). Nothing is time
 then one JSON line (`"benchmark": "memory"`) holding every row.
 
 Usage: python benchmarks/memory.py [--shape qwen3-0.6b[,gpt2]] [--dtypes float32,bfloat16]
-       [--fused-kernels cpu[,torch]] [--workdir DIR] [--quick]
+       [--fused-kernels cpu[,torch]] [--malloc-tuning on[,off]] [--workdir DIR] [--quick]
 """
 import argparse
 import json
@@ -41,8 +41,11 @@ MAX_MODEL_LEN = 256  # also bounds the CPU warm-up's prompt, so its activations 
 TARGET_RATIO = 1.15  # issue 55's goal for (RSS - fixed cost - KV cache) / checkpoint bytes
 DTYPE_NAMES = ("float32", "bfloat16", "float16")
 FUSED_KERNELS = ("cpu", "torch")  # the CPU's choices of Config.fused_kernels ("auto" is "cpu")
+# Config.cpu_malloc_tuning: "on" (the default) keeps what glibc frees, so RSS holds the loader's
+# and warm-up's transient buffers too; "off" returns it, separating them from the held weights.
+MALLOC_TUNING = {"on": True, "off": False}
 # --quick: the tiny random-weight Qwen3 (a few hundred kB): seconds a row, for the test.
-QUICK = dict(shapes=["tiny"], dtypes=["float32", "bfloat16"], fused_kernels=["cpu"])
+QUICK = dict(shapes=["tiny"], dtypes=["float32", "bfloat16"], fused_kernels=["cpu"], malloc_tuning=["on"])
 MIB = 1 << 20
 CHILD_TIMEOUT_S = 1800  # far above a 0.6B load on 2 busy cores, so a hang fails instead of blocking
 
@@ -70,7 +73,7 @@ def child(spec: dict) -> dict:
 
     fixed = proc_status_bytes()
     llm = LLM(spec["path"], device="cpu", dtype=spec["dtype"], fused_kernels=spec["fused_kernels"],
-              cpu_kvcache_space_gib=KV_CACHE_GIB, max_model_len=MAX_MODEL_LEN)
+              cpu_malloc_tuning=spec["malloc_tuning"], cpu_kvcache_space_gib=KV_CACHE_GIB, max_model_len=MAX_MODEL_LEN)
     loaded = proc_status_bytes()
     runner = llm.model_runner
     kv_bytes = runner.kv_cache.numel() * runner.kv_cache.element_size()
@@ -143,12 +146,14 @@ def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     shapes = tuple(bench.SYNTHETIC_KINDS)
     parser.add_argument("--shape", type=comma_list(shapes), default=["qwen3-0.6b"],
-                        help=f"random-weight checkpoints with these models' shapes, a comma list of {', '.join(shapes)} "
-                             "(default: %(default)s)")
+                        help="random-weight checkpoints with these models' shapes, a comma list of "
+                             f"{', '.join(shapes)} (default: %(default)s)")
     parser.add_argument("--dtypes", type=comma_list(DTYPE_NAMES), default=["float32", "bfloat16"],
                         help="the serving dtypes, a comma list (default: %(default)s)")
     parser.add_argument("--fused-kernels", type=comma_list(FUSED_KERNELS), default=["cpu"],
                         help="Config.fused_kernels values, a comma list (default: %(default)s)")
+    parser.add_argument("--malloc-tuning", type=comma_list(tuple(MALLOC_TUNING)), default=["on"],
+                        help="Config.cpu_malloc_tuning, a comma list of on, off (default: %(default)s)")
     parser.add_argument("--workdir", default=str(bench.default_workdir()),
                         help="where the checkpoints are built once and reused (default: %(default)s)")
     parser.add_argument("--quick", action="store_true",
@@ -156,7 +161,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--child", help=argparse.SUPPRESS)  # one row's spec, as JSON (run_child)
     args = parser.parse_args()
     if args.quick:
-        args.shape, args.dtypes, args.fused_kernels = QUICK["shapes"], QUICK["dtypes"], QUICK["fused_kernels"]
+        args.shape, args.dtypes = QUICK["shapes"], QUICK["dtypes"]
+        args.fused_kernels, args.malloc_tuning = QUICK["fused_kernels"], QUICK["malloc_tuning"]
     return args
 
 
@@ -179,22 +185,26 @@ def main() -> None:
         for dtype in args.dtypes:
             elements, ckpt = checkpoint_bytes(path, dtype)
             for fused in args.fused_kernels:
-                print(f"memory.py: {model.name}, {dtype}, fused kernels {fused} ...", file=sys.stderr, flush=True)
-                measured = run_child(dict(path=path, dtype=dtype, fused_kernels=fused))
-                rows.append(dict(shape=shape, model=model.name, dtype=dtype, fused_kernels=fused,
-                                 checkpoint_elements=elements, checkpoint_bytes=ckpt, **measured,
-                                 ratio=ratio(measured["rss_bytes"], measured["fixed_rss_bytes"],
-                                             measured["kv_cache_bytes"], ckpt),
-                                 peak_ratio=ratio(measured["peak_bytes"], measured["fixed_rss_bytes"],
-                                                  measured["kv_cache_bytes"], ckpt)))
-    header = ["shape", "dtype", "fused kernels", "checkpoint MiB", "fixed MiB", "KV MiB", "RSS MiB", "peak MiB",
-              "ratio", "peak ratio"]
+                for malloc in args.malloc_tuning:
+                    print(f"memory.py: {model.name}, {dtype}, fused kernels {fused}, malloc tuning {malloc} ...",
+                          file=sys.stderr, flush=True)
+                    measured = run_child(dict(path=path, dtype=dtype, fused_kernels=fused,
+                                              malloc_tuning=MALLOC_TUNING[malloc]))
+                    rows.append(dict(shape=shape, model=model.name, dtype=dtype, fused_kernels=fused,
+                                     malloc_tuning=malloc, checkpoint_elements=elements, checkpoint_bytes=ckpt,
+                                     **measured, ratio=ratio(measured["rss_bytes"], measured["fixed_rss_bytes"],
+                                                             measured["kv_cache_bytes"], ckpt),
+                                     peak_ratio=ratio(measured["peak_bytes"], measured["fixed_rss_bytes"],
+                                                      measured["kv_cache_bytes"], ckpt)))
+    header = ["shape", "dtype", "fused kernels", "malloc tuning", "checkpoint MiB", "fixed MiB", "KV MiB", "RSS MiB",
+              "peak MiB", "ratio", "peak ratio"]
     print(" | ".join(header))
     for r in rows:
         mib = [round(r[key] / MIB, 1) for key in ("checkpoint_bytes", "fixed_rss_bytes", "kv_cache_bytes",
                                                    "rss_bytes", "peak_bytes")]
-        print(" | ".join(str(v) for v in (r["shape"], r["dtype"], r["fused_kernels"], *mib, f"{r['ratio']:.3f}x",
-                                          f"{r['peak_ratio']:.3f}x")))
+        cells = (r["shape"], r["dtype"], r["fused_kernels"], r["malloc_tuning"], *mib, f"{r['ratio']:.3f}x",
+                 f"{r['peak_ratio']:.3f}x")
+        print(" | ".join(str(v) for v in cells))
     print(f"ratio = (RSS - fixed - KV) / checkpoint bytes at the dtype; goal <= {TARGET_RATIO}x (issue 55)")
     print(json.dumps(dict(benchmark="memory", date=datetime.now(timezone.utc).isoformat(timespec="seconds"),
                           commit=commit, cpu=cpu, isa_flags=flags, cores=os.cpu_count(),

@@ -265,8 +265,8 @@ def test_hf_baseline_samples_as_nanovllm_does(bench, plain_run, workdir, monkeyp
 
 # --- benchmarks/memory.py --quick ---
 
-MEMORY_TABLE_HEADER = ("shape | dtype | fused kernels | checkpoint MiB | fixed MiB | KV MiB | RSS MiB | peak MiB | "
-                       "ratio | peak ratio")
+MEMORY_TABLE_HEADER = ("shape | dtype | fused kernels | malloc tuning | checkpoint MiB | fixed MiB | KV MiB | RSS MiB | "
+                       "peak MiB | ratio | peak ratio")
 MIB = 1 << 20
 
 
@@ -278,8 +278,8 @@ def test_memory_benchmark_table_and_json_agree(tmp_path):
     report = json.loads(lines[-1])
     assert report["benchmark"] == "memory" and report["cores"] >= 1
     rows = report["rows"]
-    assert [(r["shape"], r["dtype"], r["fused_kernels"]) for r in rows] == \
-        [("tiny", "float32", "cpu"), ("tiny", "bfloat16", "cpu")]
+    assert [(r["shape"], r["dtype"], r["fused_kernels"], r["malloc_tuning"]) for r in rows] == \
+        [("tiny", "float32", "cpu", "on"), ("tiny", "bfloat16", "cpu", "on")]
     table = lines[lines.index(MEMORY_TABLE_HEADER) + 1:][:len(rows)]
     for row, line in zip(rows, table):
         # the checkpoint's elements at the dtype's size; the model holds them (and its rotary tables)
@@ -293,11 +293,11 @@ def test_memory_benchmark_table_and_json_agree(tmp_path):
             added = row[of] - row["fixed_rss_bytes"] - row["kv_cache_bytes"]
             assert row[key] == pytest.approx(added / row["checkpoint_bytes"], abs=0.0005)
         cells = line.split(" | ")
-        assert cells[:3] == [row["shape"], row["dtype"], row["fused_kernels"]]
-        for cell, key in zip(cells[3:8], ("checkpoint_bytes", "fixed_rss_bytes", "kv_cache_bytes", "rss_bytes",
+        assert cells[:4] == [row["shape"], row["dtype"], row["fused_kernels"], row["malloc_tuning"]]
+        for cell, key in zip(cells[4:9], ("checkpoint_bytes", "fixed_rss_bytes", "kv_cache_bytes", "rss_bytes",
                                           "peak_bytes")):
             assert float(cell) == pytest.approx(row[key] / MIB, abs=0.05)
-        assert cells[8:] == [f"{row['ratio']:.3f}x", f"{row['peak_ratio']:.3f}x"]
+        assert cells[9:] == [f"{row['ratio']:.3f}x", f"{row['peak_ratio']:.3f}x"]
     float32, bfloat16 = rows
     assert float32["checkpoint_elements"] == bfloat16["checkpoint_elements"]
     assert float32["checkpoint_bytes"] == 2 * bfloat16["checkpoint_bytes"]
