@@ -1,8 +1,9 @@
 """Engine configuration: nano-vllm's fields plus device, dtype, attention backend and prefix caching.
 
 Owns validation of every user-facing knob and the facts read from the checkpoint: its
-`config.json`, its tokenizer (loaded and checked here, so a checkpoint without a usable one is
-refused before any weight loads) and the end-of-text id that comes from them. "auto" settings
+`config.json` (a quantized one refused by its method's name, models/quantization.py), its
+tokenizer (loaded and checked here, so a checkpoint without a usable one is refused before any
+weight loads) and the end-of-text id that comes from them. "auto" settings
 are resolved here, once (device, dtype, compile mode, fused kernels, async scheduling), from the facts of
 the device's platform (platform/device.py); the attention backend is resolved by the runner, which needs
 the backends' imports. It does not know how the model runs.
@@ -30,6 +31,7 @@ from nanovllm.speculative_config import DRAFT_MODEL, SpeculativeConfig
 from nanovllm.utils.tokenizer import end_of_text_id, load_tokenizer
 from nanovllm.utils.validation import ParamError, is_int, is_number, literal_values, require
 
+from nanovllm.models.quantization import check_quantization_config
 from nanovllm.models.registry import MODELS, architecture_of
 
 logger = logging.getLogger("nanovllm")
@@ -295,6 +297,10 @@ class Config:
         if not isinstance(raw, dict):
             raise ParamError("model", f"{path} holds a JSON {type(raw).__name__}, not an object; config.json must be "
                              "the checkpoint's transformers config, a JSON object")
+        try:  # any family: a quantized checkpoint is refused by its method's name, before the model is built
+            check_quantization_config(raw)
+        except ValueError as error:
+            raise ParamError("model", f"{path}: {error}") from None
         architecture = architecture_of(raw.get("architectures"), self.model)
         model_class = MODELS[architecture]
         try:  # sizes, epsilons and head counts as written, before transformers builds anything of them

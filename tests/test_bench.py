@@ -1,5 +1,6 @@
-"""bench.py and benchmark_plot.py end to end on CPU: a tiny random-weight model and a tiny
-workload, each script run as a user runs it (a subprocess), writing only under tmp_path."""
+"""bench.py, benchmark_plot.py and benchmarks/memory.py end to end on CPU: a tiny random-weight
+model and a tiny workload, each script run as a user runs it (a subprocess), writing only under
+tmp_path. Nothing here is timed: the scripts' tables and JSON lines are checked for consistency."""
 import dataclasses
 import importlib.util
 import json
@@ -260,3 +261,43 @@ def test_hf_baseline_samples_as_nanovllm_does(bench, plain_run, workdir, monkeyp
         {"do_sample": True, "temperature": temperature, "top_k": 0, "top_p": 1.0}
     assert seen and all(sampling == expected for sampling in seen)
     assert result.setup.endswith("greedy" if temperature == 0 else f"temperature {temperature}")
+
+
+# --- benchmarks/memory.py --quick ---
+
+MEMORY_TABLE_HEADER = ("shape | dtype | fused kernels | malloc tuning | checkpoint MiB | fixed MiB | KV MiB | RSS MiB | "
+                       "peak MiB | ratio | peak ratio")
+MIB = 1 << 20
+
+
+def test_memory_benchmark_table_and_json_agree(tmp_path):
+    """--quick (the tiny shape, float32 and bfloat16): a table row per JSON row with the same
+    numbers, and each ratio recomputed from its row's own bytes."""
+    result = run_script([str(REPO / "benchmarks" / "memory.py"), "--quick", "--workdir", str(tmp_path)], cwd=tmp_path)
+    lines = result.stdout.strip().splitlines()
+    report = json.loads(lines[-1])
+    assert report["benchmark"] == "memory" and report["cores"] >= 1
+    rows = report["rows"]
+    assert [(r["shape"], r["dtype"], r["fused_kernels"], r["malloc_tuning"]) for r in rows] == \
+        [("tiny", "float32", "cpu", "on"), ("tiny", "bfloat16", "cpu", "on")]
+    table = lines[lines.index(MEMORY_TABLE_HEADER) + 1:][:len(rows)]
+    for row, line in zip(rows, table):
+        # the checkpoint's elements at the dtype's size; the model holds them (and its rotary tables)
+        assert row["checkpoint_bytes"] == row["checkpoint_elements"] * getattr(torch, row["dtype"]).itemsize
+        assert row["model_tensor_bytes"] >= row["checkpoint_bytes"]
+        assert 0 < row["fixed_rss_bytes"] <= row["fixed_peak_bytes"] <= row["peak_bytes"]
+        assert row["fixed_rss_bytes"] < row["rss_bytes"] <= row["peak_bytes"]
+        assert 0 < row["kv_cache_bytes"] <= report["kv_cache_gib"] * (1 << 30)
+        assert row["fused_kernels_used"] in ("cpu", "torch") and row["platform"] == row["fused_kernels_used"]
+        for key, of in (("ratio", "rss_bytes"), ("peak_ratio", "peak_bytes")):
+            added = row[of] - row["fixed_rss_bytes"] - row["kv_cache_bytes"]
+            assert row[key] == pytest.approx(added / row["checkpoint_bytes"], abs=0.0005)
+        cells = line.split(" | ")
+        assert cells[:4] == [row["shape"], row["dtype"], row["fused_kernels"], row["malloc_tuning"]]
+        for cell, key in zip(cells[4:9], ("checkpoint_bytes", "fixed_rss_bytes", "kv_cache_bytes", "rss_bytes",
+                                          "peak_bytes")):
+            assert float(cell) == pytest.approx(row[key] / MIB, abs=0.05)
+        assert cells[9:] == [f"{row['ratio']:.3f}x", f"{row['peak_ratio']:.3f}x"]
+    float32, bfloat16 = rows
+    assert float32["checkpoint_elements"] == bfloat16["checkpoint_elements"]
+    assert float32["checkpoint_bytes"] == 2 * bfloat16["checkpoint_bytes"]

@@ -3,7 +3,9 @@
 epsilon or head count is a ValueError naming the field and config.json, raised before the model
 runner starts (it is patched to fail the test if reached). The up-front memory estimate equals
 what a real tiny model holds, and a model whose weights and smallest KV cache cannot fit is
-refused, needed against available, before any weight is loaded."""
+refused, needed against available, before any weight is loaded. A quantized checkpoint (config.json's
+quantization_config: GPTQ, AWQ, compressed-tensors, FP8, any other) is refused by its
+quant_method's name, through LLM and the command line alike."""
 import json
 import shutil
 
@@ -13,11 +15,13 @@ import torch
 import nanovllm.runner.model_runner as model_runner
 from nanovllm import LLM
 from nanovllm.config import Config
+from nanovllm.entrypoints.cli.main import main as cli_main
 from nanovllm.platform.device import GIB, Available, CpuDevice, device_platform
 from nanovllm.runner.memory_check import estimate, model_bytes
 from nanovllm.runner.model_runner import ModelRunner
+from nanovllm.utils.validation import ParamError
 from nanovllm.testing.synthetic import build_checkpoint
-from serving import ENGINE_KWARGS
+from serving import ENGINE_FLAGS, ENGINE_KWARGS
 
 DELETE = object()  # with_config: remove the field
 
@@ -168,3 +172,59 @@ def test_cuda_available_memory_is_the_kv_cache_budget(monkeypatch):
 def test_cpu_available_memory_is_measured():
     have = device_platform("cpu").available_memory(0.9)
     assert have is not None and have.bytes > 0
+
+
+# quantization_config objects as each tool writes them into config.json (trimmed to the fields
+# that say what they are), and what the refusal must quote of each.
+QUANTIZATION_CONFIGS = {
+    "gptq": ({"quant_method": "gptq", "bits": 4, "group_size": 128, "desc_act": False, "sym": True},
+             ["quantization_config.quant_method='gptq'"]),
+    "awq": ({"quant_method": "awq", "bits": 4, "group_size": 128, "version": "gemm", "zero_point": True},
+            ["quantization_config.quant_method='awq'"]),
+    # llm-compressor's W4A16: group-quantized int4 weights packed into int32
+    "compressed-tensors": ({"quant_method": "compressed-tensors", "format": "pack-quantized",
+                            "quantization_status": "compressed",
+                            "config_groups": {"group_0": {"targets": ["Linear"], "weights": {
+                                "num_bits": 4, "type": "int", "strategy": "group", "group_size": 128,
+                                "symmetric": True}}}},
+                           ["quantization_config.quant_method='compressed-tensors'",
+                            "quantization_config.format='pack-quantized'"]),
+    # Qwen3-*-FP8's: e4m3 weights in 128x128 blocks, each with a scale
+    "fp8": ({"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": [128, 128]},
+            ["quantization_config.quant_method='fp8'"]),
+    "unknown": ({"quant_method": "no-such-method", "bits": 3}, ["quantization_config.quant_method='no-such-method'"]),
+    "no-quant-method": ({"bits": 4, "group_size": 128}, ["quantization_config has no quant_method",
+                                                         "['bits', 'group_size']"]),
+    "not-an-object": ("gptq", ["quantization_config='gptq'"]),
+}
+
+
+@pytest.mark.parametrize("case", QUANTIZATION_CONFIGS)
+def test_quantized_checkpoint_refused_by_name(case, qwen3_tiny, tmp_path, no_model_runner):
+    quantization, named = QUANTIZATION_CONFIGS[case]
+    path = with_config(qwen3_tiny, tmp_path / case, quantization_config=quantization)
+    with pytest.raises(ParamError) as error:
+        LLM(path, **ENGINE_KWARGS)
+    message = str(error.value)
+    assert error.value.param == "model" and "config.json" in message
+    for text in named:
+        assert text in message, message
+    assert "quantized checkpoints are not supported yet" in message and "unquantized checkpoint" in message
+    assert "Traceback" not in message and "\n" not in message
+
+
+def test_null_quantization_config_is_an_unquantized_checkpoint(qwen3_tiny, tmp_path):
+    """The refusals above are quantization_config's: null, as some tools write it, loads."""
+    path = with_config(qwen3_tiny, tmp_path / "null", quantization_config=None)
+    assert Config(path).hf_config.num_hidden_layers == 2
+
+
+@pytest.mark.parametrize("command", ["generate", "serve"])
+def test_cli_says_the_quantization_refusal_in_one_line(command, qwen3_tiny, tmp_path, capsys, no_model_runner):
+    quantization, named = QUANTIZATION_CONFIGS["compressed-tensors"]
+    path = with_config(qwen3_tiny, tmp_path / "ct", quantization_config=quantization)
+    args = [command, path, "hello"] if command == "generate" else [command, path, "--port", "0"]
+    assert cli_main([*args, *ENGINE_FLAGS]) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "Traceback" not in err, err
+    assert all(text in err for text in named) and "not supported yet" in err, err
