@@ -172,9 +172,10 @@ def pack_weight(weight: torch.Tensor) -> torch.Tensor | None:
     multiply natively here (those stay on F.linear).
 
     Measured on a 2-core AMD EPYC (Zen 4, AVX-512 with bf16), this model's shapes, medians
-    (docs/BENCHMARKS.md, "CPU kernels"): float32 at 16 rows 1.5-2x F.linear (MKL on the plain
-    weight), bf16 at 1-16 rows 1.5-4x; about even at 1 row in float32. The plain weight is kept
-    (the embedding may share it, and the loader's checks read it): the weights' memory doubles.
+    (docs/BENCHMARKS.md, "CPU kernels"): float32 at 16 rows 1.15-2.1x F.linear (MKL on the plain
+    weight), bf16 at 1-16 rows 1.2-1.9x; 0.75-1.3x at 1 row in float32. The plain weight is kept
+    (the embedding may share it, the loader's checks and the C++ products read it): the weights'
+    memory doubles (docs/BENCHMARKS.md, "Memory").
     """
     if _LINEAR_POINTWISE is None or weight.dim() != 2:
         return None
