@@ -220,5 +220,5 @@ class EngineCore:
                      ", ".join(map(str, request_ids[:20])), exc_info=error)
         self.scheduler.block_manager.unpublish(seqs)
         for seq in seqs:
-            if not seq.is_finished:  # a sample of a request failed with an earlier one is aborted already
+            if not seq.is_finished:  # a sequence listed twice (a request's and the queue's) fails once
                 self.scheduler.fail(seq, None, phase)
